@@ -1,0 +1,1 @@
+"""simharness: simulate and profile async speculative-decoding scheduling."""
