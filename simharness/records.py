@@ -1,0 +1,110 @@
+"""What a simulated (or hardware-in-the-loop) run records: steps, syncs, emissions, requests.
+
+The SimPy model appends plain rows while it runs (cheap: no pandas in the hot path); `Records`
+turns them into pandas DataFrames with fixed columns, which metrics, report and trace consume.
+All times are seconds of virtual time since the start of the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+# One row per engine step. Host phases are [start, end) intervals on the engine thread; a phase
+# that did not happen has start == end. `bubble_s` is GPU idle time between the previous step's
+# end and this step's start. `acc_pos_<i>` columns (i < k) count drafts accepted at position i.
+STEP_COLUMNS = [
+    "step",
+    "n_reqs",
+    "n_prefill_reqs",
+    "prefill_tokens",
+    "decode_tokens",
+    "drafts_scheduled",
+    "drafts_valid",
+    "accepted",
+    "emitted",
+    "wasted_slots",
+    "in_flight",
+    "schedule_start",
+    "schedule_end",
+    "prep_start",
+    "prep_end",
+    "launch_end",
+    "gpu_start",
+    "gpu_end",
+    "update_start",
+    "update_end",
+    "propose_start",
+    "propose_end",
+    "gc_pause_s",
+    "sync_wait_s",
+    "n_syncs",
+    "bubble_s",
+]
+
+SYNC_COLUMNS = ["step", "name", "phase", "waits_for", "start_s", "end_s"]
+EMISSION_COLUMNS = ["request_id", "step", "time_s", "tokens"]
+REQUEST_COLUMNS = [
+    "request_id",
+    "kind",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "first_token_s",
+    "last_token_s",
+    "num_chunks",
+    "num_drafts",
+    "draft_tokens",
+    "accepted_tokens",
+    "wasted_slots",
+]
+
+
+@dataclass
+class Records:
+    """Row buffers filled by the SimPy model; `frames()` returns the DataFrames."""
+
+    k: int
+    steps: list[tuple] = field(default_factory=list)
+    acc_pos: list[np.ndarray] = field(default_factory=list)
+    syncs: list[tuple] = field(default_factory=list)
+    # emissions are kept per step as (step, time, request ids, token counts) to stay vectorised
+    emission_batches: list[tuple[int, float, np.ndarray, np.ndarray]] = field(default_factory=list)
+    requests: pd.DataFrame | None = None
+
+    def add_step(self, row: tuple, acc_pos: np.ndarray) -> None:
+        self.steps.append(row)
+        self.acc_pos.append(acc_pos)
+
+    def add_sync(self, step: int, name: str, phase: str, waits_for: str, start: float, end: float) -> None:
+        self.syncs.append((step, name, phase, waits_for, start, end))
+
+    def add_emissions(self, step: int, time: float, request_ids: np.ndarray, tokens: np.ndarray) -> None:
+        if len(request_ids):
+            self.emission_batches.append((step, time, request_ids, tokens))
+
+    def steps_frame(self) -> pd.DataFrame:
+        df = pd.DataFrame.from_records(self.steps, columns=STEP_COLUMNS)
+        acc = np.stack(self.acc_pos) if self.acc_pos else np.zeros((0, self.k), dtype=np.int64)
+        for i in range(self.k):
+            df[f"acc_pos_{i}"] = acc[:, i] if len(acc) else np.zeros(0, dtype=np.int64)
+        return df
+
+    def syncs_frame(self) -> pd.DataFrame:
+        return pd.DataFrame.from_records(self.syncs, columns=SYNC_COLUMNS)
+
+    def emissions_frame(self) -> pd.DataFrame:
+        if not self.emission_batches:
+            return pd.DataFrame({c: pd.Series(dtype="float64" if c == "time_s" else "int64")
+                                 for c in EMISSION_COLUMNS})
+        sizes = [len(b[2]) for b in self.emission_batches]
+        return pd.DataFrame(
+            {
+                "request_id": np.concatenate([b[2] for b in self.emission_batches]).astype(np.int64),
+                "step": np.repeat([b[0] for b in self.emission_batches], sizes).astype(np.int64),
+                "time_s": np.repeat([b[1] for b in self.emission_batches], sizes).astype(np.float64),
+                "tokens": np.concatenate([b[3] for b in self.emission_batches]).astype(np.int64),
+            }
+        )

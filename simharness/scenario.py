@@ -1,0 +1,359 @@
+"""Scenario files: the validated description of one experiment and its sweep.
+
+A scenario is YAML validated by pydantic. Every field has a documented default; `--set a.b=v`
+overrides any field; `sweep` maps dotted paths to value lists whose cartesian product gives the
+sweep points. Bad input raises `ScenarioError` with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ScenarioError(ValueError):
+    """Bad scenario input; the message names the field and the problem."""
+
+
+class Strict(BaseModel):
+    """Base for every scenario section: unknown fields are errors, values are re-validated on set."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+# --------------------------------------------------------------------------------------------
+# workload
+
+
+class LengthDist(Strict):
+    """A token-length distribution: fixed, uniform [min, max], normal clipped to [min, max], or
+    `corpus` (the natural length of the sampled corpus passage, clipped to [min, max])."""
+
+    dist: Literal["fixed", "uniform", "normal", "corpus"] = "fixed"
+    value: int = Field(128, ge=1, description="fixed length")
+    min: int = Field(1, ge=1)
+    max: int = Field(4096, ge=1)
+    mean: PositiveFloat = 256.0
+    std: NonNegFloat = 64.0
+
+    @model_validator(mode="after")
+    def _check_range(self) -> LengthDist:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class Workload(Strict):
+    """Who sends what, when: the client side of `vllm bench serve`."""
+
+    arrival: Literal["closed", "poisson", "gamma"] = Field(
+        "closed", description="closed loop with `concurrency` users, or an open-loop arrival process"
+    )
+    concurrency: int = Field(16, ge=1, description="closed: users; open: max in-flight requests")
+    rate: PositiveFloat = Field(10.0, description="open loop: requests per second")
+    burstiness: PositiveFloat = Field(1.0, description="gamma shape (1.0 = Poisson)")
+    cap_concurrency: bool = Field(
+        False, description="open loop: cap in-flight requests at `concurrency` (vLLM --max-concurrency)"
+    )
+    num_requests: int = Field(200, ge=1)
+    prompt_len: LengthDist = LengthDist(dist="uniform", min=128, max=1024)
+    output_len: LengthDist = LengthDist(dist="fixed", value=128)
+    kinds: dict[Literal["code_edit", "summarize", "free"], NonNegFloat] = Field(
+        default_factory=lambda: {"code_edit": 0.5, "summarize": 0.25, "free": 0.25},
+        description="mix of request kinds (weights); kinds differ in how much the output copies the prompt",
+    )
+
+    @field_validator("kinds")
+    @classmethod
+    def _kinds_nonzero(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v or sum(v.values()) <= 0:
+            raise ValueError("at least one request kind needs a positive weight")
+        return v
+
+
+# --------------------------------------------------------------------------------------------
+# engine
+
+
+class Acceptance(Strict):
+    """How many drafts the target accepts: i.i.d., per-position conditional rates (vLLM's
+    synthetic mode), or replay of greedy decoding over the request's real reference text."""
+
+    model: Literal["iid", "positional", "replay"] = "replay"
+    alpha: float = Field(0.7, ge=0, lt=1, description="iid: acceptance probability per draft")
+    rates: list[Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=lambda: [0.8, 0.7, 0.6, 0.5],
+        description="positional: conditional acceptance rate at each draft position",
+    )
+
+
+class Speculation(Strict):
+    """N-gram speculation: proposer placement, draft length and matching rules."""
+
+    proposer: Literal["none", "ngram_cpu", "ngram_gpu"] = "ngram_gpu"
+    k: int = Field(4, ge=0, le=16, description="drafts per request per step")
+    min_n: int = Field(2, ge=1)
+    max_n: int = Field(5, ge=1)
+    tie_break: Literal["earliest", "latest"] = "earliest"
+    invalid_slots: Literal["trim", "fill"] = Field(
+        "trim", description="trim invalid drafts on the host (needs a sync) or verify filled slots"
+    )
+    acceptance: Acceptance = Acceptance()
+
+    @model_validator(mode="after")
+    def _check_n(self) -> Speculation:
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        return self
+
+
+class GpuCosts(Strict):
+    """Overrides of the roofline's hardware numbers and fixed GPU costs (None = the GPU's default)."""
+
+    mem_bandwidth_gbs: PositiveFloat | None = None
+    bf16_tflops: PositiveFloat | None = None
+    mem_efficiency: float = Field(0.8, gt=0, le=1, description="achieved fraction of bandwidth")
+    compute_efficiency: float = Field(0.6, gt=0, le=1, description="achieved fraction of peak FLOPs")
+    step_overhead_us: NonNegFloat = Field(30.0, description="fixed per-step GPU time (graph launch, norms)")
+    sampler_overhead_us: NonNegFloat = Field(15.0, description="rejection sampler fixed cost")
+    ngram_gpu_us: NonNegFloat = Field(20.0, description="GPU n-gram proposer fixed cost")
+    ngram_gpu_per_token_ns: NonNegFloat = Field(0.05, description="GPU n-gram cost per history token")
+    correction_us: NonNegFloat = Field(5.0, description="optimistic correction kernel")
+
+
+class HostCosts(Strict):
+    """Host (engine thread) phase costs in microseconds: base per step + per request (+ per token).
+
+    Defaults are order-of-magnitude figures for a vLLM V1 engine thread on a server CPU
+    (vLLM #6854/#10634 report 5-13 ms host gaps per step at large batch in 2024; much less today)."""
+
+    schedule_us: NonNegFloat = 150.0
+    schedule_per_req_us: NonNegFloat = 4.0
+    prep_us: NonNegFloat = 200.0
+    prep_per_req_us: NonNegFloat = 5.0
+    prep_per_token_us: NonNegFloat = 0.05
+    launch_us: NonNegFloat = 60.0
+    update_us: NonNegFloat = 120.0
+    update_per_req_us: NonNegFloat = 6.0
+    ngram_cpu_us: NonNegFloat = 20.0
+    ngram_cpu_per_req_us: NonNegFloat = 3.0
+    ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")
+    sync_us: NonNegFloat = Field(15.0, description="cost of one host sync once its event has fired (D2H)")
+
+
+class GcPauses(Strict):
+    """Stochastic host pauses (garbage collection triggered by per-step allocations)."""
+
+    probability: float = Field(0.0, ge=0, le=1, description="chance of a pause per engine-loop iteration")
+    mean_ms: NonNegFloat = Field(2.0, description="mean pause length")
+    distribution: Literal["fixed", "exponential"] = "exponential"
+
+
+class Engine(Strict):
+    """What executes a step: the cost model (`model`) or the real decode loop (`torch`)."""
+
+    backend: Literal["model", "torch"] = "model"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
+    model: str = Field("llama-3-8b", description="model shape: llama-3.2-1b, llama-3-8b, qwen3-1.7b")
+    speculation: Speculation = Speculation()
+    gpu_costs: GpuCosts = GpuCosts()
+    host_costs: HostCosts = HostCosts()
+    gc: GcPauses = GcPauses()
+
+
+# --------------------------------------------------------------------------------------------
+# scheduler
+
+
+class SyncPoint(Strict):
+    """A host phase that blocks on a GPU event: the previous step's end or all launched work."""
+
+    name: str
+    phase: Literal["schedule", "prep", "launch", "update"] = "prep"
+    waits_for: Literal["previous_step", "all_launched"] = "previous_step"
+
+
+class SyncPoints(Strict):
+    """What-if edits to the sync points the mode implies (see simulation.KNOWN_SYNC_POINTS)."""
+
+    add: list[SyncPoint | str] = Field(default_factory=list)
+    remove: list[str] = Field(default_factory=list)
+
+
+class Scheduler(Strict):
+    """The engine loop: queue depth, correction policy, batching limits, sync points."""
+
+    depth: int = Field(2, ge=1, le=8, description="max batches in flight (1 = synchronous)")
+    policy: Literal["wait", "optimistic"] = Field(
+        "optimistic", description="async correction: wait for accepted counts, or correct on the GPU"
+    )
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    chunked_prefill: bool = True
+    sync_points: SyncPoints = SyncPoints()
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+class Goodput(Strict):
+    """SLOs in ms for goodput (None = no constraint), as `vllm bench serve --goodput`."""
+
+    ttft_ms: PositiveFloat | None = None
+    tpot_ms: PositiveFloat | None = None
+    e2el_ms: PositiveFloat | None = None
+
+
+class Report(Strict):
+    percentiles: list[Annotated[float, Field(ge=0, le=100)]] = Field(default_factory=lambda: [50, 90, 99])
+    goodput: Goodput = Goodput()
+    trace_steps: int = Field(400, ge=0, description="steps per point written to the Perfetto trace")
+    timeline_steps: int = Field(8, ge=1, description="steps per mode drawn in the report's timeline")
+
+
+# --------------------------------------------------------------------------------------------
+# scenario
+
+
+class Scenario(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    workload: Workload = Workload()
+    engine: Engine = Engine()
+    scheduler: Scheduler = Scheduler()
+    sweep: dict[str, list[Any]] = Field(default_factory=dict)
+    report: Report = Report()
+
+    @model_validator(mode="after")
+    def _check_sweep(self) -> Scenario:
+        for path, values in self.sweep.items():
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"sweep.{path}: needs a non-empty list of values")
+            _resolve(self, path)  # raises if the path does not exist
+        return self
+
+
+class Point(BaseModel):
+    """One sweep point: its readable id and its fully resolved scenario."""
+
+    id: str
+    index: int
+    scenario: Scenario
+
+
+def _resolve(scenario: BaseModel, path: str) -> tuple[BaseModel, str]:
+    """Return (section, field) for a dotted path, or raise naming the part that does not exist."""
+    parts = path.split(".")
+    node: Any = scenario
+    for i, part in enumerate(parts):
+        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+            where = ".".join(parts[:i]) or "the scenario"
+            raise ValueError(f"{path}: {where} has no field {part!r}")
+        if i == len(parts) - 1:
+            return node, part
+        node = getattr(node, part)
+    raise ValueError(f"{path}: empty path")
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set a dotted path inside a nested dict, creating sections as needed."""
+    parts = path.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ScenarioError(f"{path}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(lines)
+
+
+def parse_value(text: str) -> Any:
+    """Parse a `--set` value as YAML, so `3`, `true`, `[1, 2]` and `wait` all mean what they say."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"cannot parse value {text!r}: {e}") from None
+
+
+def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None) -> Scenario:
+    """Validate a scenario mapping, after applying dotted-path overrides."""
+    if not isinstance(data, dict):
+        raise ScenarioError("a scenario must be a YAML mapping")
+    data = _deep_copy(data)
+    for path, value in (overrides or {}).items():
+        _set(data, path, value)
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ScenarioError(_format_error(e)) from None
+
+
+def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario:
+    """Read and validate a scenario YAML file; `overrides` maps dotted paths to values."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read scenario file ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"{path}: not valid YAML ({e})") from None
+    try:
+        return scenario_from_dict(data, overrides)
+    except ScenarioError as e:
+        raise ScenarioError(f"{path}: {e}") from None
+
+
+def sweep_points(scenario: Scenario) -> list[Point]:
+    """Expand the sweep into points (cartesian product, in the order the paths are written)."""
+    paths = list(scenario.sweep)
+    base = scenario.model_dump(mode="json")
+    base["sweep"] = {}
+    points = []
+    for index, values in enumerate(itertools.product(*(scenario.sweep[p] for p in paths))):
+        point_id = ",".join(f"{p}={_fmt(v)}" for p, v in zip(paths, values, strict=True)) or "base"
+        overrides = dict(zip(paths, values, strict=True))
+        try:
+            resolved = scenario_from_dict(base, overrides)
+        except ScenarioError as e:
+            raise ScenarioError(f"sweep point {point_id}: {e}") from None
+        points.append(Point(id=point_id, index=index, scenario=resolved))
+    return points
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, dict)):
+        return yaml.safe_dump(value, default_flow_style=True).strip()
+    return str(value)
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
