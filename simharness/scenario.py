@@ -239,7 +239,10 @@ class Scenario(Strict):
         for path, values in self.sweep.items():
             if not isinstance(values, list) or not values:
                 raise ValueError(f"sweep.{path}: needs a non-empty list of values")
-            _resolve(self, path)  # raises if the path does not exist
+            try:
+                _resolve(self, path)
+            except ValueError as e:
+                raise ValueError(f"sweep: {e}") from None
         return self
 
 
