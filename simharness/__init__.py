@@ -1,1 +1,12 @@
-"""simharness: simulate and profile async speculative-decoding scheduling."""
+"""simharness: simulate and profile async speculative-decoding scheduling in LLM engines.
+
+    import simharness
+    sc = simharness.load_scenario("scenarios/quickstart.yaml", {"scheduler.depth": 2})
+    result = simharness.run(sc, out="results")
+    result.summary, result.requests, result.steps   # pandas DataFrames
+"""
+
+from simharness.runner import RunResult, run
+from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
+
+__all__ = ["RunResult", "Scenario", "ScenarioError", "load_scenario", "run", "scenario_from_dict", "sweep_points"]

@@ -175,11 +175,12 @@ class Engine(Strict):
 
 
 class SyncPoint(Strict):
-    """A host phase that blocks on a GPU event: the previous step's end or all launched work."""
+    """A host phase that blocks on a GPU event: all launched work (on one FIFO stream that is the
+    previous step's end) or the oldest step still in flight (differs from it at depth >= 3)."""
 
     name: str
     phase: Literal["schedule", "prep", "launch", "update"] = "prep"
-    waits_for: Literal["previous_step", "all_launched"] = "previous_step"
+    waits_for: Literal["all_launched", "oldest_in_flight"] = "all_launched"
 
 
 class SyncPoints(Strict):
@@ -251,6 +252,7 @@ class Point(BaseModel):
 
     id: str
     index: int
+    values: dict[str, Any]  # swept path -> the value this point takes
     scenario: Scenario
 
 
@@ -342,7 +344,7 @@ def sweep_points(scenario: Scenario) -> list[Point]:
             resolved = scenario_from_dict(base, overrides)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {point_id}: {e}") from None
-        points.append(Point(id=point_id, index=index, scenario=resolved))
+        points.append(Point(id=point_id, index=index, values=overrides, scenario=resolved))
     return points
 
 

@@ -1,0 +1,127 @@
+"""The `simharness` command line: a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from simharness.scenario import ScenarioError, load_scenario, parse_value
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.")
+app.add_typer(bench_app, name="bench")
+err = Console(stderr=True)
+out = Console()
+
+
+def fail(message: str) -> None:
+    """Bad input: one clear message, exit status 2, no traceback."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def parse_sets(sets: list[str]) -> dict[str, object]:
+    overrides = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            fail(f"--set {item!r}: expected KEY=VALUE, e.g. --set scheduler.depth=3")
+        overrides[key.strip()] = parse_value(value)
+    return overrides
+
+
+@app.command("run")
+def run_cmd(
+    scenario: Annotated[Path, typer.Argument(help="scenario YAML file")],
+    out_dir: Annotated[Path, typer.Option("--out", help="results root")] = Path("results"),
+    sets: Annotated[list[str], typer.Option("--set", help="override a field: KEY=VALUE (repeatable)")] = [],  # noqa: B006
+    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory")] = None,
+) -> None:
+    """Run a scenario's sweep; print a summary table and where the report is."""
+    from simharness.runner import run
+
+    state: dict = {}
+    try:
+        sc = load_scenario(scenario, parse_sets(sets))
+        with Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[point]}"), console=err, transient=True,
+        ) as bar:
+            task = bar.add_task(sc.name, total=None, point="")
+
+            def progress(run_dir: Path, done: int, total: int, point_id: str) -> None:
+                state["run_dir"] = run_dir
+                bar.update(task, total=total, completed=done, point=point_id)
+
+            result = run(sc, out_dir, resume=resume, progress=progress)
+    except ScenarioError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        where = state.get("run_dir")
+        if where is not None:
+            err.print(f"interrupted: finished points are kept in {where}; finish with "
+                      f"`simharness run {scenario} --resume {where}` (and the same --set options)")
+        raise typer.Exit(130) from None
+    out.print(summary_table(result.summary))
+    out.print(f"report: {result.report}")
+
+
+def summary_table(summary) -> Table:
+    table = Table(title="summary", show_lines=False)
+    cols = [("point", "point", "{}"), ("mean TPOT ms", "mean_tpot_ms", "{:.3f}"),
+            ("P99 TPOT ms", "p99_tpot_ms", "{:.3f}"),
+            ("mean TTFT ms", "mean_ttft_ms", "{:.2f}"), ("out tok/s", "output_throughput", "{:.0f}"),
+            ("accept %", "acceptance_rate", "{:.1f}"), ("GPU busy", "gpu_busy_fraction", "{:.2f}"),
+            ("syncs/step", "syncs_per_step", "{:.2f}")]
+    for title, _, _ in cols:
+        table.add_column(title, justify="left" if title == "point" else "right")
+    for _, row in summary.iterrows():
+        table.add_row(*(fmt.format(row[key]) if key in row else "" for _, key, fmt in cols))
+    return table
+
+
+@app.command("report")
+def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
+    """Re-render a run directory's report (and its combined tables) from its points."""
+    from simharness import results
+    from simharness.report import write_report
+
+    try:
+        results.load_run_scenario(run_dir)
+    except ScenarioError as e:
+        fail(str(e))
+    results.combine(run_dir)
+    out.print(f"report: {write_report(run_dir)}")
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cuda",
+    out_dir: Annotated[Path, typer.Option("--out", help="where kernels.csv/.md go")] = Path("results/kernels"),
+    quick: Annotated[bool, typer.Option(help="small sizes, few repeats")] = False,
+) -> None:
+    """Benchmark the n-gram proposer, rejection sampler and verify step."""
+    import torch
+
+    from simharness.kernels.bench import run_kernel_bench
+
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device here (use --device cpu)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = run_kernel_bench(device, out_dir, quick=quick)
+    out.print(table.to_string(index=False))
+    out.print(f"written: {out_dir / 'kernels.md'}")
+
+
+def main() -> None:
+    app(prog_name="simharness")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""How long a step takes at the sim level: a roofline for the GPU, parameters for the host.
+
+GPU step time = fixed overhead + max(bytes moved / bandwidth, FLOPs / peak) for the target
+forward over the batch's tokens (weights + KV read), plus the rejection sampler (reads the
+logits), the GPU n-gram proposer and the optimistic correction kernel. Host phase costs are
+linear in requests and tokens with the scenario's `engine.host_costs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from simharness.scenario import Engine, GpuCosts, HostCosts
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    mem_bandwidth_gbs: float  # HBM bandwidth, GB/s
+    bf16_tflops: float  # dense bf16 tensor-core peak
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape; enough for bytes and FLOPs per token."""
+
+    name: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab: int
+    tied_embeddings: bool
+
+    @property
+    def params(self) -> int:
+        attn = self.dim * self.n_heads * self.head_dim * 2 + self.dim * self.n_kv_heads * self.head_dim * 2
+        mlp = 3 * self.dim * self.ffn_dim
+        embed = self.vocab * self.dim * (1 if self.tied_embeddings else 2)
+        return self.n_layers * (attn + mlp + 2 * self.dim) + embed + self.dim
+
+    @property
+    def weight_bytes(self) -> int:
+        """bf16 weights read once per forward (the embedding table is gathered, not streamed)."""
+        return 2 * (self.params - (0 if self.tied_embeddings else self.vocab * self.dim))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 2
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        """2 FLOPs per weight of every matmul, the LM head included."""
+        return 2 * (self.params - self.vocab * self.dim * (0 if self.tied_embeddings else 1) - self.dim)
+
+    @property
+    def attn_flops_per_pair(self) -> int:
+        """FLOPs of QK^T and AV for one (query token, context token) pair over all layers."""
+        return 4 * self.n_layers * self.n_heads * self.head_dim
+
+
+# Public spec-sheet numbers (dense bf16, SXM parts where there is a choice).
+GPUS: dict[str, GpuSpec] = {
+    "H100": GpuSpec("H100", 3350.0, 989.0),
+    "H200": GpuSpec("H200", 4800.0, 989.0),
+    "A100": GpuSpec("A100", 2039.0, 312.0),
+    "L40S": GpuSpec("L40S", 864.0, 362.0),
+}
+
+# Shapes from the models' published configs.
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, True),
+    "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, False),
+    "qwen3-1.7b": ModelShape("qwen3-1.7b", 28, 2048, 16, 8, 128, 6144, 151936, True),
+}
+
+
+def lookup(table: dict, name: str, what: str):
+    """Case-insensitive catalogue lookup with an error listing the known names."""
+    for key, value in table.items():
+        if key.lower() == name.lower():
+            return value
+    raise ValueError(f"unknown {what} {name!r}; known: {', '.join(table)}")
+
+
+class CostModel:
+    """Step and host-phase durations (seconds) for one sweep point."""
+
+    def __init__(self, engine: Engine, *, optimistic_correction: bool):
+        self.gpu = lookup(GPUS, engine.gpu, "GPU")
+        self.shape: ModelShape = lookup(MODEL_SHAPES, engine.model, "model")
+        g: GpuCosts = engine.gpu_costs
+        self.g = g
+        self.h: HostCosts = engine.host_costs
+        bw = (g.mem_bandwidth_gbs or self.gpu.mem_bandwidth_gbs) * 1e9 * g.mem_efficiency
+        flops = (g.bf16_tflops or self.gpu.bf16_tflops) * 1e12 * g.compute_efficiency
+        self.sec_per_byte = 1.0 / bw
+        self.sec_per_flop = 1.0 / flops
+        self.ngram_gpu = engine.speculation.proposer == "ngram_gpu" and engine.speculation.k > 0
+        self.correction = optimistic_correction
+        # fixed part of every step: overhead, weight read, sampler, proposer, correction
+        self.fixed_s = (
+            g.step_overhead_us * 1e-6
+            + g.sampler_overhead_us * 1e-6
+            + (g.ngram_gpu_us * 1e-6 if self.ngram_gpu else 0.0)
+            + (g.correction_us * 1e-6 if self.correction else 0.0)
+        )
+
+    def gpu_step(self, query_tokens: np.ndarray, context: np.ndarray, history: np.ndarray) -> float:
+        """GPU time of one step. Per request: `query_tokens` computed now, `context` tokens already
+        in the KV cache, `history` tokens the n-gram proposer scans."""
+        s = self.shape
+        tokens = int(query_tokens.sum())
+        kv_tokens = int((context + query_tokens).sum())
+        pairs = float((query_tokens * (context + (query_tokens + 1) / 2)).sum())
+        mem = (s.weight_bytes + s.kv_bytes_per_token * kv_tokens) * self.sec_per_byte
+        compute = (s.linear_flops_per_token * tokens + s.attn_flops_per_pair * pairs) * self.sec_per_flop
+        # the sampler reads fp32 logits of every verified position
+        sampler = tokens * s.vocab * 4 * self.sec_per_byte
+        proposer = self.g.ngram_gpu_per_token_ns * 1e-9 * int(history.sum()) if self.ngram_gpu else 0.0
+        return self.fixed_s + max(mem, compute) + sampler + proposer
+
+    def schedule(self, n_reqs: int) -> float:
+        return (self.h.schedule_us + self.h.schedule_per_req_us * n_reqs) * 1e-6
+
+    def prep(self, n_reqs: int, n_tokens: int) -> float:
+        return (self.h.prep_us + self.h.prep_per_req_us * n_reqs + self.h.prep_per_token_us * n_tokens) * 1e-6
+
+    def launch(self) -> float:
+        return self.h.launch_us * 1e-6
+
+    def update(self, n_reqs: int) -> float:
+        return (self.h.update_us + self.h.update_per_req_us * n_reqs) * 1e-6
+
+    def ngram_cpu(self, n_reqs: int, history_tokens: int) -> float:
+        h = self.h
+        return (h.ngram_cpu_us + h.ngram_cpu_per_req_us * n_reqs) * 1e-6 + h.ngram_cpu_per_token_ns * 1e-9 * (
+            history_tokens
+        )
+
+    def sync(self) -> float:
+        return self.h.sync_us * 1e-6

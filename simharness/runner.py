@@ -1,0 +1,114 @@
+"""The sweep driver: scenario -> points -> (workload, acceptance, simulation) -> metrics -> run dir."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from simharness import results
+from simharness.acceptance import make_acceptance
+from simharness.metrics import compute_metrics
+from simharness.report import write_report
+from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, sweep_points
+from simharness.simulation import Simulation, resolve_mode
+from simharness.trace import trace_events, write_trace
+from simharness.workload import build_requests
+
+
+@dataclass
+class RunResult:
+    """A finished run: where it lives and its tables (one row per point / request / step)."""
+
+    run_dir: Path
+    summary: pd.DataFrame
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    syncs: pd.DataFrame
+    emissions: pd.DataFrame
+
+    @property
+    def report(self) -> Path:
+        return self.run_dir / "report.md"
+
+
+def run(
+    scenario: Scenario | str | Path,
+    out: str | Path = "results",
+    *,
+    resume: str | Path | None = None,
+    progress: Callable[[Path, int, int, str], None] | None = None,
+) -> RunResult:
+    """Run every sweep point of `scenario` (a Scenario or a YAML path) into a new run directory
+    under `out`, or finish the points still missing in `resume`. `progress(run_dir, done, total,
+    point_id)` is called once at the start and after each point."""
+    if not isinstance(scenario, Scenario):
+        scenario = load_scenario(scenario)
+    points = sweep_points(scenario)
+    for p in points:  # validate every point before running any
+        try:
+            resolve_mode(p.scenario)
+        except ScenarioError as e:
+            raise ScenarioError(f"sweep point {p.id}: {e}") from None
+    if resume is not None:
+        run_dir = Path(resume)
+        stored = results.load_run_scenario(run_dir)
+        if stored != scenario:
+            raise ScenarioError(f"{run_dir}: was started from a different scenario; resume it with the same one")
+    else:
+        run_dir = results.new_run_dir(Path(out), scenario)
+    results.write_meta(run_dir, scenario, device="sim (virtual time, cost model)")
+    done = results.finished_points(run_dir)
+    todo = [p for p in points if p.index not in done]
+    if progress is not None:
+        progress(run_dir, len(points) - len(todo), len(points), "")
+    workloads: dict[str, object] = {}
+    for n, point in enumerate(todo):
+        _run_point(run_dir, point, scenario, workloads)
+        if progress is not None:
+            progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
+    summary, tables = results.combine(run_dir)
+    write_report(run_dir)
+    return RunResult(run_dir, summary, **tables)
+
+
+def _run_point(run_dir: Path, point: Point, scenario: Scenario, cache: dict) -> None:
+    sc = point.scenario
+    key = sc.workload.model_dump_json() + str(sc.seed)
+    if key not in cache:
+        cache.clear()  # keep one workload in memory: sweeps usually vary the workload last
+        cache[key] = build_requests(sc.workload, sc.seed)
+    requests = cache[key]
+    acceptance = make_acceptance(sc.engine.speculation, requests)
+    sim = Simulation(sc, requests, acceptance)
+    records, duration = sim.run()
+    steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
+    metrics = compute_metrics(
+        records.requests,
+        emissions,
+        steps,
+        syncs,
+        duration_s=duration,
+        percentiles=sc.report.percentiles,
+        goodput=sc.report.goodput,
+        k=sim.mode.k,
+    )
+    summary = {"point": point.id, "index": point.index}
+    summary.update(point.values)
+    summary.update(effective_depth=sim.mode.depth, note=sim.mode.note)
+    summary.update(metrics)
+    trace_dir = run_dir / "traces"
+    trace_dir.mkdir(exist_ok=True)
+    events = trace_events(steps, syncs, max_steps=sc.report.trace_steps)
+    write_trace(trace_dir / f"{point.index:04d}_{_slug(point.id)}.json", events, {"point": point.id})
+    results.write_point(
+        run_dir, point.index, summary, {"requests": records.requests, "steps": steps, "syncs": syncs,
+                                        "emissions": emissions}
+    )
+
+
+def _slug(point_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", point_id.replace("=", "-"))[:120] or "base"
