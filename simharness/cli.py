@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -98,6 +99,31 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")])
         fail(str(e))
     results.combine(run_dir)
     out.print(f"report: {write_report(run_dir)}")
+
+
+@app.command("compare")
+def compare_cmd(
+    base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json")],
+    current: Annotated[Path, typer.Argument(help="current run directory or summary.json")],
+    threshold: Annotated[float, typer.Option(help="relative change that counts as a regression")] = 0.05,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists")] = None,
+    force: Annotated[bool, typer.Option(help="compare runs of different scenarios")] = False,
+    show_all: Annotated[bool, typer.Option("--all", help="list unchanged metrics too")] = False,
+) -> None:
+    """Compare two runs point by point; exit 1 if anything regressed, 2 on bad input."""
+    from simharness.compare import CompareError, compare, markdown, to_json
+
+    if threshold <= 0:
+        fail("--threshold: must be > 0")
+    try:
+        rows = compare(base, current, threshold=threshold, force=force)
+    except CompareError as e:
+        fail(str(e))
+    typer.echo(markdown(rows, show_all=show_all))
+    if json_out is not None:
+        json_out.write_text(json.dumps(to_json(rows), indent=1))
+    if any(r.verdict == "regression" for r in rows):
+        raise typer.Exit(1)
 
 
 @bench_app.command("kernels")

@@ -96,7 +96,7 @@ def _run_point(run_dir: Path, point: Point, scenario: Scenario, cache: dict) -> 
         goodput=sc.report.goodput,
         k=sim.mode.k,
     )
-    summary = {"point": point.id, "index": point.index}
+    summary = {"point": point.id, "index": point.index, "level": "sim"}
     summary.update(point.values)
     summary.update(effective_depth=sim.mode.depth, note=sim.mode.note)
     summary.update(metrics)

@@ -1,0 +1,202 @@
+"""Perf-regression gate: compare two runs point by point and give each metric a verdict.
+
+Sim-level points are deterministic, so any change beyond float noise is reported and a change
+beyond the threshold in the bad direction is a regression (LLMServingSim gates its simulated
+clock the same way). Measured points (hil / real) compare per-request samples with a
+Mann-Whitney U test (p < 0.01) and the threshold together, as asv does, so noise does not fail CI.
+The acceptance rate is always compared: a collapse of acceptance is a regression even when latency
+looks fine (vLLM #37150).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy.stats import mannwhitneyu
+
+LATENCY = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "p90", "p99")
+# metric -> (bigger is better, unit)
+METRICS: dict[str, tuple[bool, str]] = {
+    **{f"{s}_{m}_ms": (False, "ms") for m in LATENCY for s in STATS},
+    "output_throughput": (True, "tok/s"),
+    "request_throughput": (True, "req/s"),
+    "acceptance_rate": (True, "%"),
+    "mean_acceptance_length": (True, "tokens"),
+    "gpu_busy_fraction": (True, "fraction"),
+    "syncs_per_step": (False, "count"),
+    "sync_wait_ms_per_step": (False, "ms"),
+}
+FLOAT_TOL = 1e-9
+P_VALUE = 0.01
+
+
+class CompareError(ValueError):
+    """Bad compare input (missing file, nothing in common, different scenarios)."""
+
+
+@dataclass
+class Run:
+    """What compare needs of a run: its scenario name, level, summary rows, and raw samples."""
+
+    path: Path
+    scenario: str
+    level: str  # "sim" (deterministic) or "hil"/"real" (measured)
+    summary: pd.DataFrame
+    run_dir: Path | None  # per-request samples live here (absent when given a bare summary.json)
+
+
+@dataclass
+class Row:
+    point: str
+    metric: str
+    base: float
+    current: float
+    change_pct: float
+    verdict: str  # same | changed | improvement | regression | noise
+    p_value: float | None = None
+
+
+def load_run(path: str | Path) -> Run:
+    """A run directory or its summary.json."""
+    path = Path(path)
+    run_dir = path if path.is_dir() else path.parent
+    summary_path = path / "summary.json" if path.is_dir() else path
+    if not summary_path.is_file():
+        raise CompareError(f"{path}: no summary.json (is it a run directory?)")
+    try:
+        rows = json.loads(summary_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CompareError(f"{summary_path}: not valid JSON ({e})") from None
+    if not isinstance(rows, list) or not rows or "point" not in rows[0]:
+        raise CompareError(f"{summary_path}: not a simharness summary (a list of points)")
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    summary = pd.DataFrame(rows).set_index("point")
+    level = str(summary["level"].iloc[0]) if "level" in summary else "sim"
+    has_samples = (run_dir / "requests.parquet").is_file()
+    return Run(path, meta.get("scenario", "?"), level, summary, run_dir if has_samples else None)
+
+
+def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
+    """Verdicts for every common point and compared metric."""
+    if base.scenario != current.scenario and not force:
+        raise CompareError(
+            f"different scenarios ({base.scenario!r} vs {current.scenario!r}); pass --force to compare anyway"
+        )
+    common = [p for p in base.summary.index if p in current.summary.index]
+    if not common:
+        raise CompareError("the two runs have no sweep point in common")
+    measured = base.level != "sim" or current.level != "sim"
+    samples = _Samples(base, current) if measured else None
+    rows = []
+    for point in common:
+        b, c = base.summary.loc[point], current.summary.loc[point]
+        for metric, (bigger_better, _) in METRICS.items():
+            if metric not in b or metric not in c or pd.isna(b[metric]) or pd.isna(c[metric]):
+                continue
+            rows.append(_verdict(point, metric, float(b[metric]), float(c[metric]), bigger_better, threshold,
+                                 samples))
+    return rows
+
+
+def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row:
+    diff = cur - base
+    change = diff / abs(base) if base else (0.0 if diff == 0 else float("inf") * np.sign(diff))
+    if abs(diff) <= FLOAT_TOL * max(abs(base), 1.0):
+        return Row(point, metric, base, cur, 0.0, "same")
+    worse = diff < 0 if bigger_better else diff > 0
+    beyond = abs(change) > threshold
+    p_value = None
+    if samples is not None and metric != "acceptance_rate":
+        p_value = samples.p_value(point, metric)
+        if p_value is not None and p_value >= P_VALUE:
+            return Row(point, metric, base, cur, 100 * change, "noise", p_value)
+    verdict = ("regression" if worse else "improvement") if beyond else "changed"
+    return Row(point, metric, base, cur, 100 * change, verdict, p_value)
+
+
+class _Samples:
+    """Per-request samples of measured runs, for the Mann-Whitney U test."""
+
+    def __init__(self, base: Run, current: Run):
+        self.tables = [self._load(r) for r in (base, current)]
+
+    @staticmethod
+    def _load(run: Run) -> dict[str, pd.DataFrame] | None:
+        if run.run_dir is None:
+            return None
+        return {n: pd.read_parquet(run.run_dir / f"{n}.parquet") for n in ("requests", "emissions")}
+
+    def p_value(self, point: str, metric: str) -> float | None:
+        if any(t is None for t in self.tables):
+            return None
+        kind = next((m for m in LATENCY if f"_{m}_" in metric), None)
+        if kind is None:
+            return None
+        a, b = (_latency_samples(t, point, kind) for t in self.tables)
+        if len(a) < 2 or len(b) < 2:
+            return None
+        return float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
+
+
+def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> np.ndarray:
+    r = tables["requests"]
+    r = r[r["point"] == point]
+    ttft = r["first_token_s"] - r["arrival_s"]
+    e2e = r["last_token_s"] - r["arrival_s"]
+    if kind == "ttft":
+        return ttft.to_numpy()
+    if kind == "e2el":
+        return e2e.to_numpy()
+    if kind == "tpot":
+        many = r["output_tokens"] > 1
+        return ((e2e - ttft)[many] / (r["output_tokens"][many] - 1)).to_numpy()
+    e = tables["emissions"]
+    e = e[e["point"] == point].sort_values(["request_id", "time_s"])
+    gaps = e.groupby("request_id")["time_s"].diff().dropna()
+    return gaps.to_numpy()
+
+
+def markdown(rows: list[Row], *, show_all: bool = False) -> str:
+    """A table fit for a pull-request comment: regressions first, then improvements and changes."""
+    order = {"regression": 0, "improvement": 1, "changed": 2, "noise": 3, "same": 4}
+    shown = [r for r in rows if show_all or r.verdict in ("regression", "improvement", "changed")]
+    shown.sort(key=lambda r: (order[r.verdict], r.point, r.metric))
+    n_reg = sum(r.verdict == "regression" for r in rows)
+    n_imp = sum(r.verdict == "improvement" for r in rows)
+    points = len({r.point for r in rows})
+    head = (f"**{n_reg} regression(s), {n_imp} improvement(s)** over {len(rows)} metrics at {points} points"
+            f" ({sum(r.verdict in ('same', 'noise') for r in rows)} unchanged or within noise)")
+    if not shown:
+        return head + "\n"
+    lines = [head, "", "| point | metric | base | current | change % | verdict |", "|---|---|---:|---:|---:|---|"]
+    for r in shown:
+        mark = {"regression": "❌ regression", "improvement": "✅ improvement"}.get(r.verdict, r.verdict)
+        lines.append(f"| {r.point} | {r.metric} | {r.base:.4g} | {r.current:.4g} | {r.change_pct:+.2f} | {mark} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: list[Row]) -> dict:
+    """Rows plus github-action-benchmark / Bencher lists of the current values."""
+    smaller, bigger = [], []
+    for r in rows:
+        bigger_better, unit = METRICS[r.metric]
+        entry = {"name": f"{r.point} {r.metric}", "unit": unit, "value": r.current}
+        (bigger if bigger_better else smaller).append(entry)
+    return {
+        "regressions": sum(r.verdict == "regression" for r in rows),
+        "improvements": sum(r.verdict == "improvement" for r in rows),
+        "rows": [asdict(r) for r in rows],
+        "customSmallerIsBetter": smaller,
+        "customBiggerIsBetter": bigger,
+    }
+
+
+def compare(base: str | Path, current: str | Path, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
+    """Compare two run directories (or summary.json files); see `compare_runs`."""
+    return compare_runs(load_run(base), load_run(current), threshold=threshold, force=force)
