@@ -10,4 +10,13 @@ from simharness.compare import compare
 from simharness.runner import RunResult, run
 from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 
-__all__ = ["compare", "RunResult", "Scenario", "ScenarioError", "load_scenario", "run", "scenario_from_dict", "sweep_points"]
+__all__ = [
+    "RunResult",
+    "Scenario",
+    "ScenarioError",
+    "compare",
+    "load_scenario",
+    "run",
+    "scenario_from_dict",
+    "sweep_points",
+]
