@@ -22,6 +22,7 @@ import pandas as pd
 import simpy
 
 from simharness.costmodel import CostModel
+from simharness.engine.backend import ModelBackend
 from simharness.policy import Batch, BatchScheduler
 from simharness.records import REQUEST_COLUMNS, Records
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
@@ -108,7 +109,7 @@ class Step:
     emitted: np.ndarray | None = None
     accepted: np.ndarray | None = None
     drafts_valid: np.ndarray | None = None
-    wasted: int = 0
+    wasted: np.ndarray | None = None
     in_flight: int = 0
     t: dict[str, float] = field(default_factory=dict)
     gc_pause: float = 0.0
@@ -119,11 +120,10 @@ class Step:
 class Simulation:
     """One sweep point in virtual time. `run()` returns the records and the run's duration."""
 
-    def __init__(self, sc: Scenario, requests, acceptance, seed_offset: int = 0):
+    def __init__(self, sc: Scenario, requests, acceptance, backend=None):
         self.sc = sc
         self.mode = resolve_mode(sc)
         self.req = requests
-        self.acc = acceptance
         self.cost = CostModel(sc.engine, optimistic_correction=self.mode.optimistic)
         n = len(requests.prompt_len)
         self.n = n
@@ -136,9 +136,6 @@ class Simulation:
                 f"({int(requests.prompt_len.max())}) and chunked_prefill is off"
             )
         self.sched = BatchScheduler(sc.scheduler, requests.prompt_len, requests.output_len)
-        # device truth
-        self.gpu_prefilled = np.zeros(n, dtype=np.int64)
-        self.gpu_committed = np.zeros(n, dtype=np.int64)
         # per-request tallies
         self.arrival = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
@@ -149,8 +146,9 @@ class Simulation:
         self.accepted_tokens = np.zeros(n, dtype=np.int64)
         self.wasted_slots = np.zeros(n, dtype=np.int64)
         # Common random numbers across points: streams depend on the seed only, not on the point.
-        self.acc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1, seed_offset]))
-        self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 2, seed_offset]))
+        acc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
+        self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 2]))
+        self.backend = backend or ModelBackend(requests, acceptance, self.cost, self.mode.k, acc_rng)
         self.records = Records(k=self.mode.k)
         self.env = simpy.Environment()
         self.stream: simpy.Store = simpy.Store(self.env)
@@ -201,63 +199,13 @@ class Simulation:
         while True:
             step: Step = yield self.stream.get()
             start = self.env.now
-            duration = self._execute(step)
+            duration = self.backend.run_step(step)
             step.t["gpu_start"] = start
             step.t["bubble"] = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
             yield self.env.timeout(duration)
             step.t["gpu_end"] = self.env.now
             self.last_gpu_end = self.env.now
             step.done.succeed()
-
-    def _execute(self, step: Step) -> float:
-        """Advance the device truth by one step; return the step's GPU time."""
-        b = step.batch
-        req = b.req
-        emitted = np.zeros(len(req), dtype=np.int64)
-        accepted = np.zeros(len(req), dtype=np.int64)
-        drafts_valid = np.zeros(len(req), dtype=np.int64)
-        query = b.tokens.copy()
-        context = np.where(b.prefill, self.gpu_prefilled[req], self.req.prompt_len[req] + self.gpu_committed[req])
-        # prefill chunks: the last one emits the first token
-        if b.prefill.any():
-            pre = req[b.prefill]
-            self.gpu_prefilled[pre] += b.tokens[b.prefill]
-            first = b.completes_prefill
-            emitted[first] = 1
-        dec = ~b.prefill
-        if dec.any():
-            r = req[dec]
-            slots = step.verified_slots[dec]
-            query[dec] = 1 + slots
-            live = self.gpu_committed[r] < self.req.output_len[r]
-            wasted = np.where(live, 0, 1 + slots)
-            step.wasted = int(wasted.sum())
-            self.wasted_slots[r] += wasted
-            valid = step.valid[dec] if step.valid is not None else self._valid(r, live)
-            n_dr = np.minimum(valid, slots) * live
-            acc = np.zeros(len(r), dtype=np.int64)
-            if self.mode.k and n_dr.any():
-                acc = self.acc.accept(r, self._position(r), n_dr, self.acc_rng)
-            remaining = self.req.output_len[r] - self.gpu_committed[r]
-            emitted[dec] = np.where(live, np.minimum(acc + 1, remaining), 0)
-            accepted[dec] = acc
-            drafts_valid[dec] = n_dr
-        emits = ~b.prefill | b.completes_prefill
-        self.gpu_committed[req[emits]] += emitted[emits]
-        step.emitted, step.accepted, step.drafts_valid = emitted, accepted, drafts_valid
-        history = self.req.prompt_len[req] + self.gpu_committed[req]
-        return self.cost.gpu_step(query, context, history)
-
-    def _valid(self, r: np.ndarray, live: np.ndarray) -> np.ndarray:
-        """Valid drafts the proposer holds for requests `r` at their device-side length."""
-        if not self.mode.k:
-            return np.zeros(len(r), dtype=np.int64)
-        return self.acc.valid_drafts(r, self._position(r)) * live
-
-    def _position(self, r: np.ndarray) -> np.ndarray:
-        """Device-side committed length, clamped into the acceptance tables (finished requests are
-        masked by the caller)."""
-        return np.clip(self.gpu_committed[r], 1, np.maximum(self.req.output_len[r] - 1, 1))
 
     # ---------------------------------------------------------------- engine loop
 
@@ -268,7 +216,7 @@ class Simulation:
         if self.mode.depth > 1 or not self.mode.trim:
             return np.full(len(r), self.mode.k, dtype=np.int64)
         # synchronous: the host holds the drafts proposed after the last step
-        return self._valid(r, self.gpu_committed[r] < self.req.output_len[r])
+        return self.backend.valid_drafts(r)
 
     def _sync(self, step: Step, sp: SyncPoint, in_flight: deque):
         """Block the host on a GPU event; record the wait."""
@@ -327,7 +275,7 @@ class Simulation:
         slots = b.draft_slots.copy()
         if mode.trim and dec.any():
             r = b.req[dec]
-            valid = self._valid(r, self.gpu_committed[r] < self.req.output_len[r])
+            valid = self.backend.valid_drafts(r)
             slots[dec] = np.minimum(valid, mode.k)
             step.valid = np.zeros(len(b.req), dtype=np.int64)
             step.valid[dec] = slots[dec]
@@ -376,6 +324,7 @@ class Simulation:
         self.num_drafts[rd] += step.drafts_valid[dec] > 0
         self.draft_tokens[rd] += step.drafts_valid[dec]
         self.accepted_tokens[rd] += step.accepted[dec]
+        self.wasted_slots[rd] += step.wasted[dec]
         step.t["propose_start"] = step.t["propose_end"] = now
         if self.mode.ngram_cpu and self.mode.k:
             # the CPU proposer drafts for the requests still running, over their whole history
@@ -403,7 +352,7 @@ class Simulation:
                 int(s.drafts_valid.sum()),
                 int(s.accepted.sum()),
                 int(s.emitted.sum()),
-                s.wasted,
+                int(s.wasted.sum()),
                 s.in_flight,
                 t["schedule_start"],
                 t["schedule_end"],
