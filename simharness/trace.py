@@ -1,0 +1,280 @@
+"""Chrome / Perfetto trace-event JSON for one sweep point, and a validator for such traces.
+
+Layout: pid 1 is the host (engine loop thread: schedule, sync waits, prep, launch, update,
+propose, GC pauses), pid 2 the GPU stream (one slice per step); a counter tracks in-flight steps
+and flow arrows link each launch to its GPU step. Times are virtual time in microseconds.
+Perfetto needs the slices of one (pid, tid) lane to nest strictly; `check_trace` enforces that.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from simharness.metrics import host_intervals
+
+US = 1e6
+HOST_PID, GPU_PID = 1, 2
+ENGINE_TID, STREAM_TID = 1, 1
+TOLERANCE_US = 1e-3  # float rounding allowed when comparing slice edges
+
+
+# --------------------------------------------------------------------------------------------
+# building blocks (reused for other lanes, e.g. measured phases of hardware-in-the-loop runs)
+
+
+def process_metadata(pid: int, name: str, sort_index: int) -> list[dict]:
+    """Name a process (a group of lanes) and fix its position in the UI."""
+    return [
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}},
+    ]
+
+
+def thread_metadata(pid: int, tid: int, name: str) -> list[dict]:
+    """Name one lane (thread) of a process."""
+    return [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}]
+
+
+def complete_slices(
+    pid: int,
+    tid: int,
+    name: str | Sequence[str],
+    start_s: Sequence[float] | np.ndarray,
+    end_s: Sequence[float] | np.ndarray,
+    *,
+    cat: str | Sequence[str],
+    args: Sequence[dict] | None = None,
+) -> list[dict]:
+    """Complete ('X') events for [start, end) intervals given in seconds, one lane.
+
+    `name` and `cat` are one value for all slices or one per slice; intervals of zero length
+    (after rounding to ns) are skipped. The intervals of one lane must nest or be disjoint."""
+    ts = np.round(np.asarray(start_s, dtype=np.float64) * US, 3)
+    end = np.round(np.asarray(end_s, dtype=np.float64) * US, 3)
+    names = [name] * len(ts) if isinstance(name, str) else list(name)
+    cats = [cat] * len(ts) if isinstance(cat, str) else list(cat)
+    return [
+        {
+            "ph": "X",
+            "name": names[i],
+            "cat": cats[i],
+            "pid": pid,
+            "tid": tid,
+            "ts": float(ts[i]),
+            "dur": round(float(end[i] - ts[i]), 3),
+            "args": args[i] if args is not None else {},
+        }
+        for i in np.flatnonzero(end > ts)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# the engine trace
+
+
+def trace_events(steps: pd.DataFrame, syncs: pd.DataFrame, *, max_steps: int) -> list[dict]:
+    """Trace events for the first `max_steps` steps of one sweep point."""
+    steps = steps.sort_values("step").head(max_steps)
+    syncs = syncs[syncs["step"].isin(steps["step"])]
+    events = [
+        *process_metadata(HOST_PID, "host (virtual time)", 0),
+        *thread_metadata(HOST_PID, ENGINE_TID, "engine loop"),
+        *process_metadata(GPU_PID, "GPU (virtual time)", 1),
+        *thread_metadata(GPU_PID, STREAM_TID, "stream"),
+    ]
+    events += _host_slices(steps, syncs)
+    events += _gpu_slices(steps)
+    events += _in_flight_counter(steps)
+    events += _launch_flows(steps)
+    return events
+
+
+def write_trace(path: Path | str, events: list[dict], metadata: Mapping[str, Any]) -> None:
+    """Write a trace JSON object; `metadata` (scenario, point, seed...) goes to `otherData`."""
+    obj = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(metadata)}
+    Path(path).write_text(json.dumps(obj, separators=(",", ":"), default=str))
+
+
+def _host_slices(steps: pd.DataFrame, syncs: pd.DataFrame) -> list[dict]:
+    iv = host_intervals(steps, syncs)
+    args = [
+        {"step": int(r.step), "phase": r.phase, "waits_for": r.waits_for} if r.kind == "sync"
+        else {"step": int(r.step)}
+        for r in iv.itertuples()
+    ]
+    cats = [kind if kind in ("gc", "sync") else "host" for kind in iv["kind"]]
+    return complete_slices(HOST_PID, ENGINE_TID, list(iv["name"]), iv["start_s"], iv["end_s"],
+                           cat=cats, args=args)
+
+
+def _gpu_slices(steps: pd.DataFrame) -> list[dict]:
+    args = [
+        {
+            "step": int(r.step),
+            "n_reqs": int(r.n_reqs),
+            "tokens": int(r.prefill_tokens + r.decode_tokens),
+            "drafts": int(r.drafts_scheduled),
+            "accepted": int(r.accepted),
+            "emitted": int(r.emitted),
+            "wasted_slots": int(r.wasted_slots),
+        }
+        for r in steps.itertuples()
+    ]
+    return complete_slices(GPU_PID, STREAM_TID, "step", steps["gpu_start"], steps["gpu_end"],
+                           cat="gpu", args=args)
+
+
+def _in_flight_counter(steps: pd.DataFrame) -> list[dict]:
+    """Steps launched and not yet processed (launch end -> update start), as a counter track.
+
+    Only up to the last included launch: after it, later (excluded) launches would be missing."""
+    if steps.empty:
+        return []
+    times = np.concatenate([steps["launch_end"], steps["update_start"]])
+    deltas = np.concatenate([np.ones(len(steps)), -np.ones(len(steps))])
+    order = np.argsort(times, kind="stable")
+    times, level = times[order], np.cumsum(deltas[order])
+    last = np.r_[times[1:] != times[:-1], True]  # one value per timestamp: the last one
+    keep = last & (times <= steps["launch_end"].max())
+    return [
+        {"ph": "C", "name": "in-flight steps", "pid": HOST_PID, "ts": round(float(t) * US, 3),
+         "args": {"steps": int(v)}}
+        for t, v in zip(times[keep], level[keep], strict=True)
+    ]
+
+
+def _launch_flows(steps: pd.DataFrame) -> list[dict]:
+    """Arrows from each launch slice to its GPU step (both bound at their slices' midpoints)."""
+    events = []
+    for r in steps.itertuples():
+        launch_us = (round(r.prep_end * US, 3), round(r.launch_end * US, 3))
+        gpu_us = (round(r.gpu_start * US, 3), round(r.gpu_end * US, 3))
+        if launch_us[1] <= launch_us[0] or gpu_us[1] <= gpu_us[0]:
+            continue
+        common = {"name": "launch", "cat": "launch", "id": int(r.step)}
+        events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": sum(launch_us) / 2})
+        events.append({**common, "ph": "f", "bp": "e", "pid": GPU_PID, "tid": STREAM_TID,
+                       "ts": sum(gpu_us) / 2})
+    return events
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+REQUIRED_KEYS = {
+    "X": ("name", "pid", "tid", "ts", "dur"),
+    "C": ("name", "pid", "ts", "args"),
+    "M": ("name", "pid", "args"),
+    "s": ("name", "cat", "id", "pid", "tid", "ts"),
+    "t": ("name", "cat", "id", "pid", "tid", "ts"),
+    "f": ("name", "cat", "id", "pid", "tid", "ts"),
+}
+
+
+def check_trace(obj: Any) -> list[str]:
+    """Problems that would make a trace invalid or misdrawn in Perfetto; [] means valid.
+
+    Checks the top-level shape, required keys per phase, numeric non-negative ts/dur, strict
+    nesting of slices per (pid, tid), and that every flow has one start and one finish, each
+    inside a slice of its lane."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
+        return ["top level must be an object with a 'traceEvents' list"]
+    events = obj["traceEvents"]
+    problems = [p for i, ev in enumerate(events) for p in _check_event(i, ev)]
+    if problems:
+        return problems  # lane checks assume well-formed events
+    lanes = _lanes(events)
+    for lane, slices in lanes.items():
+        problems += _check_nesting(lane, slices)
+    return problems + _check_flows(events, lanes)
+
+
+def _check_event(i: int, ev: Any) -> list[str]:
+    if not isinstance(ev, dict):
+        return [f"event {i}: not an object"]
+    ph = ev.get("ph")
+    if ph not in REQUIRED_KEYS:
+        return [f"event {i}: unsupported phase {ph!r}"]
+    problems = [f"event {i} ({ph}): missing {key!r}" for key in REQUIRED_KEYS[ph] if key not in ev]
+    if ph == "M" and ev.get("name") == "thread_name" and "tid" not in ev:
+        problems.append(f"event {i} (M thread_name): missing 'tid'")
+    for key in ("ts", "dur"):
+        if key in ev and not _non_negative_number(ev[key]):
+            problems.append(f"event {i} ({ph}): {key} must be a non-negative number, got {ev[key]!r}")
+    if "args" in ev and not isinstance(ev["args"], dict):
+        problems.append(f"event {i} ({ph}): args must be an object")
+    return problems
+
+
+def _non_negative_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _lanes(events: list[dict]) -> dict[tuple, list[tuple[float, float, str]]]:
+    """Complete slices per (pid, tid) as (start, end, name), outer slices first at equal starts."""
+    lanes: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    for ev in events:
+        if ev["ph"] == "X":
+            lanes[(ev["pid"], ev["tid"])].append((ev["ts"], ev["ts"] + ev["dur"], ev["name"]))
+    for slices in lanes.values():
+        slices.sort(key=lambda s: (s[0], -s[1]))
+    return lanes
+
+
+def _check_nesting(lane: tuple, slices: list[tuple[float, float, str]]) -> list[str]:
+    problems = []
+    open_slices: list[tuple[float, float, str]] = []  # the stack of enclosing slices
+    for start, end, name in slices:
+        while open_slices and open_slices[-1][1] <= start + TOLERANCE_US:
+            open_slices.pop()
+        if open_slices and end > open_slices[-1][1] + TOLERANCE_US:
+            outer = open_slices[-1]
+            problems.append(f"lane {lane}: {name!r} [{start}, {end}] overlaps {outer[2]!r} "
+                            f"[{outer[0]}, {outer[1]}] without nesting")
+            continue
+        open_slices.append((start, end, name))
+    return problems
+
+
+def _check_flows(events: list[dict], lanes: dict[tuple, list[tuple[float, float, str]]]) -> list[str]:
+    flows: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for ev in events:
+        if ev["ph"] in ("s", "t", "f"):
+            flows[(ev["cat"], ev["id"])][ev["ph"]].append(ev)
+    tops = {lane: _top_level(slices) for lane, slices in lanes.items()}
+    problems = []
+    for key, by_ph in flows.items():
+        starts, finishes = by_ph["s"], by_ph["f"]
+        if len(starts) != 1 or len(finishes) != 1:
+            problems.append(f"flow {key}: {len(starts)} start(s) and {len(finishes)} finish(es), need 1 each")
+            continue
+        if finishes[0]["ts"] < starts[0]["ts"] - TOLERANCE_US:
+            problems.append(f"flow {key}: finishes before it starts")
+        for ev in (*starts, *by_ph["t"], *finishes):
+            if not _inside(tops.get((ev["pid"], ev["tid"]), []), ev["ts"]):
+                problems.append(f"flow {key}: {ev['ph']} at {ev['ts']} is not inside a slice of "
+                                f"lane {(ev['pid'], ev['tid'])}")
+    return problems
+
+
+def _top_level(slices: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
+    """The outermost slices of a (nested) lane: disjoint and sorted."""
+    tops: list[tuple[float, float]] = []
+    for start, end, _ in slices:
+        if not tops or start >= tops[-1][1] - TOLERANCE_US:
+            tops.append((start, end))
+    return tops
+
+
+def _inside(tops: list[tuple[float, float]], ts: float) -> bool:
+    i = bisect.bisect_right(tops, (ts + TOLERANCE_US, math.inf)) - 1
+    return i >= 0 and ts <= tops[i][1] + TOLERANCE_US
