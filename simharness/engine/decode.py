@@ -1,0 +1,266 @@
+"""The real speculative decode loop: verify, rejection-sample, commit, propose, all on the device.
+
+MRV2 style (vllm-notes §1.3, §4.5): the device tensors are the truth. Per slot the loop keeps the
+committed token history, its length, the drafts proposed for the next step and an optional reference
+continuation, so step N+1 can be launched without the host having read step N's result. `readback` is
+the one device-to-host copy and the one sync of a step; a scheduler may defer it (async depth >= 2).
+
+Cache invariant: a slot with committed length n has K/V for positions 0..n-2 in the model's cache; its
+last committed token is fed at position n-1 together with the k drafts. Rejected drafts' K/V stay past
+the new length, masked by causality and overwritten by the next step.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from simharness.engine.model import Transformer, steer_logits
+from simharness.kernels.ngram import propose_ngram
+from simharness.kernels.rejection import rejection_sample
+
+PHASES = ("verify", "sample", "commit", "propose")
+# Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
+STEER_MARGIN = 30.0
+# Steps that may be launched and not yet read back: async queue depth (<= 3 in vLLM) plus one.
+READBACK_RING = 4
+
+
+@dataclass
+class StepResult:
+    """A launched step's device tensors; `DecodeLoop.readback` turns it into host values."""
+
+    output: Tensor  # [B, k+1] int64: accepted drafts, then the correction or bonus token, then -1
+    num_emitted: Tensor  # [B] int32: accepted + 1
+    num_drafts: Tensor  # [B] int32: drafts verified (pad: the valid ones; fill: all k)
+    step_id: int
+    ring_index: int
+
+
+@dataclass
+class StepOutput:
+    """A step's results on the host, and its per-phase device times in seconds."""
+
+    tokens: np.ndarray  # [B, k+1] int64, -1 after the last emitted token
+    num_emitted: np.ndarray  # [B]
+    num_drafts: np.ndarray  # [B]
+    phase_s: dict[str, float]
+
+
+@dataclass
+class _Staging:
+    """One readback ring entry: packed results on the device, their pinned host copy, phase marks."""
+
+    device: Tensor  # [max_slots, k+3] int64: output, num_emitted, num_drafts
+    host: Tensor
+    events: list = field(default_factory=list)  # CUDA: 5 phase marks + copy done
+    times: list[float] = field(default_factory=list)  # CPU: 5 perf_counter marks
+    step_id: int = -1
+
+
+class DecodeLoop:
+    """Speculative decoding over the model's cache slots with the n-gram proposer and rejection sampler.
+
+    `k = 0` is plain decoding. `invalid="pad"` verifies invalid draft slots as -1 (always rejected; the
+    model sees the last token there), `"fill"` verifies the proposer's filler token as an ordinary draft.
+    A slot may be stepped while its committed length + k <= max_len.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        k: int,
+        min_n: int,
+        max_n: int,
+        tie_break: Literal["earliest", "latest"] = "earliest",
+        invalid: Literal["pad", "fill"] = "pad",
+        seed: int = 0,
+    ):
+        self.model, self.k, self.seed = model, k, seed
+        self.propose_args = {"min_n": min_n, "max_n": max_n, "k": k, "tie_break": tie_break, "invalid": invalid}
+        self.invalid = invalid
+        self.max_slots, self.max_len = model.max_slots, model.max_len
+        self.device = device = model.device
+        self.cuda = device.type == "cuda"
+        slots, length = self.max_slots, self.max_len
+
+        def longs(*shape: int, fill: int = 0) -> Tensor:
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
+
+        self.history = longs(slots, length)  # committed tokens (prompt, then generated)
+        self.lengths = longs(slots)  # committed length
+        self.prompt_lens = longs(slots)
+        self.reference = longs(slots, length, fill=-1)  # continuation to replay, from the first generated token
+        self.reference_lens = longs(slots)  # 0: not steered
+        self.drafts = longs(slots, k, fill=-1)  # proposed for the next step
+        self.num_valid = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self._positions = torch.arange(k + 1, device=device)
+        self._all_drafts = torch.full((slots,), k, dtype=torch.int32, device=device)
+        self._no_drafts = (longs(1, 0), torch.zeros(1, dtype=torch.int32, device=device))
+        self._steered: set[int] = set()  # host mirror of reference_lens > 0: skip steering when empty
+        self._step_id = 0
+        self._ring = [self._new_staging() for _ in range(READBACK_RING)]
+        if model.cuda_graphs:
+            model.capture_graphs(k + 1)
+
+    def _new_staging(self) -> _Staging:
+        packed = torch.zeros(self.max_slots, self.k + 3, dtype=torch.int64, device=self.device)
+        if not self.cuda:  # on the CPU the packed results already are host memory
+            return _Staging(device=packed, host=packed)
+        host = torch.zeros_like(packed, device="cpu").pin_memory()
+        return _Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(6)])
+
+    def _to_device(self, ids: Sequence[int] | Tensor) -> Tensor:
+        """Token ids as a 1-D int64 device tensor; host data goes through pinned memory so that no
+        pageable copy stalls the host on work already queued."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        if self.cuda and not ids.is_cuda:
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
+
+    def _seed(self, step_id: int) -> int:
+        return hash((self.seed, step_id)) & 0x7FFF_FFFF_FFFF_FFFF
+
+    def add_request(
+        self,
+        slot: int,
+        prompt_ids: Sequence[int] | Tensor,
+        reference_ids: Sequence[int] | Tensor | None = None,
+        temperature: float = 0.0,
+    ) -> Tensor:
+        """Prefill `prompt_ids` into `slot`, emit the first token (reference[0] if a reference is given,
+        else sampled from the last prompt position) and propose the first drafts. No host sync: returns
+        the first token as a device tensor [1] for the caller to read at its next sync."""
+        prompt = self._to_device(prompt_ids)
+        n_prompt = prompt.shape[0]
+        if n_prompt + 1 + self.k > self.max_len:
+            raise ValueError(f"prompt of {n_prompt} tokens leaves no room for a step in max_len {self.max_len}")
+        logits = self.model.prefill(slot, prompt)
+        self.temperature[slot] = temperature
+        if reference_ids is None:
+            first, _ = rejection_sample(
+                logits.view(1, 1, -1), *self._no_drafts, self.temperature[slot : slot + 1], seed=self._seed(-1 - slot)
+            )
+            self.reference_lens[slot] = 0
+        else:
+            reference = self._to_device(reference_ids)[: self.max_len]
+            first = reference[:1]
+            self.reference[slot, : reference.shape[0]] = reference
+            self.reference_lens[slot] = reference.shape[0]
+        if reference_ids is None:
+            self._steered.discard(slot)
+        else:
+            self._steered.add(slot)
+        self.history[slot, :n_prompt] = prompt
+        self.history[slot, n_prompt : n_prompt + 1] = first.view(1)
+        self.lengths[slot] = n_prompt + 1
+        self.prompt_lens[slot] = n_prompt
+        if self.k > 0:
+            drafts, num_valid = propose_ngram(
+                self.history[slot : slot + 1], self.lengths[slot : slot + 1], **self.propose_args
+            )
+            self.drafts[slot] = drafts[0]
+            self.num_valid[slot] = num_valid[0]
+        return first.view(1)
+
+    def remove_request(self, slot: int) -> None:
+        """Free a slot; its cache rows are simply overwritten by the next request's prefill."""
+        self.lengths[slot] = 0
+        self.reference_lens[slot] = 0
+        self.num_valid[slot] = 0
+        self.drafts[slot] = -1
+        self._steered.discard(slot)
+
+    def step(self, slots: Tensor) -> StepResult:
+        """Verify each slot's last token + drafts, sample, commit, propose the next drafts.
+
+        `slots` is an int64 device tensor of distinct slot ids (any subset, any order, changing every
+        step). Everything is launched on the device; nothing here waits for it.
+        """
+        k, max_len = self.k, self.max_len
+        ring_index = self._step_id % READBACK_RING
+        staging = self._ring[ring_index]
+        staging.step_id = self._step_id
+        self._mark(staging, 0)
+
+        lengths = self.lengths[slots]
+        start = lengths - 1
+        row_base = slots * max_len
+        last = torch.take(self.history, row_base + start)
+        drafts = self.drafts[slots]
+        if self.invalid == "pad":
+            num_drafts = self.num_valid[slots]
+            # -1 is no token id: the model sees the last token there, the sampler still sees -1 (rejected).
+            model_drafts = torch.where(drafts < 0, last[:, None], drafts)
+        else:
+            num_drafts = self._all_drafts[: slots.shape[0]]
+            model_drafts = drafts
+        logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
+        if self._steered:
+            # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
+            ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
+            ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
+            ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, -1)
+            steer_logits(logits, ref_tokens, STEER_MARGIN)
+        self._mark(staging, 1)
+
+        output, num_emitted = rejection_sample(
+            logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
+        )
+        self._mark(staging, 2)
+
+        # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past the
+        # emitted tokens get their old values back.
+        index = row_base[:, None] + (lengths[:, None] + self._positions).clamp(max=max_len - 1)
+        keep = self._positions < num_emitted[:, None]
+        values = torch.where(keep, output, torch.take(self.history, index))
+        self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
+        new_lengths = lengths + num_emitted
+        self.lengths.index_copy_(0, slots, new_lengths)
+        self._mark(staging, 3)
+
+        if k > 0:
+            new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
+            self.drafts.index_copy_(0, slots, new_drafts)
+            self.num_valid.index_copy_(0, slots, new_valid)
+        self._mark(staging, 4)
+
+        batch = slots.shape[0]
+        staging.device[:batch, : k + 1] = output
+        staging.device[:batch, k + 1] = num_emitted
+        staging.device[:batch, k + 2] = num_drafts
+        if self.cuda:
+            staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)
+            staging.events[5].record()
+        self._step_id += 1
+        return StepResult(output, num_emitted, num_drafts, staging.step_id, ring_index)
+
+    def _mark(self, staging: _Staging, i: int) -> None:
+        if self.cuda:
+            staging.events[i].record()
+        elif i == 0:
+            staging.times = [time.perf_counter()]
+        else:
+            staging.times.append(time.perf_counter())
+
+    def readback(self, result: StepResult) -> StepOutput:
+        """Wait for the step, copy its tokens and counts to the host, read its phase times (the one sync)."""
+        staging = self._ring[result.ring_index]
+        if staging.step_id != result.step_id:
+            raise RuntimeError(f"step {result.step_id} was overwritten: read back within {READBACK_RING} steps")
+        if self.cuda:
+            staging.events[5].synchronize()
+            marks = staging.events
+            phase_s = {name: marks[i].elapsed_time(marks[i + 1]) / 1e3 for i, name in enumerate(PHASES)}
+        else:
+            marks = staging.times
+            phase_s = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
+        packed = staging.host[: result.output.shape[0]].numpy().copy()
+        k = self.k
+        return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], phase_s)

@@ -1,0 +1,555 @@
+"""Llama-shaped target model with a static per-slot KV cache, for the real decode loop.
+
+gpt-fast style: RMSNorm, RoPE (rotate-half pairing, as HF Llama), grouped-query attention, SwiGLU, tied
+or untied LM head, random seeded weights. The cache is allocated once, `[layers, slots + 1, max_len,
+kv_heads, head_dim]`; the extra slot is scratch for the padding rows of a CUDA-graph batch bucket.
+
+`verify` runs T = 1 + k tokens per batch row, each row at its own slot and start position (tensors, so
+nothing is read on the host). On CUDA the per-token ops are small Triton kernels (fused residual add +
+RMSNorm, RoPE + KV write, cached attention, SiLU-mul) so that a layer is nine launches and a captured
+CUDA graph stays close to the weight-read floor; elsewhere the same ops run as plain torch.
+"""
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512, rope_theta=10000.0),
+    # Shapes of the public models; Llama 3's long-context RoPE scaling is left out (random weights).
+    "llama-3.2-1b": ModelConfig(
+        n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256, tie_embeddings=True
+    ),
+    "llama-3-8b": ModelConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+}
+
+
+def get_config(preset: str, n_layers: int | None = None) -> ModelConfig:
+    """A preset, optionally with fewer (or more) layers."""
+    config = PRESETS[preset]
+    return config if n_layers is None else dataclasses.replace(config, n_layers=n_layers)
+
+
+def model_sizes(
+    config: ModelConfig, *, max_slots: int = 0, max_len: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, int]:
+    """Parameter count and bytes, the bytes a forward must read, and KV-cache bytes (per token, total)."""
+    c, elem = config, dtype.itemsize
+    attn = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim
+    per_layer = attn + 3 * c.dim * c.ffn_dim + 2 * c.dim
+    embedding = c.vocab_size * c.dim
+    params = c.n_layers * per_layer + embedding + c.dim + (0 if c.tie_embeddings else embedding)
+    # An untied embedding table is only gathered (B x T rows), so a forward does not read all of it.
+    read = params - (0 if c.tie_embeddings else embedding)
+    kv_per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * elem
+    return {
+        "params": params,
+        "param_bytes": params * elem,
+        "weight_read_bytes": read * elem,
+        "kv_bytes_per_token": kv_per_token,
+        "kv_cache_bytes": kv_per_token * (max_slots + 1) * max_len,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-token ops, torch version: the CPU path and the oracle for the Triton kernels below.
+# --------------------------------------------------------------------------------------------------
+
+
+def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """RMSNorm of x, or of `residual += x` (updated in place) when a residual stream is given."""
+    if residual is not None:
+        residual += x
+        x = residual
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_write_kv_torch(
+    qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor, start_pos: Tensor, n_tokens: int, n_heads: int,
+) -> Tensor:  # fmt: skip
+    """Rotate q and k of `qkv [B*T, (Hq + 2 Hkv) * D]`, write k and v to the cache; returns q [B*T, Hq, D]."""
+    max_len, n_kv_heads, head_dim = k_cache.shape[1:]
+    q, k, v = qkv.view(qkv.shape[0], -1, head_dim).split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    arange = torch.arange(n_tokens, device=qkv.device)
+    # Past max_len the caller's results are garbage, but writes stay inside the row's own slot.
+    pos = (start_pos[:, None] + arange).clamp(max=max_len - 1).view(-1)
+    rows = slots[:, None].expand(-1, n_tokens).reshape(-1)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+    k_cache[rows, pos] = _rotate(k, c, s)
+    v_cache[rows, pos] = v
+    return _rotate(q, c, s)
+
+
+def verify_attention_torch(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int
+) -> Tensor:
+    """Causal attention of q [B*T, Hq, D] over each row's cached positions <= its own; returns [B*T, Hq*D]."""
+    batch, (max_len, _, head_dim) = slots.shape[0], k_cache.shape[1:]
+    n_heads = q.shape[1]
+    q_pos = start_pos[:, None] + torch.arange(n_tokens, device=q.device)
+    mask = torch.arange(max_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    q = q.view(batch, n_tokens, n_heads, head_dim).transpose(1, 2)
+    k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    return out.transpose(1, 2).reshape(batch * n_tokens, n_heads * head_dim)
+
+
+def silu_mul_torch(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-token ops, Triton version (CUDA; also CPU tensors under TRITON_INTERPRET=1). Same signatures.
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, eps, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                     ADD_RESIDUAL: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < DIM
+    x = tl.load(x_ptr + row * DIM + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        # Round the sum to the stream's dtype before normalising, exactly as `residual += x` does.
+        x = (x + tl.load(res_ptr + row * DIM + cols, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * DIM + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / DIM + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * DIM + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    out = torch.empty_like(x)
+    n_rows, dim = x.shape
+    add = residual is not None
+    _rms_norm_kernel[(n_rows,)](
+        x, residual if add else x, weight, out, eps, DIM=dim, BLOCK=triton.next_power_of_2(dim),
+        ADD_RESIDUAL=add, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, slots_ptr, start_ptr,
+    n_tokens, max_pos, stride_slot, stride_pos,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    # One program per token: all its q heads (rotated, to q), k heads (rotated) and v heads (to the cache).
+    n = tl.program_id(0)
+    b = n // n_tokens
+    slot = tl.load(slots_ptr + b)
+    pos = tl.minimum(tl.load(start_ptr + b) + n % n_tokens, max_pos)
+    D: tl.constexpr = 2 * HALF
+    i = tl.arange(0, HALF)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+    cos = tl.load(cos_ptr + pos * HALF + i)
+    sin = tl.load(sin_ptr + pos * HALF + i)
+    src = qkv_ptr + n * (HQ + 2 * HKV) * D + h * D + i
+
+    is_q = h < HQ
+    x1 = tl.load(src, mask=is_q, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=is_q, other=0.0).to(tl.float32)
+    dst = q_ptr + n * HQ * D + h * D + i
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=is_q)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=is_q)
+
+    is_kv = h < HKV
+    cache = slot * stride_slot + pos * stride_pos + h * D + i
+    x1 = tl.load(src + HQ * D, mask=is_kv, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HQ * D + HALF, mask=is_kv, other=0.0).to(tl.float32)
+    tl.store(k_cache_ptr + cache, (x1 * cos - x2 * sin).to(k_cache_ptr.dtype.element_ty), mask=is_kv)
+    tl.store(k_cache_ptr + cache + HALF, (x2 * cos + x1 * sin).to(k_cache_ptr.dtype.element_ty), mask=is_kv)
+    tl.store(v_cache_ptr + cache, tl.load(src + (HQ + HKV) * D, mask=is_kv, other=0.0), mask=is_kv)
+    tl.store(v_cache_ptr + cache + HALF, tl.load(src + (HQ + HKV) * D + HALF, mask=is_kv, other=0.0), mask=is_kv)
+
+
+def rope_write_kv_triton(
+    qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor, start_pos: Tensor, n_tokens: int, n_heads: int,
+) -> Tensor:  # fmt: skip
+    max_len, n_kv_heads, head_dim = k_cache.shape[1:]
+    q = torch.empty(qkv.shape[0], n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_write_kv_kernel[(qkv.shape[0],)](
+        qkv, q, k_cache, v_cache, cos, sin, slots, start_pos, n_tokens, max_len - 1,
+        k_cache.stride(0), k_cache.stride(1),
+        HQ=n_heads, HKV=n_kv_heads, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(n_heads), num_warps=4,
+    )  # fmt: skip
+    return q
+
+
+@triton.jit
+def _verify_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, slots_ptr, start_ptr, n_tokens, max_len, sm_scale,
+    stride_slot, stride_pos,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One program per (row, kv head): its T x G query rows share every K/V tile (GQA), and the loop runs
+    # only over the row's real context, read from the device, so one launch (or graph) fits every length.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    slot = tl.load(slots_ptr + b)
+    start = tl.load(start_ptr + b)
+    r = tl.arange(0, BLOCK_M)
+    t = r // G
+    row_ok = (t < n_tokens)[:, None]
+    d = tl.arange(0, D)[None, :]
+    q_off = ((b * n_tokens + t) * HQ + kv_head * G + r % G)[:, None] * D + d
+    q = tl.load(q_ptr + q_off, mask=row_ok, other=0.0)
+    q_pos = (start + t)[:, None]
+    n_ctx = tl.minimum(start + n_tokens, max_len)
+    kv_base = slot * stride_slot + kv_head * D
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for j0 in range(0, n_ctx, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        kv_off = kv_base + j[:, None] * stride_pos + d
+        kv_ok = (j < n_ctx)[:, None]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        # Causal: positions past the query (this step's later tokens, stale rejected drafts) are masked.
+        s = tl.where(j[None, :] <= q_pos, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    tl.store(o_ptr + q_off, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok)
+
+
+def verify_attention_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int
+) -> Tensor:
+    max_len, n_kv_heads, head_dim = k_cache.shape[1:]
+    n_heads = q.shape[1]
+    group = n_heads // n_kv_heads
+    out = torch.empty_like(q)
+    _verify_attention_kernel[(slots.shape[0], n_kv_heads)](
+        q, k_cache, v_cache, out, slots, start_pos, n_tokens, max_len, head_dim**-0.5,
+        k_cache.stride(0), k_cache.stride(1),
+        HQ=n_heads, G=group, D=head_dim, BLOCK_M=max(16, triton.next_power_of_2(n_tokens * group)), BLOCK_N=64,
+    )  # fmt: skip
+    return out.view(q.shape[0], n_heads * head_dim)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, FFN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < FFN
+    gate = tl.load(gate_up_ptr + row * 2 * FFN + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * FFN + FFN + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * FFN + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_triton(gate_up: Tensor) -> Tensor:
+    n_rows, ffn = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(n_rows, ffn, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(n_rows, triton.cdiv(ffn, 1024))](gate_up, out, FFN=ffn, BLOCK=1024, num_warps=4)
+    return out
+
+
+@dataclass(frozen=True)
+class _Ops:
+    rms_norm: Callable[..., Tensor]
+    rope_write_kv: Callable[..., Tensor]
+    verify_attention: Callable[..., Tensor]
+    silu_mul: Callable[[Tensor], Tensor]
+
+
+TORCH_OPS = _Ops(rms_norm_torch, rope_write_kv_torch, verify_attention_torch, silu_mul_torch)
+TRITON_OPS = _Ops(rms_norm_triton, rope_write_kv_triton, verify_attention_triton, silu_mul_triton)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model.
+# --------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """One decoder layer's weights; q/k/v and gate/up are fused into one matrix each (fewer launches)."""
+
+    def __init__(self, c: ModelConfig, normal: Callable[[int, int], Tensor], ones: Callable[[int], Tensor]):
+        super().__init__()
+        qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        self.attn_norm = nn.Parameter(ones(c.dim), requires_grad=False)
+        self.wqkv = nn.Parameter(normal(qkv_rows, c.dim), requires_grad=False)
+        self.wo = nn.Parameter(normal(c.dim, c.n_heads * c.head_dim), requires_grad=False)
+        self.ffn_norm = nn.Parameter(ones(c.dim), requires_grad=False)
+        self.w13 = nn.Parameter(normal(2 * c.ffn_dim, c.dim), requires_grad=False)  # gate rows, then up rows
+        self.w2 = nn.Parameter(normal(c.dim, c.ffn_dim), requires_grad=False)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    tokens: Tensor
+    slots: Tensor
+    start_pos: Tensor
+    logits: Tensor
+
+
+class Transformer(nn.Module):
+    """Random-weight Llama-shaped model with a static KV cache of `max_slots` slots x `max_len` positions.
+
+    bf16 on CUDA, fp32 elsewhere. With `cuda_graphs`, `verify` replays a graph captured per batch-size
+    bucket (and per T); the first verify with a new T captures all buckets (call `capture_graphs` to do it
+    up front, since capture synchronises).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_slots: int,
+        max_len: int,
+        device: torch.device | str,
+        seed: int = 0,
+        cuda_graphs: bool = False,
+        triton_kernels: bool | None = None,
+    ):
+        super().__init__()
+        device = torch.device(device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device")
+        c = self.config = config
+        self.max_slots, self.max_len, self.pad_slot = max_slots, max_len, max_slots
+        self.cuda_graphs = cuda_graphs
+        self.ops = TRITON_OPS if (device.type == "cuda" if triton_kernels is None else triton_kernels) else TORCH_OPS
+
+        # Weights are drawn on the device itself (fast for 8B shapes), in a fixed order from one generator.
+        # Scale 1/sqrt(fan_in) keeps activations O(1); with a tied head the logits are O(sqrt(dim)).
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def normal(rows: int, cols: int, std: float | None = None) -> Tensor:
+            w = torch.randn(rows, cols, generator=gen, device=device, dtype=dtype)
+            return w.mul_(cols**-0.5 if std is None else std)
+
+        def ones(n: int) -> Tensor:
+            return torch.ones(n, device=device, dtype=dtype)
+
+        self.tok_embeddings = nn.Parameter(normal(c.vocab_size, c.dim, 1.0), requires_grad=False)
+        self.layers = nn.ModuleList(Block(c, normal, ones) for _ in range(c.n_layers))
+        self.norm = nn.Parameter(ones(c.dim), requires_grad=False)
+        self.output = (
+            self.tok_embeddings if c.tie_embeddings else nn.Parameter(normal(c.vocab_size, c.dim), requires_grad=False)
+        )
+
+        # Zero-filled, not empty: the torch attention path multiplies masked positions by 0, and NaN * 0 = NaN.
+        cache_shape = (c.n_layers, max_slots + 1, max_len, c.n_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
+        inv_freq = c.rope_theta ** -(torch.arange(0, c.head_dim, 2, device=device, dtype=torch.float64) / c.head_dim)
+        angles = torch.arange(max_len, device=device, dtype=torch.float64)[:, None] * inv_freq
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [max_len, head_dim / 2]
+        self.slot_ids = torch.arange(max_slots + 1, device=device)
+        self._graph_sizes = sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_cache.device
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a forward reads: every parameter once, less an untied embedding table
+        (a gather touches only B x T of its rows). This over the copy bandwidth is the weight-read floor."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        untied = self.tok_embeddings.numel() * self.tok_embeddings.element_size()
+        return total - (0 if self.config.tie_embeddings else untied)
+
+    def _forward(self, tokens: Tensor, slots: Tensor, start_pos: Tensor, prefill_slot: int | None) -> Tensor:
+        """Final normed hidden states [B*T, dim]; writes every layer's K/V for the tokens into the cache."""
+        c, ops = self.config, self.ops
+        n_tokens = tokens.shape[1]
+        residual = F.embedding(tokens.reshape(-1), self.tok_embeddings)
+        x = ops.rms_norm(residual, self.layers[0].attn_norm, c.norm_eps)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            qkv = F.linear(x, layer.wqkv)
+            q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
+            if prefill_slot is None:
+                attn = ops.verify_attention(q, k_cache, v_cache, slots, start_pos, n_tokens)
+            else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
+                k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)
+                v = v_cache[prefill_slot, :n_tokens].transpose(0, 1)
+                attn = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
+                attn = attn.transpose(0, 1).reshape(n_tokens, -1)
+            x = ops.rms_norm(F.linear(attn, layer.wo), layer.ffn_norm, c.norm_eps, residual)
+            h = ops.silu_mul(F.linear(x, layer.w13))
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            x = ops.rms_norm(F.linear(h, layer.w2), next_norm, c.norm_eps, residual)
+        return x
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """fp32 logits; on CUDA straight out of the bf16 GEMM (no separate upcast pass over [N, V])."""
+        if x.is_cuda and x.dtype != torch.float32:
+            return torch.mm(x, self.output.t(), out_dtype=torch.float32)
+        return F.linear(x, self.output).float()
+
+    def prefill(self, slot: int, tokens: Tensor) -> Tensor:
+        """Write a prompt's K/V at positions 0..len-1 of `slot`; returns the last position's logits [V]."""
+        if not 0 < tokens.shape[0] <= self.max_len:
+            raise ValueError(f"prompt length {tokens.shape[0]} not in [1, {self.max_len}]")
+        slots = self.slot_ids[slot : slot + 1]
+        x = self._forward(tokens[None], slots, torch.zeros_like(slots), prefill_slot=slot)
+        return self._logits(x[-1:])[0]
+
+    def verify(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
+        """Logits [B, T, V] (fp32) for `tokens [B, T]` at positions start_pos..start_pos+T-1 of `slots`.
+
+        Each row attends to its slot's cache positions <= its own, after writing its T tokens' K/V; the
+        slots must be distinct, and start_pos + T <= max_len. With CUDA graphs the result is a view of a
+        static buffer, valid until the next verify.
+        """
+        batch, n_tokens = tokens.shape
+        if not self.cuda_graphs:
+            return self._logits(self._forward(tokens, slots, start_pos, None)).view(batch, n_tokens, -1)
+        if (self.max_slots, n_tokens) not in self._graphs:
+            self.capture_graphs(n_tokens)
+        size = next(s for s in self._graph_sizes if s >= batch)
+        g = self._graphs[(size, n_tokens)]
+        g.tokens[:batch].copy_(tokens)
+        g.slots[:batch].copy_(slots)
+        g.start_pos[:batch].copy_(start_pos)
+        # Rows past the batch must write only the scratch slot: stale rows from an earlier, larger batch
+        # would otherwise overwrite live slots' K/V.
+        g.slots[batch:].fill_(self.pad_slot)
+        g.graph.replay()
+        return g.logits[:batch]
+
+    def capture_graphs(self, n_tokens: int) -> None:
+        """Capture the verify step for T = n_tokens at every batch-size bucket (largest first, one pool)."""
+        for size in reversed(self._graph_sizes):
+            tokens = torch.zeros(size, n_tokens, dtype=torch.int64, device=self.device)
+            slots = torch.full((size,), self.pad_slot, dtype=torch.int64, device=self.device)
+            start_pos = torch.zeros(size, dtype=torch.int64, device=self.device)
+            # Warm up on a side stream (kernel compilation, cuBLAS handles) as graph capture requires.
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._logits(self._forward(tokens, slots, start_pos, None))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits = self._logits(self._forward(tokens, slots, start_pos, None))
+            self._graphs[(size, n_tokens)] = _Graph(graph, tokens, slots, start_pos, logits.view(size, n_tokens, -1))
+
+
+def steer_logits(logits: Tensor, ref_tokens: Tensor, margin: float) -> Tensor:
+    """Make `ref_tokens [B, T]` the argmax of `logits [B, T, V]` (in place) where ref >= 0.
+
+    The reference logit becomes row max + margin, so at temperature tau it holds at least
+    1 / (1 + V exp(-margin / tau)) of the mass: real compute, replayed token identities.
+    """
+    index = ref_tokens.clamp(min=0).unsqueeze(-1)
+    steered = logits.amax(dim=-1, keepdim=True) + margin
+    return logits.scatter_(-1, index, torch.where(ref_tokens.unsqueeze(-1) >= 0, steered, logits.gather(-1, index)))
+
+
+def bench_verify_step(
+    preset: str,
+    batch_sizes: list[int],
+    k: int,
+    device: torch.device | str,
+    repeats: int = 50,
+    *,
+    bandwidth: float,
+    context_len: int = 512,
+    n_layers: int | None = None,
+    cuda_graphs: bool = True,
+) -> list[dict]:
+    """Median time of the model verify step (B rows x (1+k) tokens, each row after `context_len` cached
+    tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller).
+
+    Every slot is first prefilled with random tokens so attention reads real K/V. CUDA: event timing of
+    back-to-back launches after warm-up (and graph capture); CPU: wall clock.
+    """
+    device = torch.device(device)
+    config = get_config(preset, n_layers)
+    n_tokens = k + 1
+    model = Transformer(
+        config, max_slots=max(batch_sizes), max_len=context_len + n_tokens, device=device,
+        cuda_graphs=cuda_graphs and device.type == "cuda",
+    )  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(1)
+    for slot in range(model.max_slots):
+        model.prefill(slot, torch.randint(config.vocab_size, (context_len,), generator=gen, device=device))
+    floor_s = model.weight_bytes() / bandwidth
+    kv_bytes_per_row = model_sizes(config, dtype=model.k_cache.dtype)["kv_bytes_per_token"] * (context_len + n_tokens)
+    matmul_params = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.output.numel()
+
+    rows = []
+    for batch in batch_sizes:
+        tokens = torch.randint(config.vocab_size, (batch, n_tokens), generator=gen, device=device)
+        slots = model.slot_ids[:batch]
+        start_pos = torch.full((batch,), context_len, dtype=torch.int64, device=device)
+        for _ in range(3):
+            model.verify(tokens, slots, start_pos)
+        times = []
+        if device.type == "cuda":
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
+            ]
+            for begin, end in events:
+                begin.record()
+                model.verify(tokens, slots, start_pos)
+                end.record()
+            torch.cuda.synchronize(device)
+            times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
+        else:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                model.verify(tokens, slots, start_pos)
+                times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+        rows.append({
+            "name": f"verify_step[{preset}{'' if n_layers is None else f',L={n_layers}'}]",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "batch": batch, "k": k, "tokens": batch * n_tokens, "context": context_len,
+            "cuda_graphs": model.cuda_graphs, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
+            "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
+            "weight_bytes": model.weight_bytes(), "kv_read_bytes": kv_bytes_per_row * batch,
+            "tflops": 2 * matmul_params * batch * n_tokens / median / 1e12,
+        })  # fmt: skip
+    return rows

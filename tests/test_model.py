@@ -1,0 +1,157 @@
+"""Target model: KV-cache forward vs a float64 full recompute, masking of stale K/V, sizes, steering."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from simharness.engine.model import PRESETS, Transformer, get_config, model_sizes, steer_logits
+
+TINY = get_config("tiny")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """The tiny model gains nothing from threads, and OpenMP spinning on a busy 2-core runner costs 30x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] of one sequence from position 0, recomputed from the weights in float64, no cache."""
+    c = model.config
+    n, hd, group = tokens.shape[0], c.head_dim, c.n_heads // c.n_kv_heads
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * c.rope_theta ** (
+        -torch.arange(0, hd, 2, dtype=torch.float64) / hd
+    )
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w.double()
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    x = model.tok_embeddings.double()[tokens]
+    for layer in model.layers:
+        q, k, v = (norm(x, layer.attn_norm) @ layer.wqkv.double().T).split(
+            [c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd], dim=-1
+        )
+        q, k = rope(q.view(n, c.n_heads, hd)), rope(k.view(n, c.n_kv_heads, hd))
+        k, v = k.repeat_interleave(group, dim=1), v.view(n, c.n_kv_heads, hd).repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        x = x + torch.einsum("hts,shd->thd", weights, v).reshape(n, -1) @ layer.wo.double().T
+        gate, up = (norm(x, layer.ffn_norm) @ layer.w13.double().T).chunk(2, dim=-1)
+        x = x + (F.silu(gate) * up) @ layer.w2.double().T
+    return norm(x, model.norm) @ model.output.double().T
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    err = (actual.double() - expected).norm() / expected.norm()
+    assert err < 1e-5, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cached_verify_steps_equal_full_recompute(tied: bool) -> None:
+    model = Transformer(dataclasses.replace(TINY, tie_embeddings=tied), max_slots=3, max_len=64, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(TINY.vocab_size, (40,), generator=gen) for _ in range(2)]
+    slots, lens = torch.tensor([2, 0]), [11, 6]
+    for seq, slot, n in zip(seqs, slots.tolist(), lens, strict=True):
+        assert_close(model.prefill(slot, seq[:n]), reference_logits(model, seq[:n])[-1])
+    # Both rows in one verify call per step, each at its own position; T varies between steps.
+    for n_tokens in [3, 1, 5, 2]:
+        tokens = torch.stack([seq[n : n + n_tokens] for seq, n in zip(seqs, lens, strict=True)])
+        logits = model.verify(tokens, slots, torch.tensor(lens))
+        for row, (seq, n) in enumerate(zip(seqs, lens, strict=True)):
+            assert_close(logits[row], reference_logits(model, seq[: n + n_tokens])[n:])
+        lens = [n + n_tokens for n in lens]
+
+
+def test_stale_kv_past_the_query_is_masked() -> None:
+    """K/V of rejected drafts sit past the committed length; a later query must never see them."""
+    model = Transformer(TINY, max_slots=2, max_len=32, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(TINY.vocab_size, (12,), generator=gen)
+    model.prefill(1, seq[:8])
+    # Verify [seq[8], junk, junk, junk]: positions 9..11 now hold K/V of tokens that were "rejected".
+    junk = torch.randint(TINY.vocab_size, (3,), generator=gen)
+    model.verify(torch.cat([seq[8:9], junk])[None], torch.tensor([1]), torch.tensor([8]))
+    model.k_cache[:, 1, 12:] = 1e4  # and anything further out is garbage too
+    model.v_cache[:, 1, 12:] = -1e4
+    # Accept only seq[8]: the next step starts at position 9 with one token; 10, 11 stay stale.
+    logits = model.verify(seq[9:10][None], torch.tensor([1]), torch.tensor([9]))
+    assert_close(logits[0], reference_logits(model, seq[:10])[9:])
+
+
+def test_reused_slot_prefill_ignores_the_previous_request() -> None:
+    model = Transformer(TINY, max_slots=1, max_len=32, device="cpu")
+    long, short = torch.arange(30) % 7, torch.tensor([5, 9, 2])
+    model.prefill(0, long)
+    assert_close(model.prefill(0, short), reference_logits(model, short)[-1])
+    assert_close(model.verify(torch.tensor([[4, 4]]), torch.tensor([0]), torch.tensor([3]))[0],
+                 reference_logits(model, torch.tensor([5, 9, 2, 4, 4]))[3:])  # fmt: skip
+
+
+def test_sizes_match_the_parameters() -> None:
+    for tied in (False, True):
+        config = dataclasses.replace(TINY, tie_embeddings=tied)
+        model = Transformer(config, max_slots=3, max_len=16, device="cpu")
+        sizes = model_sizes(config, max_slots=3, max_len=16, dtype=torch.float32)
+        assert sizes["params"] == sum(p.numel() for p in model.parameters())
+        assert sizes["weight_read_bytes"] == model.weight_bytes()
+        assert sizes["kv_cache_bytes"] == 2 * model.k_cache.numel() * 4
+    # The public models' parameter counts: Llama 3.2 1B has 1.24 B, Llama 3 8B 8.03 B.
+    assert model_sizes(PRESETS["llama-3.2-1b"])["params"] == pytest.approx(1.236e9, rel=1e-3)
+    assert model_sizes(PRESETS["llama-3-8b"])["params"] == pytest.approx(8.030e9, rel=1e-3)
+    assert get_config("llama-3.2-1b", n_layers=2).n_layers == 2
+
+
+def test_steer_logits() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 100, generator=gen) * 5
+    ref = torch.randint(100, (3, 4), generator=gen)
+    ref[1, 2] = -1
+    original = logits.clone()
+    steer_logits(logits, ref, margin=30.0)
+    has_ref = ref >= 0
+    assert torch.equal(logits.argmax(-1)[has_ref], ref[has_ref])
+    assert torch.equal(logits[1, 2], original[1, 2])
+    assert (logits.softmax(-1).gather(-1, ref.clamp(min=0)[..., None])[has_ref] > 0.999).all()
+
+
+def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
+    """The CUDA path's Triton kernels, run by Triton's CPU interpreter (it must be on before they are
+    decorated, hence a subprocess): same prefill and verify logits and the same cache as the torch ops."""
+    code = textwrap.dedent("""
+        import torch
+        from simharness.engine.model import Transformer, get_config
+        torch.set_num_threads(1)
+        models = [Transformer(get_config("tiny"), max_slots=3, max_len=48, device="cpu", triton_kernels=t)
+                  for t in (False, True)]
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(512, (n,), generator=gen) for n in (20, 13)]
+        tokens = torch.randint(512, (2, 5), generator=gen)
+        outs = []
+        for m in models:
+            prefill = [m.prefill(slot, p) for slot, p in zip((2, 0), prompts)]
+            outs.append((prefill, m.verify(tokens, torch.tensor([2, 0]), torch.tensor([20, 13])), m.k_cache, m.v_cache))
+        (p0, v0, k0, c0), (p1, v1, k1, c1) = outs
+        for a, b in [*zip(p0, p1), (v0, v1), (k0, k1), (c0, c1)]:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
