@@ -1,0 +1,191 @@
+"""The text corpus: Python standard-library source, present on every machine without a download.
+
+Two token streams, each cut into natural passages:
+- `code`: the full source of `FILES`, cut at every top-level `def`/`class` and every method (with
+  its decorators), so a passage is one function, one method or one class header;
+- `prose`: the docstrings of the same files (module, class and function docstrings, cleaned as
+  `inspect.cleandoc` does), one passage per docstring, in source order.
+
+`FILES` are modules whose text is byte-identical in CPython 3.11.2 (Debian 12), 3.11.7, 3.12.1 and
+3.13.0, so the vocabulary and every token stream, and with them replay acceptance, are the same on
+those versions (checked: equal `Corpus.fingerprint`). Other patch releases may differ: security
+backports touch modules such as `email/header.py`, which is why it is not listed. Files that
+packagers split off (idlelib, tkinter, turtledemo) are left out; a listed file that is missing is
+skipped, and the fingerprint tells two machines' corpora apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import itertools
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from simharness.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
+
+# Sorted; paths relative to the stdlib directory.
+FILES = (
+    "__future__.py",
+    "_compression.py",
+    "_markupbase.py",
+    "_py_abc.py",
+    "_threading_local.py",
+    "_weakrefset.py",
+    "asyncio/protocols.py",
+    "concurrent/futures/_base.py",
+    "difflib.py",
+    "email/_encoded_words.py",
+    "email/contentmanager.py",
+    "email/headerregistry.py",
+    "email/mime/image.py",
+    "email/quoprimime.py",
+    "graphlib.py",
+    "heapq.py",
+    "json/__init__.py",
+    "multiprocessing/heap.py",
+    "multiprocessing/reduction.py",
+    "multiprocessing/sharedctypes.py",
+    "optparse.py",
+    "pyclbr.py",
+    "string.py",
+    "tomllib/_parser.py",
+    "tracemalloc.py",
+    "unittest/suite.py",
+    "unittest/util.py",
+    "urllib/robotparser.py",
+    "weakref.py",
+    "wsgiref/headers.py",
+    "xml/dom/__init__.py",
+    "xml/dom/domreg.py",
+    "xml/dom/pulldom.py",
+    "xml/dom/xmlbuilder.py",
+    "xml/etree/ElementPath.py",
+    "xml/sax/handler.py",
+    "xml/sax/saxutils.py",
+    "zoneinfo/_common.py",
+)
+
+# Docstrings shorter than this are labels ("Return x."), not prose worth summarising.
+MIN_DOCSTRING_CHARS = 80
+
+
+@dataclass(frozen=True)
+class Document:
+    """One file's passages as text: its code cut at definitions, and its long docstrings."""
+
+    name: str
+    code: tuple[str, ...]
+    prose: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Stream:
+    """One genre's documents tokenised back to back; passage p is tokens[start[p] : start[p] + length[p]]."""
+
+    tokens: np.ndarray  # int32 [T]
+    start: np.ndarray  # int64 [P], ascending
+    length: np.ndarray  # int64 [P], > 0
+    doc: np.ndarray  # int64 [P], index into Corpus.names
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """`length` tokens from `start`, wrapping past the end of the stream (a copy)."""
+        if start + length <= len(self.tokens):
+            return self.tokens[start : start + length].copy()
+        return np.take(self.tokens, np.arange(start, start + length), mode="wrap")
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    tokenizer: Tokenizer
+    names: tuple[str, ...]  # the files that were found, in FILES order
+    code: Stream
+    prose: Stream
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the vocabulary and both streams: equal iff two machines see the same tokens."""
+        h = hashlib.sha256()
+        h.update("\0".join(self.tokenizer.pieces).encode())
+        for stream in (self.code, self.prose):
+            for array in (stream.tokens, stream.start, stream.length, stream.doc):
+                h.update(array.tobytes())
+        return h.hexdigest()[:16]
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _split_code(source: str, tree: ast.Module) -> tuple[str, ...]:
+    """Cut a module's source at each top-level definition and each method, decorators included."""
+    nodes: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            nodes.append(node)
+        if isinstance(node, ast.ClassDef):
+            nodes.extend(n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    starts = {0} | {min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1 for n in nodes}
+    lines = source.splitlines(keepends=True)
+    bounds = [*sorted(starts), len(lines)]
+    return tuple("".join(lines[a:b]) for a, b in itertools.pairwise(bounds) if a < b)
+
+
+def _docstrings(tree: ast.Module) -> tuple[str, ...]:
+    """The module's, classes' and functions' docstrings in source order, long enough to be prose."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= MIN_DOCSTRING_CHARS:
+                line = node.body[0].lineno
+                found.append((line, doc + "\n\n"))
+    return tuple(doc for _, doc in sorted(found))
+
+
+@functools.lru_cache(maxsize=1)
+def documents() -> tuple[Document, ...]:
+    """The corpus files that exist on this machine, as text passages."""
+    root = stdlib_dir()
+    docs = []
+    for name in FILES:
+        path = root / name
+        if not path.is_file():
+            continue
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        docs.append(Document(name, _split_code(source, tree), _docstrings(tree)))
+    if not docs:
+        raise FileNotFoundError(f"none of the corpus files exist under {root}")
+    return tuple(docs)
+
+
+def _stream(tokenizer: Tokenizer, passages_by_doc: list[tuple[str, ...]]) -> Stream:
+    parts, doc_of = [], []
+    for d, passages in enumerate(passages_by_doc):
+        for text in passages:
+            ids = tokenizer.encode(text)
+            if len(ids):
+                parts.append(ids)
+                doc_of.append(d)
+    length = np.array([len(p) for p in parts], dtype=np.int64)
+    start = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    return Stream(np.concatenate(parts), start, length, np.array(doc_of, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Corpus:
+    """The corpus tokenised with a vocabulary trained on it (cached per process)."""
+    docs = documents()
+    texts = [t for d in docs for t in d.code + d.prose]
+    tokenizer = Tokenizer.train(texts, vocab_size)
+    return Corpus(
+        tokenizer=tokenizer,
+        names=tuple(d.name for d in docs),
+        code=_stream(tokenizer, [d.code for d in docs]),
+        prose=_stream(tokenizer, [d.prose for d in docs]),
+    )
