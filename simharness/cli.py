@@ -23,7 +23,7 @@ out = Console()
 
 def fail(message: str) -> None:
     """Bad input: one clear message, exit status 2, no traceback."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
