@@ -1,0 +1,148 @@
+"""Acceptance models: how many drafts a request has and how many of them the target accepts.
+
+All lookups are vectorised over a batch: `req[i]` is a request id and `committed[i]` the number of
+its output tokens already committed (>= 1 while decoding: the prefill step emits the first token).
+- `iid(alpha)` and `positional(rates)`: k drafts every step; the accepted count is drawn so that
+  P(accepted >= j) is alpha^j, or the product of the first j conditional rates (vLLM's synthetic
+  rejection sampler, vllm-notes §3.1 item 9).
+- `replay`: greedy decoding of the request's reference output with the real n-gram proposer. Under
+  greedy sampling a draft is accepted iff it equals the next reference token, so the drafts and the
+  accepted count at each committed length depend only on the token stream, not on scheduling: they
+  are computed once per request at build time and looked up by fancy indexing.
+With proposer `none` or k = 0 there are no drafts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from simharness.kernels.ngram import TieBreak, propose_ngram_row
+from simharness.scenario import Speculation
+from simharness.workload import Requests
+
+
+class AcceptanceModel(Protocol):
+    def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
+        """Drafts (0..k, int64) the proposer holds for each request at its committed length."""
+        ...
+
+    def accept(
+        self, req: np.ndarray, committed: np.ndarray, n_drafts: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
+        """Accepted drafts (0..n_drafts, int64) of a step that verifies `n_drafts` valid drafts."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class SurvivalAcceptance:
+    """k drafts every step; accepted drafts follow a survival function: P(accepted >= j) = survival[j - 1].
+
+    iid(alpha): survival[j - 1] = alpha^j (leading successes of i.i.d. Bernoulli(alpha) trials).
+    positional(rates): survival[j - 1] = rates[0] * ... * rates[j - 1], rates[i] being the acceptance
+    probability of draft i given drafts < i were accepted (0 past the list). vLLM's synthetic mode
+    is configured with the unconditional rates (these products) and divides them back.
+    """
+
+    survival: np.ndarray  # float64 [k], non-increasing
+
+    def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
+        return np.full(len(req), len(self.survival), dtype=np.int64)
+
+    def accept(
+        self, req: np.ndarray, committed: np.ndarray, n_drafts: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
+        # Inverse CDF with one uniform per request: accepted >= j iff u < survival[j - 1], which has
+        # probability survival[j - 1] because survival is non-increasing.
+        u = rng.random(len(req))
+        reached = (u[:, None] < self.survival[None, :]).sum(axis=1)
+        return np.minimum(reached, n_drafts)
+
+    @property
+    def mean_emitted(self) -> float:
+        """Expected tokens per step with all k drafts verified: 1 + sum_j P(accepted >= j)
+        (for iid, (1 - alpha^(k+1)) / (1 - alpha))."""
+        return 1.0 + float(self.survival.sum())
+
+
+@dataclass(frozen=True, eq=False)
+class ReplayAcceptance:
+    """Tables over (request, committed length j): entry offset[r] + j, for j in [0, output_len[r])."""
+
+    offset: np.ndarray  # int64 [N]
+    valid: np.ndarray  # int64 [sum(output_len)]: drafts proposed from prompt + output[:j]
+    accepted: np.ndarray  # int64 [sum(output_len)]: leading drafts equal to output[j:]
+
+    def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
+        return self.valid[self.offset[req] + committed]
+
+    def accept(
+        self, req: np.ndarray, committed: np.ndarray, n_drafts: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
+        # Greedy verification is deterministic: `rng` is not used.
+        return np.minimum(self.accepted[self.offset[req] + committed], n_drafts)
+
+
+def make_acceptance(cfg: Speculation, requests: Requests) -> AcceptanceModel:
+    """The acceptance model of one sweep point."""
+    k = 0 if cfg.proposer == "none" else cfg.k
+    model = cfg.acceptance
+    if model.model == "iid":
+        return SurvivalAcceptance(model.alpha ** np.arange(1, k + 1, dtype=np.float64))
+    if model.model == "positional":
+        rates = np.zeros(k)
+        given = np.asarray(model.rates[:k], dtype=np.float64)
+        rates[: len(given)] = given
+        return SurvivalAcceptance(np.cumprod(rates))
+    return build_replay(requests, k=k, min_n=cfg.min_n, max_n=cfg.max_n, tie_break=cfg.tie_break)
+
+
+# Tables are built for the largest k the schema allows and clipped to each point's k: the proposer's
+# match does not depend on k, so k drafts are the first k of the longest proposal, and a sweep over k
+# (or over anything but the proposer's matching rules) reuses one build.
+_TABLE_K = 16
+
+
+def build_replay(requests: Requests, *, k: int, min_n: int, max_n: int, tie_break: TieBreak) -> ReplayAcceptance:
+    """Replay tables for draft length k (cached per requests object and matching rules)."""
+    if k == 0:
+        none = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
+        return ReplayAcceptance(_offsets(requests), none, none)
+    offset, valid, accepted = _replay_tables(requests, max(k, _TABLE_K), min_n, max_n, tie_break)
+    return ReplayAcceptance(offset, np.minimum(valid, k), np.minimum(accepted, k))
+
+
+@functools.lru_cache(maxsize=4)
+def _replay_tables(
+    requests: Requests, k: int, min_n: int, max_n: int, tie_break: TieBreak
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run the n-gram proposer at every committed length of every request's reference output.
+
+    Every length, not only those on the greedy path (j -> j + accepted + 1), so that a scheduler
+    that verifies fewer drafts than were proposed (vLLM trims drafts to the token budget) still
+    finds its entry."""
+    offset = _offsets(requests)
+    valid = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
+    accepted = np.zeros_like(valid)
+    for r, (prompt, output) in enumerate(zip(requests.prompt_tokens, requests.output_tokens, strict=True)):
+        history = np.concatenate([prompt, output])
+        base, p = int(offset[r]), len(prompt)
+        for j in range(len(output)):
+            drafts = propose_ngram_row(history[: p + j], min_n=min_n, max_n=max_n, k=k, tie_break=tie_break)
+            if drafts.size == 0:
+                continue
+            # The target's greedy token after prompt + output[:j + i] is output[j + i]; drafts past
+            # the end of the reference have nothing to match and count as rejected.
+            ref = output[j : j + drafts.size]
+            same = drafts[: ref.size] == ref
+            valid[base + j] = drafts.size
+            accepted[base + j] = ref.size if same.all() else int(same.argmin())
+    return offset, valid, accepted
+
+
+def _offsets(requests: Requests) -> np.ndarray:
+    """Where each request's entries start in the flat tables (one entry per output position)."""
+    return np.concatenate([[0], np.cumsum(requests.output_len)[:-1]]).astype(np.int64)

@@ -1,0 +1,154 @@
+"""Acceptance models: iid and positional statistics, replay tables against the real n-gram proposer."""
+
+import numpy as np
+import pytest
+
+from simharness.acceptance import build_replay, make_acceptance
+from simharness.kernels.ngram import propose_ngram_row
+from simharness.scenario import LengthDist, Speculation, Workload
+from simharness.workload import KINDS, build_requests
+
+N_DRAWS = 400_000
+RNG = np.random.default_rng(0)  # replay ignores it
+
+
+def speculation(**kw) -> Speculation:
+    return Speculation.model_validate(kw)
+
+
+@pytest.fixture(scope="module")
+def requests():
+    cfg = Workload(
+        num_requests=90, prompt_len=LengthDist(dist="uniform", min=96, max=384), output_len=LengthDist(value=64)
+    )
+    return build_requests(cfg, seed=11)
+
+
+def draw(model, k: int, n_drafts: int | None = None, seed: int = 0) -> np.ndarray:
+    req = np.zeros(N_DRAWS, dtype=np.int64)
+    committed = np.ones(N_DRAWS, dtype=np.int64)
+    n = np.full(N_DRAWS, k if n_drafts is None else n_drafts, dtype=np.int64)
+    return model.accept(req, committed, n, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.6, 0.9])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_iid_mean_emitted_tokens(requests, alpha, k):
+    model = make_acceptance(speculation(k=k, acceptance={"model": "iid", "alpha": alpha}), requests)
+    expected = (1 - alpha ** (k + 1)) / (1 - alpha)
+    assert model.mean_emitted == pytest.approx(expected)
+    np.testing.assert_array_equal(model.valid_drafts(np.arange(5), np.ones(5, dtype=np.int64)), k)
+    accepted = draw(model, k, seed=k)
+    assert accepted.min() >= 0 and accepted.max() <= k
+    assert (accepted + 1).mean() == pytest.approx(expected, rel=0.01)
+
+
+def test_accepted_is_capped_by_the_drafts_verified(requests):
+    model = make_acceptance(speculation(k=5, acceptance={"model": "iid", "alpha": 0.95}), requests)
+    assert draw(model, 5, n_drafts=2).max() == 2
+    assert draw(model, 5, n_drafts=0).max() == 0
+
+
+def test_positional_per_position_rates(requests):
+    rates = [0.9, 0.7, 0.5, 0.3]
+    model = make_acceptance(speculation(k=6, acceptance={"model": "positional", "rates": rates}), requests)
+    accepted = draw(model, 6)
+    reached = [(accepted >= j).mean() for j in range(1, 7)]
+    np.testing.assert_allclose(reached, [*np.cumprod(rates), 0.0, 0.0], atol=0.004)
+    short = make_acceptance(speculation(k=2, acceptance={"model": "positional", "rates": rates}), requests)
+    np.testing.assert_allclose(short.survival, [0.9, 0.63])
+
+
+@pytest.mark.parametrize("model", ["iid", "positional", "replay"])
+def test_no_drafts_without_a_proposer(requests, model):
+    for cfg in (
+        speculation(proposer="none", acceptance={"model": model}),
+        speculation(k=0, acceptance={"model": model}),
+    ):
+        acc = make_acceptance(cfg, requests)
+        req = np.arange(len(requests))
+        committed = np.ones(len(requests), dtype=np.int64)
+        assert not acc.valid_drafts(req, committed).any()
+        assert not acc.accept(req, committed, np.zeros_like(req), np.random.default_rng(0)).any()
+
+
+def test_replay_valid_drafts_and_accept_are_table_lookups(requests):
+    acc = make_acceptance(speculation(k=4), requests)
+    req = np.array([0, 5, 5, 17])
+    committed = np.array([1, 2, 30, 63])
+    np.testing.assert_array_equal(acc.valid_drafts(req, committed), acc.valid[acc.offset[req] + committed])
+    full = acc.accept(req, committed, acc.valid_drafts(req, committed), np.random.default_rng(0))
+    np.testing.assert_array_equal(full, acc.accepted[acc.offset[req] + committed])
+    np.testing.assert_array_equal(acc.accept(req, committed, np.ones(4, dtype=np.int64), RNG), np.minimum(full, 1))
+
+
+def walk(acc, requests, r: int, k: int, cfg: Speculation) -> tuple[int, list[int]]:
+    """Greedy decoding of request r from the tables, each step checked against the proposer.
+
+    Returns the number of decode steps and the tokens emitted (prefill's first token included)."""
+    prompt, output = requests.prompt_tokens[r], requests.output_tokens[r]
+    history = np.concatenate([prompt, output])
+    emitted = [int(output[0])]  # the prefill step emits the first token
+    j, steps = 1, 0
+    while j < len(output):
+        drafts = propose_ngram_row(
+            history[: len(prompt) + j], min_n=cfg.min_n, max_n=cfg.max_n, k=k, tie_break=cfg.tie_break
+        )
+        a = int(acc.accept(np.array([r]), np.array([j]), np.array([drafts.size]), RNG)[0])
+        assert acc.valid_drafts(np.array([r]), np.array([j]))[0] == drafts.size
+        # greedy verification: the target emits its argmax (the reference token) at the first mismatch
+        step = [*drafts[:a].tolist(), *output[j + a : j + a + 1].tolist()]
+        assert step == output[j : j + a + 1].tolist()
+        assert a == drafts.size or j + a >= len(output) or drafts[a] != output[j + a]
+        emitted += step
+        j += a + 1
+        steps += 1
+    return steps, emitted
+
+
+@pytest.mark.parametrize("tie_break", ["earliest", "latest"])
+def test_replay_walk_reproduces_the_reference_output(requests, tie_break):
+    cfg = speculation(k=4, min_n=2, max_n=4, tie_break=tie_break)
+    acc = make_acceptance(cfg, requests)
+    for r in range(0, len(requests), 3):
+        _, emitted = walk(acc, requests, r, 4, cfg)
+        assert emitted == requests.output_tokens[r].tolist()
+
+
+def test_replay_off_path_entries_and_smaller_k(requests):
+    cfg = speculation(k=4, min_n=1, max_n=3)
+    acc4 = make_acceptance(cfg, requests)
+    acc2 = build_replay(requests, k=2, min_n=1, max_n=3, tie_break="earliest")
+    rng = np.random.default_rng(0)
+    for r, j in zip(rng.integers(len(requests), size=40), rng.integers(1, 64, size=40), strict=True):
+        history = np.concatenate([requests.prompt_tokens[r], requests.output_tokens[r]])
+        for k, acc in ((4, acc4), (2, acc2)):
+            drafts = propose_ngram_row(history[: requests.prompt_len[r] + j], min_n=1, max_n=3, k=k)
+            ref = requests.output_tokens[r][j : j + drafts.size]
+            lead = int(np.cumprod(drafts[: ref.size] == ref).sum())
+            assert acc.valid[acc.offset[r] + j] == drafts.size
+            assert acc.accepted[acc.offset[r] + j] == lead
+
+
+def test_replay_code_edit_accepts_far_more_than_free(requests):
+    cfg = speculation(k=4)
+    acc = make_acceptance(cfg, requests)
+    tokens_per_step = {}
+    for kind, name in enumerate(KINDS):
+        steps = emitted = 0
+        for r in np.flatnonzero(requests.kind == kind):
+            s, e = walk(acc, requests, int(r), 4, cfg)
+            steps, emitted = steps + s, emitted + len(e) - 1
+        tokens_per_step[name] = emitted / steps
+    assert tokens_per_step["code_edit"] > 2.2
+    assert tokens_per_step["code_edit"] > tokens_per_step["summarize"] > tokens_per_step["free"]
+    assert tokens_per_step["free"] < 1.5
+
+
+def test_replay_is_deterministic():
+    cfg = Workload(num_requests=30, output_len=LengthDist(value=48))
+    a = make_acceptance(speculation(k=3), build_requests(cfg, seed=2))
+    b = make_acceptance(speculation(k=3), build_requests(cfg, seed=2))  # new requests: no cache hit
+    np.testing.assert_array_equal(a.valid, b.valid)
+    np.testing.assert_array_equal(a.accepted, b.accepted)
+    np.testing.assert_array_equal(a.offset, b.offset)
