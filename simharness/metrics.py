@@ -112,8 +112,11 @@ def speculation_metrics(requests: pd.DataFrame, steps: pd.DataFrame, k: int) -> 
 
 
 def engine_metrics(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, float]:
-    """Per-step engine-loop figures: GPU time and busy fraction, bubbles, syncs, host phases, GC."""
+    """Per-step engine-loop figures: GPU time and busy fraction, bubbles, syncs, host phases, GC.
+
+    Syncs count only for recorded steps (a step launched as the run ends is never settled nor recorded)."""
     n = len(steps)
+    syncs = syncs[syncs["step"].isin(steps["step"])]
     gpu = _col(steps, "gpu_end") - _col(steps, "gpu_start")
     span = float(_col(steps, "gpu_end").max() - _col(steps, "gpu_start").min()) if n else 0.0
     iv = host_intervals(steps, syncs)

@@ -148,14 +148,15 @@ def test_engine_metrics() -> None:
          "propose_end": 405 * ms},
     ])
     syncs = pd.DataFrame([(0, "metadata_item", "launch", "all_launched", 2 * ms, 4 * ms),
-                          (1, "early", "schedule", "all_launched", 106 * ms, 107 * ms)], columns=SYNC_COLUMNS)
+                          (1, "early", "schedule", "all_launched", 106 * ms, 107 * ms),
+                          (3, "unrecorded_step", "prep", "all_launched", 406 * ms, 407 * ms)], columns=SYNC_COLUMNS)
     m = _metrics(steps=steps, syncs=syncs)
     assert m["num_steps"] == 3
     assert m["mean_step_ms"] == pytest.approx(350 / 3)  # GPU 100 + 100 + 150 ms
     assert m["gpu_busy_fraction"] == pytest.approx(350 / 400)  # span 5 -> 405 ms
     assert m["mean_bubble_ms"] == pytest.approx(50 / 3)
     assert m["syncs_per_step"] == pytest.approx(2 / 3)
-    assert m["sync_wait_ms_per_step"] == pytest.approx(1.0)  # (2 + 1) / 3
+    assert m["sync_wait_ms_per_step"] == pytest.approx(1.0)  # (2 + 1) / 3; step 3 was never recorded
     # host work: step 0: 1 + 1 + 1 (launch after its sync) + 1; step 1: 1 + 1 + 1 + 2 + 2 propose
     assert m["mean_host_ms_per_step"] == pytest.approx(11 / 3)
     assert m["gc_pauses_per_step"] == pytest.approx(1 / 3)

@@ -1,0 +1,321 @@
+"""The run report: `report.md` with a summary table, PNG plots and the host sync points.
+
+Rendered only from the files of a run directory (scenario.yaml, summary.csv, steps.parquet,
+syncs.parquet, meta.json), so `simharness report RUN_DIR` can redo it at any time. A "mode" is one
+combination of the swept values other than concurrency; plots draw one line per mode against
+concurrency when concurrency is swept, and bars per point otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from simharness.metrics import host_intervals
+from simharness.results import load_run_scenario
+from simharness.scenario import Scenario
+from simharness.simulation import OUTPUT_READBACK
+
+CONCURRENCY = "workload.concurrency"
+# Timeline colours: host phases, avoidable syncs in red, the by-design output wait in grey.
+HOST_COLORS = {
+    "gc": ("GC pause", "tab:purple"),
+    "schedule": ("schedule", "tab:blue"),
+    "prep": ("prep", "tab:orange"),
+    "launch": ("launch", "tab:olive"),
+    "update": ("update", "tab:green"),
+    "propose": ("propose (ngram_cpu)", "tab:brown"),
+    "sync": ("sync wait", "tab:red"),
+    "readback": ("wait for output", "silver"),
+}
+GPU_COLORS = ("slategray", "lightslategray")  # alternate so back-to-back steps stay distinct
+MARKERS = "os^Dv<>p"
+
+
+def write_report(run_dir: Path) -> Path:
+    """Render `run_dir/report.md` and `run_dir/plots/*.png`; return the report's path."""
+    run_dir = Path(run_dir)
+    scenario = load_run_scenario(run_dir)
+    path = run_dir / "report.md"
+    summary = _read_summary(run_dir, scenario)
+    if summary.empty:
+        path.write_text(_header(run_dir, scenario, 0) + "\nNo finished sweep points yet.\n")
+        return path
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    syncs = pd.read_parquet(run_dir / "syncs.parquet")
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    by_concurrency = CONCURRENCY in scenario.sweep
+    _plot_tpot(summary, by_concurrency, plots / "tpot.png")
+    _plot_single(summary, by_concurrency, "output_throughput", "output throughput (tok/s)", plots / "throughput.png")
+    _plot_single(summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100), by_concurrency, "gpu_busy_pct",
+                 "GPU busy (%)", plots / "gpu_busy.png")
+    where, timeline_rows = _timeline_points(summary, by_concurrency)
+    n = scenario.report.timeline_steps
+    _plot_timeline(timeline_rows, steps, syncs, n, plots / "timeline.png")
+    text = "\n".join([
+        _header(run_dir, scenario, len(summary)),
+        "## Summary\n",
+        _summary_table(summary),
+        "Latencies in ms with `vllm bench serve` definitions: TPOT per request without the first token, ITL per "
+        "streamed chunk pooled over requests, percentiles linearly interpolated. Accept % = accepted / draft "
+        "tokens, accept len = 1 + accepted / drafts. Syncs/step include the by-design output readback.\n",
+        "## Plots\n",
+        "![TPOT](plots/tpot.png)\n",
+        "![Output throughput](plots/throughput.png)\n",
+        "![GPU busy](plots/gpu_busy.png)\n",
+        "## Timeline\n",
+        f"{n} consecutive steps from about a third into the run{where}, one panel per mode. Host lane: sync waits "
+        "in red, the wait for a step's output in grey; gaps in the GPU lane are bubbles.\n",
+        "![Timeline](plots/timeline.png)\n",
+        "## Host sync points\n",
+        _sync_table(summary, steps, syncs),
+    ])
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# inputs
+
+
+def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
+    """summary.csv with two label columns: `label` (all swept values) and `mode` (all but concurrency)."""
+    try:
+        summary = pd.read_csv(run_dir / "summary.csv", dtype={"note": str})
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+    if summary.empty:
+        return summary
+    summary = summary.sort_values("index", ignore_index=True)
+    summary["note"] = summary["note"].fillna("")
+    paths = list(scenario.sweep)
+    summary["label"] = [_label(row, paths) or scenario.name for _, row in summary.iterrows()]
+    others = [p for p in paths if p != CONCURRENCY]
+    summary["mode"] = [_label(row, others) or scenario.name for _, row in summary.iterrows()]
+    return summary
+
+
+def _label(row: pd.Series, paths: list[str]) -> str:
+    """A short label from swept values: strings as they are, others as `name=value`
+    (`depth=2, ngram_gpu, optimistic`); a depth the engine fell back from shows `depth=2→1`."""
+    parts = []
+    for path in paths:
+        value = row[path]
+        name = path.rsplit(".", 1)[-1]
+        if path == "scheduler.depth" and row.get("effective_depth", value) != value:
+            parts.append(f"depth={value}→{row['effective_depth']}")
+        elif isinstance(value, str):
+            parts.append(value)
+        else:
+            parts.append(f"{name}={value}")
+    return ", ".join(parts)
+
+
+def _tail_key(summary: pd.DataFrame, metric: str) -> tuple[str, str] | None:
+    """The highest percentile column of a latency metric, e.g. ('p99_tpot_ms', 'P99')."""
+    found = [(float(m.group(1)), c) for c in summary.columns if (m := re.fullmatch(rf"p([\d.]+)_{metric}_ms", c))]
+    if not found:
+        return None
+    _, key = max(found)
+    return key, "P" + key.split("_")[0][1:]
+
+
+# --------------------------------------------------------------------------------------------
+# markdown
+
+
+def _header(run_dir: Path, scenario: Scenario, n_points: int) -> str:
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    run = f"Run `{run_dir.name}` of scenario `{scenario.name}`, seed {scenario.seed}, {n_points} point(s)"
+    if meta.get("device"):
+        run += f"; device: {meta['device']}"
+    if meta.get("git_revision"):
+        run += f"; git `{meta['git_revision'][:12]}`"
+    e, spec, s, w = scenario.engine, scenario.engine.speculation, scenario.scheduler, scenario.workload
+    setup = (
+        f"**Setup:** `{e.model}` on {e.gpu} (`{e.backend}` backend); proposer `{spec.proposer}`, k={spec.k}, "
+        f"acceptance `{spec.acceptance.model}`, invalid slots `{spec.invalid_slots}`; scheduler depth {s.depth}, "
+        f"policy `{s.policy}`; workload `{w.arrival}`, concurrency {w.concurrency}, {w.num_requests} requests."
+    )
+    if scenario.sweep:
+        axes = " × ".join(f"`{p}` ∈ {{{', '.join(str(v) for v in vs)}}}" for p, vs in scenario.sweep.items())
+        swept = f"**Swept:** {axes} (swept values replace the setup's)."
+    else:
+        swept = "**Swept:** nothing (one point)."
+    return f"# simharness report: {scenario.name}\n\n{run}.\n\n{setup}\n\n{swept}\n"
+
+
+def _summary_table(summary: pd.DataFrame) -> str:
+    cols = [
+        ("eff. depth", "effective_depth", "{:.0f}"),
+        ("mean TPOT", "mean_tpot_ms", "{:.2f}"),
+        *_tail_column(summary, "tpot", "TPOT", "{:.2f}"),
+        ("mean TTFT", "mean_ttft_ms", "{:.1f}"),
+        *_tail_column(summary, "ttft", "TTFT", "{:.1f}"),
+        *_tail_column(summary, "itl", "ITL", "{:.2f}"),
+        ("out tok/s", "output_throughput", "{:,.0f}"),
+        ("accept %", "acceptance_rate", "{:.1f}"),
+        ("accept len", "mean_acceptance_length", "{:.2f}"),
+        ("GPU busy %", "gpu_busy_pct", "{:.1f}"),
+        ("bubble ms/step", "mean_bubble_ms", "{:.3f}"),
+        ("syncs/step", "syncs_per_step", "{:.2f}"),
+        ("wasted slots", "wasted_slots", "{:,.0f}"),
+    ]
+    table = summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100)
+    rows = [
+        [row["label"], *(_cell(row.get(key), fmt) for _, key, fmt in cols), row["note"]]
+        for _, row in table.iterrows()
+    ]
+    return _markdown_table(["point", *(h for h, _, _ in cols), "notes"], rows)
+
+
+def _tail_column(summary: pd.DataFrame, metric: str, header: str, fmt: str) -> list[tuple[str, str, str]]:
+    tail = _tail_key(summary, metric)
+    return [] if tail is None else [(f"{tail[1]} {header}", tail[0], fmt)]
+
+
+def _sync_table(summary: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame) -> str:
+    """Per mode, over all its points: how often each sync point fires per step and how long it waits."""
+    if syncs.empty:
+        return "No host syncs recorded.\n"
+    syncs = syncs.merge(steps[["point", "step"]], on=["point", "step"])  # recorded steps only, as in metrics
+    mode_of = summary.set_index("point")["mode"]
+    steps_per_mode = steps.groupby(steps["point"].map(mode_of)).size()
+    s = syncs.assign(mode=syncs["point"].map(mode_of), wait_us=(syncs["end_s"] - syncs["start_s"]) * 1e6)
+    g = s.groupby(["mode", "name", "phase", "waits_for"], sort=False)["wait_us"].agg(["size", "mean", "sum"])
+    rows = []
+    for (mode, name, phase, waits_for), r in g.iterrows():
+        n_steps = steps_per_mode.get(mode, 0)
+        rows.append([mode, f"`{name}`", phase, waits_for, _cell(r["size"] / n_steps if n_steps else np.nan, "{:.2f}"),
+                     _cell(r["mean"], "{:.1f}"), _cell(r["sum"] / n_steps if n_steps else np.nan, "{:.1f}")])
+    headers = ["mode", "sync point", "phase", "waits for", "count/step", "mean wait µs", "wait µs/step"]
+    return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
+
+
+def _cell(value: object, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "–"
+    return fmt.format(value)
+
+
+def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(headers), line(["---"] * len(headers)), *(line(r) for r in rows)]) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+
+
+def _plot_tpot(summary: pd.DataFrame, by_concurrency: bool, path: Path) -> None:
+    panels = [("mean_tpot_ms", "mean TPOT (ms)")]
+    tail = _tail_key(summary, "tpot")
+    if tail is not None:
+        panels.append((tail[0], f"{tail[1]} TPOT (ms)"))
+    fig = Figure(figsize=(5.5 * len(panels), 4), layout="constrained")
+    for ax, (column, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        _draw_metric(ax, summary, column, ylabel, by_concurrency)
+    fig.savefig(path, dpi=110)
+
+
+def _plot_single(summary: pd.DataFrame, by_concurrency: bool, column: str, ylabel: str, path: Path) -> None:
+    fig = Figure(figsize=(6.5, 4), layout="constrained")
+    _draw_metric(fig.subplots(), summary, column, ylabel, by_concurrency)
+    fig.savefig(path, dpi=110)
+
+
+def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_concurrency: bool) -> None:
+    """One line per mode against concurrency (log2 axis), or one bar per point."""
+    if by_concurrency:
+        for i, (mode, rows) in enumerate(summary.groupby("mode", sort=False)):
+            rows = rows.sort_values(CONCURRENCY)
+            ax.plot(rows[CONCURRENCY], rows[column], marker=MARKERS[i % len(MARKERS)], label=mode)
+        xs = sorted(summary[CONCURRENCY].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency")
+        ax.legend(fontsize="small")
+    else:
+        ax.bar(range(len(summary)), summary[column], color="tab:blue")
+        ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.08 * float(summary[column].max()) or 1.0)
+    ax.grid(alpha=0.3)
+
+
+def _timeline_points(summary: pd.DataFrame, by_concurrency: bool) -> tuple[str, pd.DataFrame]:
+    """The points whose timelines are drawn: one per mode at the largest concurrency <= 16 (else
+    the middle one), or every point when concurrency is not swept."""
+    if not by_concurrency:
+        return "", summary
+    values = sorted(summary[CONCURRENCY].unique())
+    small = [c for c in values if c <= 16]
+    chosen = small[-1] if small else values[len(values) // 2]
+    return f" at concurrency {chosen}", summary[summary[CONCURRENCY] == chosen]
+
+
+def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, path: Path) -> None:
+    fig = Figure(figsize=(11, 0.8 + 1.3 * len(rows)), layout="constrained")
+    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    longest = 0.0
+    for ax, (_, row) in zip(axes, rows.iterrows(), strict=True):
+        point_steps = steps[steps["point"] == row["point"]] if len(steps) else steps
+        point_syncs = syncs[syncs["point"] == row["point"]] if len(syncs) else syncs
+        longest = max(longest, _draw_timeline(ax, point_steps, point_syncs, n, row["mode"]))
+    axes[-1].set_xlim(0, longest or 1.0)
+    axes[-1].set_xlabel("time from window start (ms)")
+    handles = [Patch(color=color, label=label) for label, color in HOST_COLORS.values()]
+    handles.append(Patch(color=GPU_COLORS[0], label="GPU step"))
+    fig.legend(handles=handles, loc="outside upper center", ncol=len(handles), fontsize="small", frameon=False)
+    fig.savefig(path, dpi=110)
+
+
+def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, title: str) -> float:
+    """Host and GPU lanes for `n` steady-state steps from a third into the run; returns the window (ms)."""
+    ax.set_yticks([0.5, 1.5], ["GPU", "host"])
+    ax.set_ylim(0, 2)
+    if steps.empty:
+        ax.set_title(f"{title}: no steps recorded", loc="left", fontsize="small")
+        return 0.0
+    steps = steps.sort_values("step")
+    first = min(len(steps) // 3, max(len(steps) - n, 0))
+    window = steps.iloc[first : first + n]
+    intervals = host_intervals(steps, syncs)
+    t0 = min([*intervals.loc[intervals["step"] == window["step"].iloc[0], "start_s"], window["gpu_start"].iloc[0]])
+    t1 = window["gpu_end"].iloc[-1]
+    shown = intervals[(intervals["end_s"] > t0) & (intervals["start_s"] < t1)]
+    kinds = np.where(shown["name"] == OUTPUT_READBACK, "readback", shown["kind"])
+    for kind, (_, color) in HOST_COLORS.items():
+        part = shown[kinds == kind]
+        ax.broken_barh(_bars(part["start_s"], part["end_s"], t0, t1), (1.1, 0.8), facecolors=color,
+                       zorder=3 if kind == "sync" else 2)
+    gpu = steps[(steps["gpu_end"] > t0) & (steps["gpu_start"] < t1)]
+    bars = _bars(gpu["gpu_start"], gpu["gpu_end"], t0, t1)
+    ax.broken_barh(bars, (0.1, 0.8), facecolors=[GPU_COLORS[step % 2] for step in gpu["step"]])
+    span_ms = (t1 - t0) * 1e3
+    for (x, width), step in zip(bars, gpu["step"], strict=True):
+        if width > 0.04 * span_ms:
+            ax.text(x + width / 2, 0.5, str(step), ha="center", va="center", fontsize=7, color="white")
+    busy = sum(width for _, width in bars) / span_ms if span_ms else 0.0
+    ax.set_title(f"{title}: steps {window['step'].iloc[0]}–{window['step'].iloc[-1]}, "
+                 f"GPU busy {busy:.0%} in window", loc="left", fontsize="small")
+    return span_ms
+
+
+def _bars(start_s: pd.Series, end_s: pd.Series, t0: float, t1: float) -> list[tuple[float, float]]:
+    """(x, width) in ms from t0 of intervals clipped to [t0, t1]."""
+    start = (np.maximum(start_s.to_numpy(dtype=np.float64), t0) - t0) * 1e3
+    end = (np.minimum(end_s.to_numpy(dtype=np.float64), t1) - t0) * 1e3
+    return [(float(s), float(e - s)) for s, e in zip(start, end, strict=True)]

@@ -1,0 +1,124 @@
+"""The report renders from a run directory for any sweep shape (none, 2 points, 2 x 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+from test_trace import synthetic_records
+
+from simharness import results
+from simharness.metrics import compute_metrics
+from simharness.records import EMISSION_COLUMNS, REQUEST_COLUMNS
+from simharness.report import write_report
+from simharness.scenario import scenario_from_dict, sweep_points
+
+
+def _requests(n: int, tpot_s: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """n requests of 8 tokens in 4 chunks, a TTFT of 20 ms and the given TPOT."""
+    arrival = np.arange(n) * 0.01
+    first = arrival + 0.02
+    last = first + 7 * tpot_s
+    requests = pd.DataFrame({"request_id": np.arange(n), "kind": "free", "arrival_s": arrival, "prompt_tokens": 100,
+                             "output_tokens": 8, "first_token_s": first, "last_token_s": last, "num_chunks": 4,
+                             "num_drafts": 3, "draft_tokens": 6, "accepted_tokens": 4, "wasted_slots": 0})
+    times = first[:, None] + np.array([0.0, 2, 5, 7]) * tpot_s
+    emissions = pd.DataFrame({"request_id": np.repeat(np.arange(n), 4), "step": 0, "time_s": times.ravel(),
+                              "tokens": np.tile([1, 2, 3, 2], n)})
+    return requests[REQUEST_COLUMNS], emissions[EMISSION_COLUMNS]
+
+
+def make_run(root: Path, sweep: dict) -> Path:
+    """A run directory as the runner writes it: scenario.yaml, points/, combined tables, meta.json."""
+    scenario = scenario_from_dict({"name": "demo", "seed": 7, "sweep": sweep, "report": {"timeline_steps": 6}})
+    run_dir = results.new_run_dir(root, scenario)
+    results.write_meta(run_dir, scenario, device="sim (virtual time, cost model)")
+    for point in sweep_points(scenario):
+        sc = point.scenario
+        depth = 1 if sc.engine.speculation.proposer == "ngram_cpu" else sc.scheduler.depth
+        steps, syncs = synthetic_records(40, depth=depth, n_reqs=sc.workload.concurrency, gpu_us=200 + 10 * depth)
+        requests, emissions = _requests(20, tpot_s=1e-3 * (1 + sc.workload.concurrency / 16) / depth)
+        metrics = compute_metrics(requests, emissions, steps, syncs, duration_s=1.0,
+                                  percentiles=sc.report.percentiles, goodput=sc.report.goodput, k=2)
+        note = f"fell back: depth {sc.scheduler.depth} -> 1" if depth != sc.scheduler.depth else ""
+        summary = {"point": point.id, "index": point.index, **point.values, "effective_depth": depth, "note": note,
+                   **metrics}
+        tables = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
+        results.write_point(run_dir, point.index, summary, tables)
+    results.combine(run_dir)
+    return run_dir
+
+
+def _render(run_dir: Path) -> str:
+    path = write_report(run_dir)
+    assert path == run_dir / "report.md"
+    for name in ("tpot", "throughput", "gpu_busy", "timeline"):
+        png = run_dir / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    text = path.read_text()
+    for link in ("plots/tpot.png", "plots/throughput.png", "plots/gpu_busy.png", "plots/timeline.png"):
+        assert f"]({link})" in text
+    assert "| point | eff. depth | mean TPOT | P99 TPOT | mean TTFT | P99 TTFT | P99 ITL |" in text
+    assert "`output_readback`" in text and "`accepted_counts`" in text
+    return text
+
+
+def _table_rows(text: str, section: str) -> list[str]:
+    body = text.split(f"## {section}\n")[1].split("\n## ")[0]
+    return [line for line in body.splitlines() if line.startswith("| ") and "---" not in line][1:]
+
+
+def test_no_sweep(tmp_path) -> None:
+    text = _render(make_run(tmp_path, {}))
+    assert "**Swept:** nothing (one point)." in text
+    assert "Run `" in text and "seed 7, 1 point(s); device: sim" in text
+    rows = _table_rows(text, "Summary")
+    assert len(rows) == 1 and rows[0].startswith("| demo | 2 |")
+
+
+def test_two_points_without_concurrency(tmp_path) -> None:
+    sweep = {"engine.speculation.proposer": ["ngram_gpu", "ngram_cpu"]}
+    text = _render(make_run(tmp_path, sweep))
+    assert "`engine.speculation.proposer` ∈ {ngram_gpu, ngram_cpu}" in text
+    rows = _table_rows(text, "Summary")
+    assert [r.split(" | ")[0] for r in rows] == ["| ngram_gpu", "| ngram_cpu"]
+    assert rows[1].endswith("| fell back: depth 2 -> 1 |")
+    assert "at concurrency" not in text
+
+
+def test_two_by_two_sweep(tmp_path) -> None:
+    sweep = {"engine.speculation.proposer": ["ngram_gpu", "ngram_cpu"], "scheduler.depth": [2],
+             "workload.concurrency": [4, 32]}
+    run_dir = make_run(tmp_path, sweep)
+    text = _render(run_dir)
+    rows = _table_rows(text, "Summary")
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| ngram_gpu, depth=2, concurrency=4", "| ngram_gpu, depth=2, concurrency=32",
+        "| ngram_cpu, depth=2→1, concurrency=4", "| ngram_cpu, depth=2→1, concurrency=32"]
+    assert "at concurrency 4," in text  # the largest concurrency <= 16
+    syncs = _table_rows(text, "Host sync points")
+    assert {r.split(" | ")[0] for r in syncs} == {"| ngram_gpu, depth=2", "| ngram_cpu, depth=2→1"}
+    readback = next(r for r in syncs if r.startswith("| ngram_gpu, depth=2 | `output_readback`"))
+    assert readback.split(" | ")[4] == "1.00"  # one output readback per step
+
+
+def test_rerender_follows_the_files(tmp_path) -> None:
+    run_dir = make_run(tmp_path, {"workload.concurrency": [1, 8]})
+    assert "| P99 TPOT |" in _render(run_dir)
+    scenario = yaml.safe_load((run_dir / "scenario.yaml").read_text())
+    scenario["report"]["percentiles"] = [50, 99.9]  # as if the run had been configured so
+    (run_dir / "scenario.yaml").write_text(yaml.safe_dump(scenario))
+    summary = pd.read_csv(run_dir / "summary.csv")
+    summary.rename(columns=lambda c: c.replace("p99_", "p99.9_")).to_csv(run_dir / "summary.csv", index=False)
+    text = write_report(run_dir).read_text()
+    assert "| P99.9 TPOT |" in text and "| P99 TPOT |" not in text
+    assert [r.split(" | ")[0] for r in _table_rows(text, "Summary")] == ["| concurrency=1", "| concurrency=8"]
+
+
+def test_run_without_finished_points(tmp_path) -> None:
+    scenario = scenario_from_dict({"name": "demo"})
+    run_dir = results.new_run_dir(tmp_path, scenario)
+    results.combine(run_dir)
+    assert "No finished sweep points yet." in write_report(run_dir).read_text()
