@@ -1,0 +1,96 @@
+"""End to end at the sim level: run directory contents, determinism, resume after a kill."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+import simharness
+from simharness.scenario import scenario_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = {
+    "name": "small",
+    "seed": 3,
+    "workload": {"num_requests": 24, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                 "output_len": {"dist": "fixed", "value": 40}},
+    "engine": {"model": "llama-3.2-1b", "speculation": {"k": 3, "acceptance": {"model": "replay"}}},
+    "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [2, 8]},
+    "report": {"trace_steps": 50},
+}
+
+
+def test_run_writes_the_documented_run_directory(tmp_path):
+    result = simharness.run(scenario_from_dict(SMALL), out=tmp_path)
+    d = result.run_dir
+    assert d.parent == tmp_path / "small"
+    for name in ("scenario.yaml", "meta.json", "summary.csv", "summary.json", "requests.parquet", "steps.parquet",
+                 "syncs.parquet", "emissions.parquet", "report.md"):
+        assert (d / name).is_file(), name
+    assert len(list((d / "traces").glob("*.json"))) == 4
+    assert list(result.summary.point) == [p.id for p in simharness.sweep_points(scenario_from_dict(SMALL))]
+    assert {"scheduler.depth", "workload.concurrency", "mean_tpot_ms", "p99_tpot_ms"} <= set(result.summary.columns)
+    assert set(result.steps.point) == set(result.summary.point)
+    assert len(result.requests) == 4 * 24
+    # a second run never overwrites the first
+    again = simharness.run(scenario_from_dict(SMALL), out=tmp_path)
+    assert again.run_dir != d and d.is_dir()
+
+
+def test_same_seed_gives_a_bit_identical_summary(tmp_path):
+    a = simharness.run(scenario_from_dict(SMALL), out=tmp_path / "a")
+    b = simharness.run(scenario_from_dict(SMALL), out=tmp_path / "b")
+    assert (a.run_dir / "summary.csv").read_bytes() == (b.run_dir / "summary.csv").read_bytes()
+    other = simharness.run(scenario_from_dict({**SMALL, "seed": 4}), out=tmp_path / "c")
+    assert (other.run_dir / "summary.csv").read_bytes() != (a.run_dir / "summary.csv").read_bytes()
+
+
+def test_resume_finishes_missing_points_without_redoing_others(tmp_path):
+    sc = scenario_from_dict(SMALL)
+    full = simharness.run(sc, out=tmp_path)
+    points = full.run_dir / "points"
+    kept = points / "0000"
+    kept_mtime = (kept / "summary.json").stat().st_mtime_ns
+    shutil.rmtree(points / "0002")
+    shutil.rmtree(points / "0003")
+    resumed = simharness.run(sc, resume=full.run_dir)
+    assert (kept / "summary.json").stat().st_mtime_ns == kept_mtime  # not redone
+    pd.testing.assert_frame_equal(resumed.summary, full.summary)
+
+
+def test_killed_cli_sweep_keeps_finished_points_and_resumes(tmp_path):
+    scenario = tmp_path / "s.yaml"
+    big = {**SMALL, "workload": {**SMALL["workload"], "num_requests": 150},
+           "sweep": {"scheduler.depth": [1, 2, 3], "workload.concurrency": [2, 4, 8, 16]}}
+    import yaml
+
+    scenario.write_text(yaml.safe_dump(big))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "simharness", "run", str(scenario), "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    run_dirs = []
+    while time.time() < deadline:
+        run_dirs = list((tmp_path / "out" / "small").glob("*/points/0001"))
+        if run_dirs:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert run_dirs, "no point finished in time"
+    run_dir = run_dirs[0].parents[1]
+    finished = {p.name for p in (run_dir / "points").iterdir() if (p / "summary.json").is_file()}
+    assert proc.returncode == 130 and "--resume" in stderr
+    assert 2 <= len(finished) < 12
+    r = subprocess.run(cmd + ["--resume", str(run_dir)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "report:" in r.stdout
+    summary = pd.read_csv(run_dir / "summary.csv")
+    assert len(summary) == 12 and summary["index"].tolist() == list(range(12))
