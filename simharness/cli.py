@@ -81,7 +81,7 @@ def summary_table(summary) -> Table:
             ("accept %", "acceptance_rate", "{:.1f}"), ("GPU busy", "gpu_busy_fraction", "{:.2f}"),
             ("syncs/step", "syncs_per_step", "{:.2f}")]
     for title, _, _ in cols:
-        table.add_column(title, justify="left" if title == "point" else "right")
+        table.add_column(title, justify="left" if title == "point" else "right", overflow="fold")
     for _, row in summary.iterrows():
         table.add_row(*(fmt.format(row[key]) if key in row else "" for _, key, fmt in cols))
     return table
