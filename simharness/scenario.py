@@ -158,10 +158,10 @@ class GcPauses(Strict):
 
 
 class Engine(Strict):
-    """What executes a step: the cost model (`model`) or the real decode loop (`torch`)."""
+    """What executes a step. Only the cost model (`model`) so far; the real decode loop (`torch`,
+    hardware in the loop) joins later."""
 
-    backend: Literal["model", "torch"] = "model"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["model"] = "model"
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
     model: str = Field("llama-3-8b", description="model shape: llama-3.2-1b, llama-3-8b, qwen3-1.7b")
     speculation: Speculation = Speculation()
