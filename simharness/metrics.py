@@ -30,22 +30,26 @@ def compute_metrics(
     goodput: Goodput,
     k: int,
 ) -> dict[str, float]:
-    """All metrics of one sweep point; counts are ints, everything else floats."""
+    """All metrics of one sweep point; counts are ints, everything else floats.
+
+    Latency and throughput metrics cover finished requests (last_token_s set), as vLLM's cover
+    successful ones; the spec-decode and engine metrics cover every recorded step."""
     done = requests[requests["last_token_s"].notna()]
     ttft = _col(done, "first_token_s") - _col(done, "arrival_s")
     e2el = _col(done, "last_token_s") - _col(done, "arrival_s")
+    in_tokens = _col(done, "prompt_tokens")
     out_tokens = _col(done, "output_tokens")
     multi = out_tokens > 1
     tpot = (e2el[multi] - ttft[multi]) / (out_tokens[multi] - 1)
 
     metrics: dict[str, float] = {
         "completed": len(done),
-        "total_input_tokens": int(_col(done, "prompt_tokens").sum()),
+        "total_input_tokens": int(in_tokens.sum()),
         "total_output_tokens": int(out_tokens.sum()),
         "duration_s": float(duration_s),
         "request_throughput": _ratio(len(done), duration_s),
         "output_throughput": _ratio(out_tokens.sum(), duration_s),
-        "total_token_throughput": _ratio(out_tokens.sum() + _col(done, "prompt_tokens").sum(), duration_s),
+        "total_token_throughput": _ratio(out_tokens.sum() + in_tokens.sum(), duration_s),
     }
     itl = pooled_itl(emissions, done["request_id"])
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
@@ -147,8 +151,7 @@ def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
     name, else the kind), phase and waits_for (syncs only), start_s, end_s. Launch runs from the
     end of prep, or of the step's launch-phase syncs, to launch_end. A GC pause opens the loop
     iteration: it ends where schedule starts, or where the step's first (schedule-phase) sync does."""
-    by_step = syncs.groupby("step")
-    first_sync = steps["step"].map(by_step["start_s"].min()).to_numpy(dtype=np.float64)
+    first_sync = steps["step"].map(syncs.groupby("step")["start_s"].min()).to_numpy(dtype=np.float64)
     launch_sync_end = steps["step"].map(
         syncs[syncs["phase"] == "launch"].groupby("step")["end_s"].max()
     ).to_numpy(dtype=np.float64)

@@ -75,6 +75,8 @@ def write_report(run_dir: Path) -> Path:
         f"{n} consecutive steps from about a third into the run{where}, one panel per mode. Host lane: sync waits "
         "in red, the wait for a step's output in grey; gaps in the GPU lane are bubbles.\n",
         "![Timeline](plots/timeline.png)\n",
+        "## Speculation\n",
+        _speculation_table(summary),
         "## Host sync points\n",
         _sync_table(summary, steps, syncs),
     ])
@@ -110,7 +112,7 @@ def _label(row: pd.Series, paths: list[str]) -> str:
     for path in paths:
         value = row[path]
         name = path.rsplit(".", 1)[-1]
-        if path == "scheduler.depth" and row.get("effective_depth", value) != value:
+        if path == "scheduler.depth" and row["effective_depth"] != value:
             parts.append(f"depth={value}→{row['effective_depth']}")
         elif isinstance(value, str):
             parts.append(value)
@@ -170,7 +172,10 @@ def _summary_table(summary: pd.DataFrame) -> str:
         ("syncs/step", "syncs_per_step", "{:.2f}"),
         ("wasted slots", "wasted_slots", "{:,.0f}"),
     ]
-    table = summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100)
+    drafted = summary["num_drafts"] > 0  # without drafts acceptance is undefined (vLLM reports 0)
+    table = summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100,
+                           acceptance_rate=summary["acceptance_rate"].where(drafted),
+                           mean_acceptance_length=summary["mean_acceptance_length"].where(drafted))
     rows = [
         [row["label"], *(_cell(row.get(key), fmt) for _, key, fmt in cols), row["note"]]
         for _, row in table.iterrows()
@@ -181,6 +186,27 @@ def _summary_table(summary: pd.DataFrame) -> str:
 def _tail_column(summary: pd.DataFrame, metric: str, header: str, fmt: str) -> list[tuple[str, str, str]]:
     tail = _tail_key(summary, metric)
     return [] if tail is None else [(f"{tail[1]} {header}", tail[0], fmt)]
+
+
+def _speculation_table(summary: pd.DataFrame) -> str:
+    """Real drafts against the placeholder slots an async scheduler reserves, and per-position acceptance."""
+    drafted = summary[summary["num_drafts"] > 0]
+    if drafted.empty:
+        return "No drafts (speculation off).\n"
+    k = max(int(c.rsplit("_", 1)[1]) + 1 for c in summary.columns if c.startswith("acceptance_rate_pos_"))
+    rows = [
+        [row["label"], _cell(row["num_drafts"], "{:,.0f}"), _cell(row["draft_tokens"], "{:,.0f}"),
+         _cell(row["scheduled_draft_tokens"], "{:,.0f}"), _cell(row["acceptance_rate"], "{:.1f}"),
+         _cell(100 * row["accepted_tokens"] / row["scheduled_draft_tokens"], "{:.1f}"),
+         " / ".join(_cell(row.get(f"acceptance_rate_pos_{i}"), "{:.2f}") for i in range(k))]
+        for _, row in drafted.iterrows()
+    ]
+    headers = ["point", "drafts", "draft tokens", "scheduled slots", "accept %", "accept % of scheduled",
+               "acceptance by position"]
+    return _markdown_table(headers, rows) + (
+        "\nScheduled slots are the drafts the scheduler reserved (k placeholders per decoding request under "
+        "async scheduling); rating acceptance against them is what dilutes vLLM's reported rate (issue #37150).\n"
+    )
 
 
 def _sync_table(summary: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame) -> str:

@@ -123,6 +123,7 @@ def _gpu_slices(steps: pd.DataFrame) -> list[dict]:
             "n_reqs": int(r.n_reqs),
             "tokens": int(r.prefill_tokens + r.decode_tokens),
             "drafts": int(r.drafts_scheduled),
+            "drafts_valid": int(r.drafts_valid),
             "accepted": int(r.accepted),
             "emitted": int(r.emitted),
             "wasted_slots": int(r.wasted_slots),

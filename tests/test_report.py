@@ -80,11 +80,21 @@ def test_no_sweep(tmp_path) -> None:
 
 def test_two_points_without_concurrency(tmp_path) -> None:
     sweep = {"engine.speculation.proposer": ["ngram_gpu", "ngram_cpu"]}
-    text = _render(make_run(tmp_path, sweep))
+    run_dir = make_run(tmp_path, sweep)
+    summary = pd.read_csv(run_dir / "summary.csv")
+    summary.loc[0, ["num_drafts", "acceptance_rate", "mean_acceptance_length"]] = 0  # as with proposer none
+    summary.to_csv(run_dir / "summary.csv", index=False)
+    text = _render(run_dir)
     assert "`engine.speculation.proposer` ∈ {ngram_gpu, ngram_cpu}" in text
     rows = _table_rows(text, "Summary")
     assert [r.split(" | ")[0] for r in rows] == ["| ngram_gpu", "| ngram_cpu"]
+    headers = text.split("## Summary\n\n")[1].splitlines()[0].split(" | ")
+    accept = headers.index("accept %")
+    assert rows[0].split(" | ")[accept : accept + 2] == ["–", "–"]
+    assert rows[1].split(" | ")[accept : accept + 2] == ["66.7", "2.33"]  # per request: 4 of 6 tokens, 1 + 4 / 3
     assert rows[1].endswith("| fell back: depth 2 -> 1 |")
+    spec = _table_rows(text, "Speculation")
+    assert [r.split(" | ")[0] for r in spec] == ["| ngram_cpu"]  # the point without drafts is left out
     assert "at concurrency" not in text
 
 
@@ -102,6 +112,10 @@ def test_two_by_two_sweep(tmp_path) -> None:
     assert {r.split(" | ")[0] for r in syncs} == {"| ngram_gpu, depth=2", "| ngram_cpu, depth=2→1"}
     readback = next(r for r in syncs if r.startswith("| ngram_gpu, depth=2 | `output_readback`"))
     assert readback.split(" | ")[4] == "1.00"  # one output readback per step
+    # 20 requests x (3 drafts, 6 draft tokens, 4 accepted); 40 steps x 4 x 2 scheduled slots at concurrency 4
+    spec = _table_rows(text, "Speculation")[0].split(" | ")
+    assert spec[1:6] == ["60", "120", "320", "66.7", "25.0"]
+    assert spec[6] == "0.43 / 0.22 |"  # per-step acc_pos of the generator: 26 and 13 of 60 drafts
 
 
 def test_rerender_follows_the_files(tmp_path) -> None:

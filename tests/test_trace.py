@@ -85,7 +85,7 @@ def test_trace_lanes_and_contents() -> None:
     host = [e for e in events if e["ph"] == "X" and e["pid"] == 1]
     gpu = [e for e in events if e["ph"] == "X" and e["pid"] == 2]
     assert len(gpu) == 30
-    assert gpu[3]["args"] == {"step": 3, "n_reqs": 4, "tokens": 12, "drafts": 8, "accepted": 0,
+    assert gpu[3]["args"] == {"step": 3, "n_reqs": 4, "tokens": 12, "drafts": 8, "drafts_valid": 8, "accepted": 0,
                               "emitted": 4, "wasted_slots": 0}
     by_name = pd.Series([e["name"] for e in host]).value_counts()
     assert by_name["schedule"] == by_name["prep"] == by_name["launch"] == by_name["update"] == 30
