@@ -151,6 +151,17 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
         (p0, v0, k0, c0), (p1, v1, k1, c1) = outs
         for a, b in [*zip(p0, p1), (v0, v1), (k0, k1), (c0, c1)]:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+        # Attention alone: 2 rows x 2 kv heads split contexts of up to 300 into chunks of 128 (combine
+        # kernel); 64 x 2 = 128 programs take the whole context in one chunk.
+        from simharness.engine.model import verify_attention_torch, verify_attention_triton
+        for batch, max_len in [(2, 300), (64, 80)]:
+            k_cache, v_cache = torch.randn(2, batch + 1, max_len, 2, 16, generator=gen)
+            q = torch.randn(batch * 3, 4, 16, generator=gen)
+            slots = torch.randperm(batch + 1, generator=gen)[:batch]
+            start = torch.randint(0, max_len - 3, (batch,), generator=gen)
+            args = (q, k_cache, v_cache, slots, start, 3)
+            torch.testing.assert_close(verify_attention_triton(*args), verify_attention_torch(*args))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

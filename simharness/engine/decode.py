@@ -142,25 +142,26 @@ class DecodeLoop:
         if n_prompt + 1 + self.k > self.max_len:
             raise ValueError(f"prompt of {n_prompt} tokens leaves no room for a step in max_len {self.max_len}")
         logits = self.model.prefill(slot, prompt)
-        self.temperature[slot] = temperature
+        # fill_ takes the scalar as a kernel argument; `t[i] = x` would copy a host scalar and sync.
+        self.temperature[slot].fill_(temperature)
         if reference_ids is None:
             first, _ = rejection_sample(
                 logits.view(1, 1, -1), *self._no_drafts, self.temperature[slot : slot + 1], seed=self._seed(-1 - slot)
             )
-            self.reference_lens[slot] = 0
+            self.reference_lens[slot].fill_(0)
         else:
             reference = self._to_device(reference_ids)[: self.max_len]
             first = reference[:1]
             self.reference[slot, : reference.shape[0]] = reference
-            self.reference_lens[slot] = reference.shape[0]
+            self.reference_lens[slot].fill_(reference.shape[0])
         if reference_ids is None:
             self._steered.discard(slot)
         else:
             self._steered.add(slot)
         self.history[slot, :n_prompt] = prompt
         self.history[slot, n_prompt : n_prompt + 1] = first.view(1)
-        self.lengths[slot] = n_prompt + 1
-        self.prompt_lens[slot] = n_prompt
+        self.lengths[slot].fill_(n_prompt + 1)
+        self.prompt_lens[slot].fill_(n_prompt)
         if self.k > 0:
             drafts, num_valid = propose_ngram(
                 self.history[slot : slot + 1], self.lengths[slot : slot + 1], **self.propose_args
@@ -171,10 +172,10 @@ class DecodeLoop:
 
     def remove_request(self, slot: int) -> None:
         """Free a slot; its cache rows are simply overwritten by the next request's prefill."""
-        self.lengths[slot] = 0
-        self.reference_lens[slot] = 0
-        self.num_valid[slot] = 0
-        self.drafts[slot] = -1
+        self.lengths[slot].fill_(0)
+        self.reference_lens[slot].fill_(0)
+        self.num_valid[slot].fill_(0)
+        self.drafts[slot].fill_(-1)
         self._steered.discard(slot)
 
     def step(self, slots: Tensor) -> StepResult:

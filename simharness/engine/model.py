@@ -216,16 +216,25 @@ def rope_write_kv_triton(
 
 @triton.jit
 def _verify_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, slots_ptr, start_ptr, n_tokens, max_len, sm_scale,
-    stride_slot, stride_pos,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, slots_ptr, start_ptr,
+    n_tokens, max_len, chunk_size, sm_scale, stride_slot, stride_pos,
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # One program per (row, kv head): its T x G query rows share every K/V tile (GQA), and the loop runs
-    # only over the row's real context, read from the device, so one launch (or graph) fits every length.
+    # One program per (row, kv head, chunk of positions): its T x G query rows share every K/V tile (GQA).
+    # The context length is read on the device, so one launch (or graph) fits every length; chunks past
+    # it exit at once. Without SPLIT a single chunk spans the cache and the output is written directly;
+    # with SPLIT each chunk leaves an unnormalised partial (acc, max, sum) for _attention_combine_kernel.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    slot = tl.load(slots_ptr + b)
+    chunk = tl.program_id(2)
     start = tl.load(start_ptr + b)
+    n_ctx = tl.minimum(start + n_tokens, max_len)
+    lo = chunk * chunk_size
+    if lo >= n_ctx:
+        return
+    hi = tl.minimum(lo + chunk_size, n_ctx)
+    slot = tl.load(slots_ptr + b)
     r = tl.arange(0, BLOCK_M)
     t = r // G
     row_ok = (t < n_tokens)[:, None]
@@ -233,41 +242,98 @@ def _verify_attention_kernel(
     q_off = ((b * n_tokens + t) * HQ + kv_head * G + r % G)[:, None] * D + d
     q = tl.load(q_ptr + q_off, mask=row_ok, other=0.0)
     q_pos = (start + t)[:, None]
-    n_ctx = tl.minimum(start + n_tokens, max_len)
     kv_base = slot * stride_slot + kv_head * D
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for j0 in range(0, n_ctx, BLOCK_N):
+    for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         kv_off = kv_base + j[:, None] * stride_pos + d
-        kv_ok = (j < n_ctx)[:, None]
+        kv_ok = (j < hi)[:, None]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale
         # Causal: positions past the query (this step's later tokens, stale rejected drafts) are masked.
         s = tl.where(j[None, :] <= q_pos, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row may see no position in a chunk
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    tl.store(o_ptr + q_off, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok)
+    if SPLIT:
+        part = (b * (HQ // G) + kv_head) * tl.num_programs(2) + chunk
+        tl.store(out_ptr + (part * BLOCK_M + r)[:, None] * D + d, acc)
+        tl.store(m_ptr + part * BLOCK_M + r, m_i)
+        tl.store(l_ptr + part * BLOCK_M + r, l_i)
+    else:
+        tl.store(out_ptr + q_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _attention_combine_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr, start_ptr, n_tokens, max_len, chunk_size, n_chunks,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # Merge a (row, kv head)'s chunk partials in position order. Chunks wholly past a query add exact
+    # zeros, so a query's result does not depend on how far the step's context reaches.
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    start = tl.load(start_ptr + b)
+    n_ctx = tl.minimum(start + n_tokens, max_len)
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)[None, :]
+    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    base = (b * (HQ // G) + kv_head) * n_chunks
+    for c in range(0, (n_ctx + chunk_size - 1) // chunk_size):
+        part = base + c
+        m_c = tl.load(m_ptr + part * BLOCK_M + r)
+        m_new = tl.maximum(m_tot, m_c)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale_old = tl.exp(m_tot - m_safe)
+        scale_c = tl.exp(m_c - m_safe)
+        l_tot = l_tot * scale_old + tl.load(l_ptr + part * BLOCK_M + r) * scale_c
+        acc = acc * scale_old[:, None] + tl.load(acc_ptr + (part * BLOCK_M + r)[:, None] * D + d) * scale_c[:, None]
+        m_tot = m_new
+    t = r // G
+    out_off = ((b * n_tokens + t) * HQ + kv_head * G + r % G)[:, None] * D + d
+    tl.store(out_ptr + out_off, (acc / l_tot[:, None]).to(out_ptr.dtype.element_ty), mask=(t < n_tokens)[:, None])
+
+
+def attention_chunk_size(batch: int, n_kv_heads: int, max_len: int) -> int:
+    """Positions per attention program. Fewer than 128 (row, kv head) programs leave most of the GPU idle
+    (8 at B = 1), so small batches split the context into chunks (flash-decoding), more for fewer rows."""
+    programs = batch * n_kv_heads
+    return max_len if programs >= 128 else 128 * triton.next_power_of_2(triton.cdiv(programs, 16))
 
 
 def verify_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int
 ) -> Tensor:
-    max_len, n_kv_heads, head_dim = k_cache.shape[1:]
-    n_heads = q.shape[1]
+    batch, (max_len, n_kv_heads, head_dim), n_heads = slots.shape[0], k_cache.shape[1:], q.shape[1]
     group = n_heads // n_kv_heads
+    block_m = max(16, triton.next_power_of_2(n_tokens * group))
+    chunk_size = attention_chunk_size(batch, n_kv_heads, max_len)
+    n_chunks = triton.cdiv(max_len, chunk_size)
     out = torch.empty_like(q)
-    _verify_attention_kernel[(slots.shape[0], n_kv_heads)](
-        q, k_cache, v_cache, out, slots, start_pos, n_tokens, max_len, head_dim**-0.5,
-        k_cache.stride(0), k_cache.stride(1),
-        HQ=n_heads, G=group, D=head_dim, BLOCK_M=max(16, triton.next_power_of_2(n_tokens * group)), BLOCK_N=64,
+    split = n_chunks > 1
+    if split:
+        acc = torch.empty(batch * n_kv_heads * n_chunks, block_m, head_dim, dtype=torch.float32, device=q.device)
+        m, l = torch.empty(2, batch * n_kv_heads * n_chunks, block_m, dtype=torch.float32, device=q.device)
+    else:
+        acc, m, l = out, out, out  # unused
+    common = {"HQ": n_heads, "G": group, "D": head_dim, "BLOCK_M": block_m}
+    _verify_attention_kernel[(batch, n_kv_heads, n_chunks)](
+        q, k_cache, v_cache, acc, m, l, slots, start_pos, n_tokens, max_len, chunk_size, head_dim**-0.5,
+        k_cache.stride(0), k_cache.stride(1), BLOCK_N=64, SPLIT=split, **common,
     )  # fmt: skip
+    if split:
+        _attention_combine_kernel[(batch, n_kv_heads)](
+            acc, m, l, out, start_pos, n_tokens, max_len, chunk_size, n_chunks, **common
+        )
     return out.view(q.shape[0], n_heads * head_dim)
 
 
@@ -411,10 +477,10 @@ class Transformer(nn.Module):
             if prefill_slot is None:
                 attn = ops.verify_attention(q, k_cache, v_cache, slots, start_pos, n_tokens)
             else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
-                k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)
-                v = v_cache[prefill_slot, :n_tokens].transpose(0, 1)
-                attn = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, enable_gqa=True)
-                attn = attn.transpose(0, 1).reshape(n_tokens, -1)
+                k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]  # [1, Hkv, T, D]
+                v = v_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]
+                attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True)
+                attn = attn[0].transpose(0, 1).reshape(n_tokens, -1)
             x = ops.rms_norm(F.linear(attn, layer.wo), layer.ffn_norm, c.norm_eps, residual)
             h = ops.silu_mul(F.linear(x, layer.w13))
             next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
@@ -500,7 +566,8 @@ def bench_verify_step(
     cuda_graphs: bool = True,
 ) -> list[dict]:
     """Median time of the model verify step (B rows x (1+k) tokens, each row after `context_len` cached
-    tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller).
+    tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller),
+    and the floor that also reads the rows' K/V (which grows with B x context).
 
     Every slot is first prefilled with random tokens so attention reads real K/V. CUDA: event timing of
     back-to-back launches after warm-up (and graph capture); CPU: wall clock.
@@ -549,6 +616,7 @@ def bench_verify_step(
             "batch": batch, "k": k, "tokens": batch * n_tokens, "context": context_len,
             "cuda_graphs": model.cuda_graphs, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
             "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
+            "floor_with_kv_ms": (model.weight_bytes() + kv_bytes_per_row * batch) / bandwidth * 1e3,
             "weight_bytes": model.weight_bytes(), "kv_read_bytes": kv_bytes_per_row * batch,
             "tflops": 2 * matmul_params * batch * n_tokens / median / 1e12,
         })  # fmt: skip
