@@ -149,14 +149,12 @@ class DecodeLoop:
                 logits.view(1, 1, -1), *self._no_drafts, self.temperature[slot : slot + 1], seed=self._seed(-1 - slot)
             )
             self.reference_lens[slot].fill_(0)
+            self._steered.discard(slot)
         else:
             reference = self._to_device(reference_ids)[: self.max_len]
             first = reference[:1]
             self.reference[slot, : reference.shape[0]] = reference
             self.reference_lens[slot].fill_(reference.shape[0])
-        if reference_ids is None:
-            self._steered.discard(slot)
-        else:
             self._steered.add(slot)
         self.history[slot, :n_prompt] = prompt
         self.history[slot, n_prompt : n_prompt + 1] = first.view(1)
