@@ -1,0 +1,254 @@
+"""Rejection sampler: greedy rows agree exactly (reference vs Triton interpreted on CPU), random rows keep
+the target distribution (chi-squared), and the same test catches deliberately wrong samplers."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # CI has no GPU: the Triton kernels run in Triton's interpreter
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from simharness.kernels import rejection
+from simharness.kernels.rejection import rejection_sample, rejection_sample_reference, rejection_sample_triton
+
+# The interpreter evaluates masked lanes too (log(0), -inf - -inf); numpy warns, the results are discarded.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+IMPLEMENTATIONS = [rejection_sample_reference, rejection_sample_triton]
+Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted_kernels() -> Iterator[None]:
+    """Interpret the kernels even when another test module imported triton before TRITON_INTERPRET was set."""
+    if isinstance(rejection._rejection_stats_kernel, InterpretedFunction):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
+        for name in ("_rejection_stats_kernel", "_rejection_walk_kernel"):
+            patch.setattr(rejection, name, InterpretedFunction(getattr(rejection, name).fn))
+        yield
+
+
+def random_batch(
+    batch: int, k: int, vocab: int, dtype: torch.dtype, seed: int, ties: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits, drafts (mostly the argmax so chains run long, some random, some -1), num_drafts, and a
+    temperature per row (half greedy)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, k + 1, vocab, generator=generator) * 3
+    if ties:
+        logits = logits.round()  # many exact ties: the lowest index must win everywhere
+    logits = logits.to(dtype)
+    argmax = logits.float().argmax(dim=-1)
+    random_tokens = torch.randint(0, vocab, (batch, k), generator=generator)
+    drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.7, argmax[:, :k], random_tokens)
+    drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.1, -1, drafts)
+    num_drafts = torch.randint(0, k + 1, (batch,), generator=generator)
+    greedy = torch.rand(batch, generator=generator) < 0.5
+    temperature = torch.where(greedy, 0.0, 0.5 + torch.rand(batch, generator=generator))
+    return logits, drafts, num_drafts, temperature
+
+
+def assert_well_formed(
+    output: torch.Tensor, num_emitted: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, vocab: int
+) -> None:
+    """Accepted drafts, then one target token (never the draft it replaces), then -1."""
+    assert output.dtype == torch.int64 and num_emitted.dtype == torch.int32
+    for b in range(output.shape[0]):
+        emitted, last = int(num_emitted[b]), int(num_emitted[b]) - 1
+        assert 1 <= emitted <= int(num_drafts[b]) + 1
+        assert output[b, :last].tolist() == drafts[b, :last].tolist()
+        assert 0 <= int(output[b, last]) < vocab
+        if last < int(num_drafts[b]):
+            assert int(output[b, last]) != int(drafts[b, last])
+        assert (output[b, emitted:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch, k, vocab, ties",
+    [
+        (6, 4, 50, False),
+        (6, 3, 40, True),
+        (2, 2, 3000, True),  # several vocab splits per row, merged by the walk kernel
+        (8, 1, 2500, False),  # one split, several blocks per program
+    ],
+)
+def test_greedy_rows_agree_exactly(dtype: torch.dtype, batch: int, k: int, vocab: int, ties: bool) -> None:
+    logits, drafts, num_drafts, temperature = random_batch(batch, k, vocab, dtype, seed=vocab + k, ties=ties)
+    expected = rejection_sample_reference(logits, drafts, num_drafts, temperature, seed=7)
+    got = rejection_sample_triton(logits, drafts, num_drafts, temperature, seed=7)
+    greedy = temperature == 0
+    assert torch.equal(got[0][greedy], expected[0][greedy])
+    assert torch.equal(got[1][greedy], expected[1][greedy])
+    for output, num_emitted in (expected, got):
+        assert_well_formed(output, num_emitted, drafts, num_drafts, vocab)
+
+
+def test_argmax_ties_across_splits_take_the_lowest_index() -> None:
+    logits = torch.zeros(2, 2, 3000)
+    logits[:, 0, [2900, 1500, 7]] = 5.0  # position 0: tied maxima in three different vocab splits
+    drafts = torch.tensor([[7], [1500]])
+    for impl in IMPLEMENTATIONS:
+        output, num_emitted = impl(logits, drafts, torch.tensor([1, 1]), torch.zeros(2), seed=0)
+        # Row 0 accepts 7 and takes the bonus argmax of the all-equal position 1: index 0.
+        assert output.tolist() == [[7, 0], [7, -1]] and num_emitted.tolist() == [2, 1], impl.__name__
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_greedy_hand_cases(impl: Sampler) -> None:
+    logits = torch.full((5, 4, 10), -1.0)
+    for position, token in enumerate([3, 1, 4, 2]):
+        logits[:, position, token] = 1.0
+    drafts = torch.tensor([[3, 1, 4], [3, 0, 4], [-1, 1, 4], [3, 1, 4], [3, 1, 9]])
+    num_drafts = torch.tensor([3, 3, 3, 0, 2])
+    output, num_emitted = impl(logits, drafts, num_drafts, torch.zeros(5), seed=0)
+    assert output.tolist() == [
+        [3, 1, 4, 2],  # perfect match: all drafts, then the bonus
+        [3, 1, -1, -1],  # mismatch at 1: the argmax there, then -1
+        [3, -1, -1, -1],  # a -1 draft is always rejected
+        [3, -1, -1, -1],  # no drafts: the bonus from position 0
+        [3, 1, 4, -1],  # two drafts: the bonus comes from position 2, its draft slot is ignored
+    ]
+    assert num_emitted.tolist() == [4, 2, 1, 1, 3]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_random_rows_with_a_certain_target(impl: Sampler) -> None:
+    """p is one-hot up to e^-60: the draft equal to the target is accepted, any other is replaced by it."""
+    logits = torch.zeros(3, 3, 10)
+    logits[:, torch.arange(3), torch.tensor([5, 6, 7])] = 60.0
+    drafts = torch.tensor([[5, 6], [5, 0], [-1, 6]])
+    output, num_emitted = impl(logits, drafts, torch.tensor([2, 2, 2]), torch.ones(3), seed=3)
+    assert output.tolist() == [[5, 6, 7], [5, 6, -1], [5, -1, -1]]
+    assert num_emitted.tolist() == [3, 2, 1]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_deterministic_for_a_seed(impl: Sampler) -> None:
+    logits, drafts, num_drafts, temperature = random_batch(6, 3, 64, torch.float32, seed=5)
+    temperature = torch.full_like(temperature, 2.0)  # flat targets: outcomes depend on the random numbers
+    first = impl(logits, drafts, num_drafts, temperature, seed=11)
+    again = impl(logits, drafts, num_drafts, temperature, seed=11)
+    other = impl(logits, drafts, num_drafts, temperature, seed=12)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], other[0])
+
+
+def test_dispatch_on_cpu_uses_the_reference() -> None:
+    logits, drafts, num_drafts, temperature = random_batch(4, 2, 30, torch.float32, seed=2)
+    got = rejection_sample(logits, drafts, num_drafts, temperature, seed=4)
+    expected = rejection_sample_reference(logits, drafts, num_drafts, temperature, seed=4)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Distribution. One target (k+1 positions over a small vocabulary) shared by every row; each row draws
+# its own drafts from q (mostly the target's top token: likely drafts, as n-gram drafts often are).
+# Given that position i is reached, the pair (draft i accepted?, token emitted at i) has probability
+# q_i(y) p_i(y) for "accepted, y" and p_i(y) (1 - q_i(y)) for "rejected, y" (the resample from p_i
+# without y's draft), so the token alone is p_i; the bonus position emits p_k.
+# --------------------------------------------------------------------------------------------------
+
+VOCAB, K, TEMPERATURE = 8, 2, 0.8
+
+
+def speculative_case(samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns logits [samples, K+1, VOCAB] (one row expanded), drafts [samples, K], p [K+1, V], q [K, V]."""
+    generator = torch.Generator().manual_seed(2024)
+    logits = torch.randn(K + 1, VOCAB, generator=generator) * 1.5
+    p = torch.softmax(logits.double() / TEMPERATURE, dim=-1)
+    q = 0.2 / VOCAB + 0.8 * torch.nn.functional.one_hot(p[:K].argmax(dim=-1), VOCAB).double()
+    drafts = torch.multinomial(q, samples, replacement=True, generator=generator).T
+    return logits.expand(samples, -1, -1), drafts, p, q
+
+
+def chisquare_pvalue(observed: np.ndarray, probabilities: np.ndarray) -> float:
+    """Goodness of fit; the smallest bins are merged until each merged bin expects >= 5 samples."""
+    expected = probabilities * observed.sum()
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # an impossible outcome happened
+    merged_observed, merged_expected = [], []
+    pending_observed, pending_expected = 0.0, 0.0
+    for i in np.argsort(expected):
+        pending_observed += observed[i]
+        pending_expected += expected[i]
+        if pending_expected >= 5:
+            merged_observed.append(pending_observed)
+            merged_expected.append(pending_expected)
+            pending_observed, pending_expected = 0.0, 0.0
+    merged_observed[-1] += pending_observed
+    merged_expected[-1] += pending_expected
+    assert len(merged_expected) >= 2, "too few samples for a chi-squared test"
+    return float(stats.chisquare(merged_observed, merged_expected).pvalue)
+
+
+def position_pvalues(output: torch.Tensor, num_emitted: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> list[float]:
+    """One p-value per position: the (accepted, token) joint at draft positions, the token at the bonus."""
+    pvalues = []
+    for i in range(K + 1):
+        reached = num_emitted > i
+        tokens = output[reached, i]
+        if i < K:
+            accepted = (num_emitted[reached] > i + 1).long()
+            cells = accepted * VOCAB + tokens
+            probabilities = torch.cat([p[i] * (1 - q[i]), p[i] * q[i]])
+        else:
+            cells, probabilities = tokens, p[K]
+        observed = torch.bincount(cells, minlength=len(probabilities)).numpy()
+        pvalues.append(chisquare_pvalue(observed, probabilities.numpy()))
+    return pvalues
+
+
+def wrong_sampler(
+    logits: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor, *, seed: int, mistake: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deliberately broken speculative sampler (every row random, every row with K drafts):
+    'sqrt' accepts x with probability p(x)**0.5; 'keep_draft' resamples from p without removing x."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(logits.float() / temperature[:, None, None], dim=-1)
+    batch = probs.shape[0]
+    p_draft = probs[:, :K].gather(-1, drafts[..., None]).squeeze(-1)
+    accept_probability = p_draft.sqrt() if mistake == "sqrt" else p_draft
+    accepted = torch.rand(batch, K, generator=generator) < accept_probability
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    residual = probs.clone()
+    if mistake == "sqrt":
+        residual[:, :K].scatter_(-1, drafts[..., None], 0.0)
+    final = torch.multinomial(residual.reshape(-1, VOCAB), 1, generator=generator).reshape(batch, K + 1)
+    output = torch.cat([drafts, torch.full((batch, 1), -1)], dim=1)
+    output = torch.where(torch.arange(K + 1) < num_accepted[:, None], output, -1)
+    output.scatter_(1, num_accepted[:, None], final.gather(1, num_accepted[:, None]))
+    return output, num_accepted + 1
+
+
+# The interpreted Triton kernels cost tens of ms per row, so they get fewer samples; the wrong-sampler
+# test below shows that even that many samples reject a wrong sampler overwhelmingly.
+SAMPLES = {"rejection_sample_reference": 20_000, "rejection_sample_triton": 500}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_random_rows_preserve_the_target_distribution(impl: Sampler) -> None:
+    samples = SAMPLES[impl.__name__]
+    logits, drafts, p, q = speculative_case(samples)
+    num_drafts = torch.full((samples,), K)
+    output, num_emitted = impl(logits, drafts, num_drafts, torch.full((samples,), TEMPERATURE), seed=99)
+    pvalues = position_pvalues(output, num_emitted, p, q)
+    assert min(pvalues) > 1e-4, pvalues
+
+
+@pytest.mark.parametrize("samples", sorted(set(SAMPLES.values())))
+@pytest.mark.parametrize("mistake", ["sqrt", "keep_draft"])
+def test_the_distribution_test_rejects_a_wrong_sampler(mistake: str, samples: int) -> None:
+    logits, drafts, p, q = speculative_case(samples)
+    output, num_emitted = wrong_sampler(logits, drafts, torch.full((samples,), TEMPERATURE), seed=99, mistake=mistake)
+    pvalues = position_pvalues(output, num_emitted, p, q)
+    assert pvalues[0] < 1e-6, pvalues
