@@ -11,12 +11,12 @@ looks fine (vLLM #37150).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy.stats import mannwhitneyu
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")
@@ -64,18 +64,28 @@ class Row:
 def load_run(path: str | Path) -> Run:
     """A run directory or its summary.json."""
     path = Path(path)
+    if not path.exists():
+        raise CompareError(f"{path}: no such file or directory")
     run_dir = path if path.is_dir() else path.parent
     summary_path = path / "summary.json" if path.is_dir() else path
     if not summary_path.is_file():
         raise CompareError(f"{path}: no summary.json (is it a run directory?)")
     try:
         rows = json.loads(summary_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CompareError(f"{summary_path}: not valid JSON ({e})") from None
-    if not isinstance(rows, list) or not rows or "point" not in rows[0]:
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "point" in r for r in rows):
         raise CompareError(f"{summary_path}: not a simharness summary (a list of points)")
+    points = [r["point"] for r in rows]
+    if len(set(points)) != len(points):
+        raise CompareError(f"{summary_path}: a point appears more than once")
     meta_path = run_dir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CompareError(f"{meta_path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CompareError(f"{meta_path}: not a simharness meta.json (a mapping)")
     summary = pd.DataFrame(rows).set_index("point")
     level = str(summary["level"].iloc[0]) if "level" in summary else "sim"
     has_samples = (run_dir / "requests.parquet").is_file()
@@ -83,8 +93,9 @@ def load_run(path: str | Path) -> Run:
 
 
 def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
-    """Verdicts for every common point and compared metric."""
-    if base.scenario != current.scenario and not force:
+    """Verdicts for every common point and compared metric. A run whose scenario is unknown (a bare
+    summary.json with no meta.json beside it) is taken to be of the other run's scenario."""
+    if base.scenario != current.scenario and "?" not in (base.scenario, current.scenario) and not force:
         raise CompareError(
             f"different scenarios ({base.scenario!r} vs {current.scenario!r}); pass --force to compare anyway"
         )
@@ -99,8 +110,13 @@ def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: boo
         for metric, (bigger_better, _) in METRICS.items():
             if metric not in b or metric not in c or pd.isna(b[metric]) or pd.isna(c[metric]):
                 continue
-            rows.append(_verdict(point, metric, float(b[metric]), float(c[metric]), bigger_better, threshold,
-                                 samples))
+            try:
+                values = float(b[metric]), float(c[metric])
+            except (TypeError, ValueError):
+                raise CompareError(f"point {point}: {metric} is not a number") from None
+            rows.append(_verdict(point, metric, *values, bigger_better, threshold, samples))
+    if not rows:
+        raise CompareError("the two runs have no compared metric in common (see compare.METRICS)")
     return rows
 
 
@@ -114,7 +130,7 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
     p_value = None
     if samples is not None and metric != "acceptance_rate":
         p_value = samples.p_value(point, metric)
-        if p_value is not None and p_value >= P_VALUE:
+        if p_value is not None and not math.isnan(p_value) and p_value >= P_VALUE:
             return Row(point, metric, base, cur, 100 * change, "noise", p_value)
     verdict = ("regression" if worse else "improvement") if beyond else "changed"
     return Row(point, metric, base, cur, 100 * change, verdict, p_value)
@@ -126,11 +142,29 @@ class _Samples:
     def __init__(self, base: Run, current: Run):
         self.tables = [self._load(r) for r in (base, current)]
 
-    @staticmethod
-    def _load(run: Run) -> dict[str, pd.DataFrame] | None:
+    COLUMNS = {
+        "requests": ("point", "arrival_s", "first_token_s", "last_token_s", "output_tokens"),
+        "emissions": ("point", "request_id", "time_s"),
+    }
+
+    @classmethod
+    def _load(cls, run: Run) -> dict[str, pd.DataFrame] | None:
         if run.run_dir is None:
             return None
-        return {n: pd.read_parquet(run.run_dir / f"{n}.parquet") for n in ("requests", "emissions")}
+        tables = {}
+        for name, columns in cls.COLUMNS.items():
+            path = run.run_dir / f"{name}.parquet"
+            if not path.is_file():
+                return None  # no samples: the threshold alone decides
+            try:
+                df = pd.read_parquet(path)
+            except Exception as e:  # any unreadable file is bad input
+                raise CompareError(f"{path}: cannot read ({e})") from None
+            missing = [c for c in columns if c not in df.columns]
+            if missing:
+                raise CompareError(f"{path}: missing column(s) {', '.join(missing)}")
+            tables[name] = df
+        return tables
 
     def p_value(self, point: str, metric: str) -> float | None:
         if any(t is None for t in self.tables):
@@ -139,27 +173,30 @@ class _Samples:
         if kind is None:
             return None
         a, b = (_latency_samples(t, point, kind) for t in self.tables)
+        a, b = a[np.isfinite(a)], b[np.isfinite(b)]
         if len(a) < 2 or len(b) < 2:
             return None
+        from scipy.stats import mannwhitneyu  # scipy.stats takes seconds to import: only when needed
+
         return float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
 
 
 def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> np.ndarray:
     r = tables["requests"]
-    r = r[r["point"] == point]
+    r = r[r["point"] == point].astype({"output_tokens": "float64"})
     ttft = r["first_token_s"] - r["arrival_s"]
     e2e = r["last_token_s"] - r["arrival_s"]
     if kind == "ttft":
-        return ttft.to_numpy()
+        return ttft.to_numpy(dtype=float)
     if kind == "e2el":
-        return e2e.to_numpy()
+        return e2e.to_numpy(dtype=float)
     if kind == "tpot":
         many = r["output_tokens"] > 1
-        return ((e2e - ttft)[many] / (r["output_tokens"][many] - 1)).to_numpy()
+        return ((e2e - ttft)[many] / (r["output_tokens"][many] - 1)).to_numpy(dtype=float)
     e = tables["emissions"]
     e = e[e["point"] == point].sort_values(["request_id", "time_s"])
     gaps = e.groupby("request_id")["time_s"].diff().dropna()
-    return gaps.to_numpy()
+    return gaps.to_numpy(dtype=float)
 
 
 def markdown(rows: list[Row], *, show_all: bool = False) -> str:
@@ -186,15 +223,20 @@ def to_json(rows: list[Row]) -> dict:
     smaller, bigger = [], []
     for r in rows:
         bigger_better, unit = METRICS[r.metric]
-        entry = {"name": f"{r.point} {r.metric}", "unit": unit, "value": r.current}
+        entry = {"name": f"{r.point} {r.metric}", "unit": unit, "value": _finite(r.current)}
         (bigger if bigger_better else smaller).append(entry)
     return {
         "regressions": sum(r.verdict == "regression" for r in rows),
         "improvements": sum(r.verdict == "improvement" for r in rows),
-        "rows": [asdict(r) for r in rows],
+        "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in rows],
         "customSmallerIsBetter": smaller,
         "customBiggerIsBetter": bigger,
     }
+
+
+def _finite(value):
+    """Strict JSON has no inf/NaN (a change from a zero base is infinite): write null instead."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def compare(base: str | Path, current: str | Path, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
