@@ -33,6 +33,9 @@ class Batch:
     prefill: np.ndarray  # bool: a prefill chunk
     completes_prefill: np.ndarray  # bool: the chunk ends the prompt, so the step emits a first token
     draft_slots: np.ndarray  # draft slots reserved (placeholders under async), 0 for prefill
+    n_tokens: int  # tokens.sum()
+    decode: np.ndarray  # bool: ~prefill
+    emits: np.ndarray  # bool: the step emits a token for the request (decode or last prefill chunk)
 
     @property
     def size(self) -> int:
@@ -55,6 +58,7 @@ class BatchScheduler:
         self.n_admitted = 0
         self.n_finished = 0
         self.n_running = 0
+        self._running: np.ndarray | None = None  # running ids, cached between admissions and finishes
 
     def arrive(self, rid: int) -> None:
         assert rid == self.n_arrived, "requests arrive in id order"
@@ -64,24 +68,30 @@ class BatchScheduler:
     def has_waiting(self) -> bool:
         return self.n_admitted < self.n_arrived
 
-    def schedule(self, draft_slots: Callable[[np.ndarray], np.ndarray]) -> Batch:
-        """Pick the next step's batch; `draft_slots(req)` gives the slots a decoding request reserves."""
+    def running(self) -> np.ndarray:
+        """Running request ids in admission order."""
+        if self._running is None:
+            self._running = np.flatnonzero(self.status == RUNNING)
+        return self._running
+
+    def schedule(self, draft_slots: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Batch:
+        """Pick the next step's batch; `draft_slots(req, decode)` gives the slots each request reserves
+        (0 where `decode` is False)."""
         budget = self.cfg.max_num_batched_tokens
-        running = np.flatnonzero(self.status == RUNNING)
+        running = self.running()
         left = self.prompt_len[running] - self.prefill_scheduled[running]
         prefill = left > 0
-        decode_ok = ~prefill & (self.committed[running] + self.in_flight[running] < self.output_len[running])
-        cand = running[prefill | decode_ok]
-        cand_prefill = prefill[prefill | decode_ok]
-        slots = np.zeros(len(cand), dtype=np.int64)
-        if (~cand_prefill).any():
-            slots[~cand_prefill] = draft_slots(cand[~cand_prefill])
-        tokens = np.where(cand_prefill, (self.prompt_len - self.prefill_scheduled)[cand], 1 + slots)
-        # take requests in order while the budget lasts; a prefill may be cut to the budget left
-        fits = np.cumsum(tokens) <= budget
-        n_fit = int(np.argmin(fits)) if not fits.all() else len(fits)
+        # a decoding request is a candidate while its in-flight steps cannot already complete it
+        keep = prefill | (self.committed[running] + self.in_flight[running] < self.output_len[running])
+        cand, cand_prefill, left = running[keep], prefill[keep], left[keep]
+        slots = draft_slots(cand, ~cand_prefill)
+        tokens = np.where(cand_prefill, left, 1 + slots)
+        # take requests in order while the budget lasts (tokens >= 1, so the cumsum is increasing);
+        # a prefill may be cut to the budget left
+        cum = np.cumsum(tokens)
+        n_fit = int(np.searchsorted(cum, budget, side="right"))
         req, tok, pre, sl = cand[:n_fit], tokens[:n_fit], cand_prefill[:n_fit], slots[:n_fit]
-        used = int(tok.sum())
+        used = int(cum[n_fit - 1]) if n_fit else 0
         if n_fit < len(cand) and cand_prefill[n_fit] and self.cfg.chunked_prefill and used < budget:
             req = np.append(req, cand[n_fit])
             tok = np.append(tok, budget - used)
@@ -103,25 +113,32 @@ class BatchScheduler:
             new_tok.append(chunk)
             used += chunk
         if new_req:
+            self._running = None
             req = np.concatenate([req, np.array(new_req, dtype=np.int64)])
             tok = np.concatenate([tok, np.array(new_tok, dtype=np.int64)])
             pre = np.concatenate([pre, np.ones(len(new_req), dtype=bool)])
             sl = np.concatenate([sl, np.zeros(len(new_req), dtype=np.int64)])
         completes = np.zeros(len(req), dtype=bool)
-        if pre.any():
-            completes[pre] = self.prefill_scheduled[req[pre]] + tok[pre] == self.prompt_len[req[pre]]
-            self.prefill_scheduled[req[pre]] += tok[pre]
-        self.in_flight[req[~pre | completes]] += 1
-        return Batch(req=req, tokens=tok, prefill=pre, completes_prefill=completes, draft_slots=sl)
+        rp = req[pre]
+        if len(rp):
+            tp = tok[pre]
+            completes[pre] = self.prefill_scheduled[rp] + tp == self.prompt_len[rp]
+            self.prefill_scheduled[rp] += tp
+        decode = ~pre
+        emits = decode | completes
+        self.in_flight[req] += emits  # request ids are unique within a batch
+        return Batch(req, tok, pre, completes, sl, used, decode, emits)
 
     def settle(self, batch: Batch, emitted: np.ndarray) -> np.ndarray:
-        """Process a step's output: advance the host's counts, return the ids that finished now."""
-        emits = ~batch.prefill | batch.completes_prefill
-        req = batch.req[emits]
-        self.in_flight[req] -= 1
-        self.committed[req] += emitted[emits]
-        done = req[(self.committed[req] >= self.output_len[req]) & (self.status[req] == RUNNING)]
-        self.status[done] = FINISHED
-        self.n_finished += len(done)
-        self.n_running -= len(done)
+        """Process a step's output (`emitted` is 0 where the batch does not emit): advance the host's
+        counts, return the ids that finished now."""
+        req, emits = batch.req, batch.emits
+        self.in_flight[req] -= emits
+        self.committed[req] += emitted
+        done = req[emits & (self.committed[req] >= self.output_len[req]) & (self.status[req] == RUNNING)]
+        if len(done):
+            self.status[done] = FINISHED
+            self.n_finished += len(done)
+            self.n_running -= len(done)
+            self._running = None
         return done

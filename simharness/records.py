@@ -68,15 +68,16 @@ class Records:
 
     k: int
     steps: list[tuple] = field(default_factory=list)
-    acc_pos: list[np.ndarray] = field(default_factory=list)
+    # accepted drafts per decoding request of each step; `acc_pos_<i>` is computed from them at the end
+    accepted: list[np.ndarray] = field(default_factory=list)
     syncs: list[tuple] = field(default_factory=list)
     # emissions are kept per step as (step, time, request ids, token counts) to stay vectorised
     emission_batches: list[tuple[int, float, np.ndarray, np.ndarray]] = field(default_factory=list)
     requests: pd.DataFrame | None = None
 
-    def add_step(self, row: tuple, acc_pos: np.ndarray) -> None:
+    def add_step(self, row: tuple, accepted: np.ndarray) -> None:
         self.steps.append(row)
-        self.acc_pos.append(acc_pos)
+        self.accepted.append(accepted)
 
     def add_sync(self, step: int, name: str, phase: str, waits_for: str, start: float, end: float) -> None:
         self.syncs.append((step, name, phase, waits_for, start, end))
@@ -87,9 +88,11 @@ class Records:
 
     def steps_frame(self) -> pd.DataFrame:
         df = pd.DataFrame.from_records(self.steps, columns=STEP_COLUMNS)
-        acc = np.stack(self.acc_pos) if self.acc_pos else np.zeros((0, self.k), dtype=np.int64)
+        n = len(self.steps)
+        acc = np.concatenate(self.accepted) if n else np.zeros(0, dtype=np.int64)
+        step = np.repeat(np.arange(n), [len(a) for a in self.accepted])
         for i in range(self.k):
-            df[f"acc_pos_{i}"] = acc[:, i] if len(acc) else np.zeros(0, dtype=np.int64)
+            df[f"acc_pos_{i}"] = np.bincount(step[acc > i], minlength=n).astype(np.int64)
         return df
 
     def syncs_frame(self) -> pd.DataFrame:

@@ -15,7 +15,7 @@ costs wasted verify slots.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -39,6 +39,7 @@ KNOWN_SYNC_POINTS: dict[str, SyncPoint] = {
 }
 # Not a sync point one can remove: settling a step needs its output (engine core `get_output`).
 OUTPUT_READBACK = "output_readback"
+PHASES = ("schedule", "prep", "launch", "update")
 
 
 @dataclass
@@ -99,22 +100,33 @@ def resolve_mode(sc: Scenario) -> Mode:
 
 @dataclass(eq=False)
 class Step:
-    """One launched step: its batch, what the GPU did with it, and its host timeline."""
+    """One launched step: its batch, what the GPU did with it, and its host timeline (seconds)."""
 
     id: int
     batch: Batch
     done: simpy.Event
     verified_slots: np.ndarray | None = None  # draft slots the GPU verifies per request
     valid: np.ndarray | None = None  # valid drafts, when known at prep (trim)
-    emitted: np.ndarray | None = None
-    accepted: np.ndarray | None = None
+    emitted: np.ndarray | None = None  # per request of the batch
+    accepted: np.ndarray | None = None  # per decoding request, as drafts_valid and wasted
     drafts_valid: np.ndarray | None = None
     wasted: np.ndarray | None = None
     in_flight: int = 0
-    t: dict[str, float] = field(default_factory=dict)
     gc_pause: float = 0.0
     sync_wait: float = 0.0
     n_syncs: int = 0
+    schedule_start: float = 0.0
+    schedule_end: float = 0.0
+    prep_start: float = 0.0
+    prep_end: float = 0.0
+    launch_end: float = 0.0
+    gpu_start: float = 0.0
+    gpu_end: float = 0.0
+    bubble: float = 0.0
+    update_start: float = 0.0
+    update_end: float = 0.0
+    propose_start: float = 0.0
+    propose_end: float = 0.0
 
 
 class Simulation:
@@ -136,7 +148,7 @@ class Simulation:
                 f"({int(requests.prompt_len.max())}) and chunked_prefill is off"
             )
         self.sched = BatchScheduler(sc.scheduler, requests.prompt_len, requests.output_len)
-        # per-request tallies
+        # per-request tallies, filled from the records at the end of the run
         self.arrival = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
         self.last_token = np.full(n, np.nan)
@@ -145,6 +157,8 @@ class Simulation:
         self.draft_tokens = np.zeros(n, dtype=np.int64)
         self.accepted_tokens = np.zeros(n, dtype=np.int64)
         self.wasted_slots = np.zeros(n, dtype=np.int64)
+        # per settled step: (decoding request ids, valid drafts, accepted, wasted slots)
+        self.decode_tallies: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         # Common random numbers across points: streams depend on the seed only, not on the point.
         acc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
         self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 2]))
@@ -157,6 +171,7 @@ class Simulation:
         self.gpu_free_at = 0.0
         self.last_gpu_end: float | None = None
         self.last_launched: Step | None = None
+        self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
 
     # ---------------------------------------------------------------- clients
 
@@ -200,23 +215,38 @@ class Simulation:
             step: Step = yield self.stream.get()
             start = self.env.now
             duration = self.backend.run_step(step)
-            step.t["gpu_start"] = start
-            step.t["bubble"] = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
+            step.gpu_start = start
+            step.bubble = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
             yield self.env.timeout(duration)
-            step.t["gpu_end"] = self.env.now
-            self.last_gpu_end = self.env.now
+            step.gpu_end = self.last_gpu_end = self.env.now
             step.done.succeed()
 
     # ---------------------------------------------------------------- engine loop
 
-    def _draft_slots(self, r: np.ndarray) -> np.ndarray:
+    def _until(self, t: float) -> simpy.Timeout:
+        """A timeout that ends exactly at time `t`, the sum of several host phases.
+
+        Several consecutive host phases are one SimPy event; `now + (t - now)` may differ from `t` in
+        the last bit, so the delay is nudged until it lands on `t`, the time the phases' own timeouts
+        would have reached."""
+        now = self.env.now
+        delay = t - now
+        while now + delay < t:
+            delay = np.nextafter(delay, np.inf)
+        while now + delay > t:
+            delay = np.nextafter(delay, -np.inf)
+        return self.env.timeout(float(delay))
+
+    def _draft_slots(self, r: np.ndarray, decode: np.ndarray) -> np.ndarray:
         """Draft slots the scheduler reserves: k placeholders under async, known drafts when synchronous."""
         if not self.mode.k:
             return np.zeros(len(r), dtype=np.int64)
         if self.mode.depth > 1 or not self.mode.trim:
-            return np.full(len(r), self.mode.k, dtype=np.int64)
+            return decode * self.mode.k
         # synchronous: the host holds the drafts proposed after the last step
-        return self.backend.valid_drafts(r)
+        slots = np.zeros(len(r), dtype=np.int64)
+        slots[decode] = self.backend.valid_drafts(r[decode])
+        return slots
 
     def _sync(self, step: Step, sp: SyncPoint, in_flight: deque):
         """Block the host on a GPU event; record the wait."""
@@ -247,11 +277,7 @@ class Simulation:
                 if batch.size:
                     step = Step(id=next_step, batch=batch, done=env.event(), gc_pause=gc_pause)
                     next_step += 1
-                    yield from self._phase_syncs(step, "schedule", in_flight)
-                    step.t["schedule_start"] = env.now
-                    yield env.timeout(cost.schedule(batch.size))
-                    step.t["schedule_end"] = env.now
-                    yield from self._prep_and_launch(step, in_flight)
+                    yield from self._schedule_prep_launch(step, in_flight)
                     launched = True
                 elif in_flight:
                     # nothing to schedule: the scheduler call still costs the host its base time
@@ -265,37 +291,47 @@ class Simulation:
                 if not sched.has_waiting():
                     yield self.work
 
-    def _prep_and_launch(self, step: Step, in_flight: deque):
+    def _schedule_prep_launch(self, step: Step, in_flight: deque):
+        """The host phases from scheduling to launch; phases with no sync point between them are one event."""
         env, cost, mode, b = self.env, self.cost, self.mode, step.batch
-        # syncs placed in prep run before prep's own work: trimming below relies on them
-        for sp in mode.syncs:
-            if sp.phase == "prep":
-                yield from self._sync(step, sp, in_flight)
-        dec = ~b.prefill
-        slots = b.draft_slots.copy()
-        if mode.trim and dec.any():
-            r = b.req[dec]
-            valid = self.backend.valid_drafts(r)
-            slots[dec] = np.minimum(valid, mode.k)
-            step.valid = np.zeros(len(b.req), dtype=np.int64)
-            step.valid[dec] = slots[dec]
+        syncs = self.phase_syncs
+        yield from self._syncs(step, syncs["schedule"], in_flight)
+        step.schedule_start = env.now
+        step.schedule_end = env.now + cost.schedule(b.size)
+        # Prep reads the device truth when trimming; with steps in flight it must be read at
+        # schedule_end, where the GPU may have moved on, so the host really waits there.
+        if syncs["prep"] or (mode.trim and in_flight):
+            yield env.timeout(cost.schedule(b.size))
+            # syncs placed in prep run before prep's own work: trimming below relies on them
+            yield from self._syncs(step, syncs["prep"], in_flight)
+            step.prep_start = env.now
+        else:
+            step.prep_start = step.schedule_end
+        slots = b.draft_slots
+        n_tokens = b.n_tokens
+        if mode.trim and b.decode.any():
+            dec = b.decode
+            slots = slots.copy()
+            slots[dec] = np.minimum(self.backend.valid_drafts(b.req[dec]), mode.k)
+            step.valid = slots
+            n_tokens = int(np.where(dec, 1 + slots, b.tokens).sum())
         step.verified_slots = slots
-        n_tokens = int(np.where(dec, 1 + slots, b.tokens).sum())
-        step.t["prep_start"] = env.now
-        yield env.timeout(cost.prep(b.size, n_tokens))
-        step.t["prep_end"] = env.now
-        yield from self._phase_syncs(step, "launch", in_flight)
-        yield env.timeout(cost.launch())
-        step.t["launch_end"] = env.now
+        step.prep_end = step.prep_start + cost.prep(b.size, n_tokens)
+        if syncs["launch"]:
+            yield self._until(step.prep_end)
+            yield from self._syncs(step, syncs["launch"], in_flight)
+            step.launch_end = env.now + cost.launch()
+        else:
+            step.launch_end = step.prep_end + cost.launch()
+        yield self._until(step.launch_end)
         in_flight.append(step)
         step.in_flight = len(in_flight)
         self.last_launched = step
         self.stream.put(step)
 
-    def _phase_syncs(self, step: Step, phase: str, in_flight: deque):
-        for sp in self.mode.syncs:
-            if sp.phase == phase:
-                yield from self._sync(step, sp, in_flight)
+    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
+        for sp in points:
+            yield from self._sync(step, sp, in_flight)
 
     def _settle(self, step: Step, in_flight: deque):
         """Wait for the oldest step's output, then update requests and emit tokens."""
@@ -303,74 +339,66 @@ class Simulation:
         start = env.now
         if not step.done.triggered:
             yield step.done
-        yield env.timeout(self.cost.sync())
-        step.sync_wait += env.now - start
+        # the readback and the update are one event unless a sync point sits between them
+        sync_end = env.now + self.cost.sync()
+        if self.phase_syncs["update"]:
+            yield self._until(sync_end)
+        step.sync_wait += sync_end - start
         step.n_syncs += 1
-        self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, env.now)
-        yield from self._phase_syncs(step, "update", in_flight)
-        step.t["update_start"] = env.now
-        yield env.timeout(self.cost.update(b.size))
-        now = step.t["update_end"] = env.now
+        self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
+        yield from self._syncs(step, self.phase_syncs["update"], in_flight)
+        step.update_start = env.now if self.phase_syncs["update"] else sync_end
+        now = step.update_end = step.update_start + self.cost.update(b.size)
+        yield self._until(now)
         done = self.sched.settle(b, step.emitted)
-        out = step.emitted > 0
-        r = b.req[out]
-        self.records.add_emissions(step.id, now, r, step.emitted[out])
-        first = np.isnan(self.first_token[r])
-        self.first_token[r[first]] = now
-        self.last_token[r] = now
-        self.chunks[r] += 1
-        dec = ~b.prefill
-        rd = b.req[dec]
-        self.num_drafts[rd] += step.drafts_valid[dec] > 0
-        self.draft_tokens[rd] += step.drafts_valid[dec]
-        self.accepted_tokens[rd] += step.accepted[dec]
-        self.wasted_slots[rd] += step.wasted[dec]
-        step.t["propose_start"] = step.t["propose_end"] = now
+        out = np.flatnonzero(step.emitted)
+        self.records.add_emissions(step.id, now, b.req[out], step.emitted[out])
+        rd = b.req[b.decode]
+        self.decode_tallies.append((rd, step.drafts_valid, step.accepted, step.wasted))
+        step.propose_start = step.propose_end = now
         if self.mode.ngram_cpu and self.mode.k:
             # the CPU proposer drafts for the requests still running, over their whole history
             live = rd[self.sched.committed[rd] < self.req.output_len[rd]]
             hist = int((self.req.prompt_len[live] + self.sched.committed[live]).sum())
             yield env.timeout(self.cost.ngram_cpu(len(live), hist))
-            step.t["propose_end"] = env.now
+            step.propose_end = env.now
         self._record_step(step)
         for rid in done:
             self.done_events.pop(int(rid)).succeed()
 
     def _record_step(self, s: Step) -> None:
-        b, t = s.batch, s.t
-        dec = ~b.prefill
-        acc = s.accepted[dec]
-        acc_pos = (acc[:, None] > np.arange(self.mode.k)).sum(axis=0)
+        b = s.batch
+        n_decode = len(s.accepted)
         self.records.add_step(
             (
                 s.id,
                 b.size,
-                int(b.prefill.sum()),
+                b.size - n_decode,
                 int(b.tokens[b.prefill].sum()),
-                int((1 + s.verified_slots[dec]).sum()),
-                int(b.draft_slots[dec].sum()),
+                n_decode + int(s.verified_slots.sum()),
+                int(b.draft_slots.sum()),
                 int(s.drafts_valid.sum()),
                 int(s.accepted.sum()),
                 int(s.emitted.sum()),
                 int(s.wasted.sum()),
                 s.in_flight,
-                t["schedule_start"],
-                t["schedule_end"],
-                t["prep_start"],
-                t["prep_end"],
-                t["launch_end"],
-                t["gpu_start"],
-                t["gpu_end"],
-                t["update_start"],
-                t["update_end"],
-                t["propose_start"],
-                t["propose_end"],
+                s.schedule_start,
+                s.schedule_end,
+                s.prep_start,
+                s.prep_end,
+                s.launch_end,
+                s.gpu_start,
+                s.gpu_end,
+                s.update_start,
+                s.update_end,
+                s.propose_start,
+                s.propose_end,
                 s.gc_pause,
                 s.sync_wait,
                 s.n_syncs,
-                t["bubble"],
+                s.bubble,
             ),
-            acc_pos,
+            s.accepted,
         )
 
     # ---------------------------------------------------------------- run
@@ -386,8 +414,24 @@ class Simulation:
         env.process(self.gpu_stream())
         loop = env.process(self.engine_loop())
         env.run(until=loop)
+        self._tally_requests()
         self.records.requests = self.requests_frame()
         return self.records, float(np.nanmax(self.last_token))
+
+    def _tally_requests(self) -> None:
+        """Per-request token times and counts from the emissions and the settled steps' tallies."""
+        if self.records.emission_batches:
+            em = self.records.emissions_frame()
+            ids, times = em.request_id.to_numpy(), em.time_s.to_numpy()
+            np.fmin.at(self.first_token, ids, times)  # fmin/fmax skip the NaN of no token yet
+            np.fmax.at(self.last_token, ids, times)
+            self.chunks += np.bincount(ids, minlength=self.n)
+        if self.decode_tallies:
+            rd, valid, acc, wasted = (np.concatenate(x) for x in zip(*self.decode_tallies, strict=True))
+            np.add.at(self.num_drafts, rd, valid > 0)
+            np.add.at(self.draft_tokens, rd, valid)
+            np.add.at(self.accepted_tokens, rd, acc)
+            np.add.at(self.wasted_slots, rd, wasted)
 
     def requests_frame(self) -> pd.DataFrame:
         r = self.req
