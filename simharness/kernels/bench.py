@@ -1,0 +1,227 @@
+"""Kernel benchmark: n-gram proposer and rejection sampler (reference / torch / Triton), with the achieved
+bandwidth of the sampler next to the device's measured copy bandwidth. Writes kernels.csv and kernels.md.
+
+`run_kernel_bench` = `kernel_rows` (measure) + `write_tables` (render); other benchmarks append their rows
+(same columns, their own `kernel` name) before `write_tables`, which renders one table per kernel.
+"""
+
+import datetime
+import functools
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+import triton
+
+from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
+from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
+
+Row = dict[str, object]
+
+MIN_N, MAX_N, K = 2, 5, 4
+NGRAM_VOCAB = 1024  # small enough that 2- to 5-gram matches occur in random histories
+REFERENCE_NGRAM_MAX_TOKENS = 16 * 2048  # B * L above this: the pure-Python reference is skipped
+L2_FLUSH_BYTES = 256 * 2**20  # written before every timed CUDA repeat, so inputs come from HBM
+HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host queues the whole call before it starts
+# Rendered after the columns that describe a row.
+MEASURED_COLUMNS = ["device_ms", "wall_ms", "speedup_vs_torch", "logits_gb_per_s", "pct_of_copy_bw"]
+
+
+def run_kernel_bench(device: str, out_dir: Path, quick: bool = False) -> pd.DataFrame:
+    """Measure every kernel row on `device` and write kernels.csv / kernels.md to out_dir."""
+    dev = torch.device(device)
+    copy_gbps = measure_copy_bandwidth(dev, quick)
+    frame = pd.DataFrame(kernel_rows(dev, quick, copy_gbps))
+    write_tables(frame, dev, Path(out_dir), copy_gbps, quick)
+    return frame
+
+
+def kernel_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[Row]:
+    """The n-gram and rejection-sampler rows."""
+    return ngram_rows(device, quick) + rejection_rows(device, quick, copy_gbps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+    """(median device time, median wall time) of fn in ms. On CUDA the device time is taken with events
+    after an L2 flush while the host is ahead (so launch gaps are excluded); the wall time is one call
+    plus a synchronize from an idle GPU (launch overhead included). On CPU both are wall times."""
+    for _ in range(3):
+        fn()  # warm-up: Triton compilation, allocator
+    _sync(device)
+    wall = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        wall.append((time.perf_counter() - start) * 1e3)
+    if device.type != "cuda":
+        return statistics.median(wall), statistics.median(wall)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    gpu = []
+    for _ in range(repeats):
+        flush.zero_()
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        fn()
+        end_event.record()
+        end_event.synchronize()
+        gpu.append(start_event.elapsed_time(end_event))
+    return statistics.median(gpu), statistics.median(wall)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device: torch.device, quick: bool) -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    size = (64 if quick or device.type != "cuda" else 1024) * 2**20
+    src = torch.randint(0, 127, (size,), dtype=torch.int8, device=device)
+    dst = torch.empty_like(src)
+    device_ms, _ = time_call(lambda: dst.copy_(src), device, repeats=20)
+    return 2 * size / (device_ms * 1e-3) / 1e9
+
+
+# --------------------------------------------------------------------------------------------------
+# N-gram proposer
+# --------------------------------------------------------------------------------------------------
+
+
+def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
+    batches = [16, 64] if quick else [16, 64, 256]
+    widths = [2048, 8192] if quick else [2048, 8192, 32768]
+    repeats = 5 if quick or device.type != "cuda" else 25
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows: list[Row] = []
+    for batch in batches:
+        for width in widths:
+            token_ids = torch.randint(0, NGRAM_VOCAB, (batch, width), generator=generator, device=device)
+            token_ids = token_ids.to(torch.int32)
+            # Lengths: uniform in [L/8, L/2], and a short-context case with every length <= 4k.
+            profiles = {
+                f"U[{width // 8},{width // 2}]": (width // 8, width // 2),
+                f"U[256,{min(width, 4096)}]": (256, min(width, 4096)),
+            }
+            for lengths, (low, high) in profiles.items():
+                seq_lens = torch.randint(low, high + 1, (batch,), generator=generator, device=device)
+                impls: dict[str, Callable] = {"torch": propose_ngram_torch}
+                if device.type == "cuda":
+                    impls["triton"] = propose_ngram_triton
+                if batch * width <= REFERENCE_NGRAM_MAX_TOKENS:
+                    impls["reference"] = propose_ngram_reference
+                for impl_name, impl in impls.items():
+                    call = functools.partial(impl, token_ids, seq_lens, min_n=MIN_N, max_n=MAX_N, k=K)
+                    device_ms, wall_ms = time_call(call, device, 3 if impl_name == "reference" else repeats)
+                    rows.append(
+                        {"kernel": "ngram", "impl": impl_name, "dtype": "int32", "batch": batch, "width": width,
+                         "lengths": lengths, "device_ms": device_ms, "wall_ms": wall_ms}
+                    )  # fmt: skip
+    torch_ms = {(r["batch"], r["width"], r["lengths"]): r["device_ms"] for r in rows if r["impl"] == "torch"}
+    for row in rows:
+        row["speedup_vs_torch"] = torch_ms[(row["batch"], row["width"], row["lengths"])] / row["device_ms"]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Rejection sampler
+# --------------------------------------------------------------------------------------------------
+
+
+def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[Row]:
+    batches = [16, 64] if quick else [16, 64, 256]
+    vocab = 32000 if quick else 128256
+    repeats = 5 if quick or device.type != "cuda" else 25
+    impls: dict[str, Callable] = {"reference": rejection_sample_reference}
+    if device.type == "cuda":
+        impls["triton"] = rejection_sample_triton
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows: list[Row] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch in batches:
+            logits = torch.randn((batch, K + 1, vocab), generator=generator, device=device).to(dtype)
+            drafts = torch.randint(0, vocab, (batch, K), generator=generator, device=device)
+            num_drafts = torch.full((batch,), K, device=device)
+            temperatures = {
+                "greedy": torch.zeros(batch, device=device),
+                "random": torch.ones(batch, device=device),
+                "mixed": torch.arange(batch, device=device).remainder(2).float(),
+            }
+            read_bytes = logits.numel() * logits.element_size()  # every position <= num_drafts is read
+            for mode, temperature in temperatures.items():
+                for impl_name, impl in impls.items():
+                    call = functools.partial(impl, logits, drafts, num_drafts, temperature, seed=1)
+                    device_ms, wall_ms = time_call(call, device, repeats)
+                    gbps = read_bytes / (device_ms * 1e-3) / 1e9
+                    rows.append(
+                        {"kernel": "rejection", "impl": impl_name, "dtype": str(dtype).removeprefix("torch."),
+                         "batch": batch, "k": K, "vocab": vocab, "mode": mode, "device_ms": device_ms,
+                         "wall_ms": wall_ms, "logits_gb_per_s": gbps, "pct_of_copy_bw": 100 * gbps / copy_gbps}
+                    )  # fmt: skip
+            del logits
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def write_tables(frame: pd.DataFrame, device: torch.device, out_dir: Path, copy_gbps: float, quick: bool) -> None:
+    """kernels.csv (all rows) and kernels.md (a header with device, date and versions; a table per kernel)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out_dir / "kernels.csv", index=False)
+    timing = (
+        "CUDA events around each call after a 256 MiB L2 flush, with the host queued ahead (device_ms); "
+        "one call + synchronize from an idle GPU (wall_ms, includes launch overhead)"
+        if device.type == "cuda"
+        else "time.perf_counter around each call (device_ms = wall_ms)"
+    )
+    lines = [
+        "# Kernel benchmark",
+        "",
+        f"- device: {device_name(device)} ({device.type})",
+        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
+        f"- measured copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, bytes read + written)",
+        f"- timing: {timing}; medians of 25 repeats (5 when quick or on CPU; 3 for the n-gram reference)",
+        f"- sizes: {'quick' if quick else 'full'}; n-gram min_n={MIN_N} max_n={MAX_N} k={K}, int32 histories of "
+        f"random tokens from a {NGRAM_VOCAB}-token vocabulary; the pure-Python n-gram reference runs only for "
+        f"B*L <= {REFERENCE_NGRAM_MAX_TOKENS} (too slow above); Triton rows need CUDA",
+        "- rejection: every row has k drafts (all k+1 positions are read); logits_gb_per_s = logits bytes / "
+        "device_ms; pct_of_copy_bw compares it with the measured copy bandwidth",
+    ]
+    for kernel, table in frame.groupby("kernel", sort=False):
+        table = table.dropna(axis=1, how="all").drop(columns="kernel")
+        measured = [column for column in MEASURED_COLUMNS if column in table.columns]
+        table = table[[column for column in table.columns if column not in measured] + measured]
+        lines += ["", f"## {kernel}", "", *markdown_table(table)]
+    (out_dir / "kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def markdown_table(table: pd.DataFrame) -> list[str]:
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return "" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return lines
