@@ -165,7 +165,8 @@ class Simulation:
         self.backend = backend or ModelBackend(requests, acceptance, self.cost, self.mode.k, acc_rng)
         self.records = Records(k=self.mode.k)
         self.env = simpy.Environment()
-        self.stream: simpy.Store = simpy.Store(self.env)
+        self.stream: deque[Step] = deque()  # launched steps the GPU has not started
+        self.gpu_idle: simpy.Event | None = None  # set while the GPU waits for a launch
         self.work = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
         self.gpu_free_at = 0.0
@@ -212,7 +213,14 @@ class Simulation:
     def gpu_stream(self):
         """Runs launched steps in order; the step's outcome is decided by the device truth now."""
         while True:
-            step: Step = yield self.stream.get()
+            if self.stream:
+                # what a satisfied `Store.get` costs: one pass through the event queue, which keeps
+                # the order of events at equal times
+                yield self.env.timeout(0)
+            else:
+                self.gpu_idle = self.env.event()
+                yield self.gpu_idle
+            step = self.stream.popleft()
             start = self.env.now
             duration = self.backend.run_step(step)
             step.gpu_start = start
@@ -327,7 +335,9 @@ class Simulation:
         in_flight.append(step)
         step.in_flight = len(in_flight)
         self.last_launched = step
-        self.stream.put(step)
+        self.stream.append(step)
+        if self.gpu_idle is not None and not self.gpu_idle.triggered:
+            self.gpu_idle.succeed()
 
     def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
         for sp in points:
