@@ -20,16 +20,18 @@ import pandas as pd
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")
-# metric -> (bigger is better, unit)
-METRICS: dict[str, tuple[bool, str]] = {
+# metric -> (bigger is better, unit); None: a diagnostic with no good direction, shown as "changed"
+# but never a regression or improvement (a faster GPU lowers the GPU-busy fraction at depth 1, and a
+# faster host waits longer at each sync: neither is a regression; an added sync is, via syncs_per_step)
+METRICS: dict[str, tuple[bool | None, str]] = {
     **{f"{s}_{m}_ms": (False, "ms") for m in LATENCY for s in STATS},
     "output_throughput": (True, "tok/s"),
     "request_throughput": (True, "req/s"),
     "acceptance_rate": (True, "%"),
     "mean_acceptance_length": (True, "tokens"),
-    "gpu_busy_fraction": (True, "fraction"),
+    "gpu_busy_fraction": (None, "fraction"),
     "syncs_per_step": (False, "count"),
-    "sync_wait_ms_per_step": (False, "ms"),
+    "sync_wait_ms_per_step": (None, "ms"),
 }
 FLOAT_TOL = 1e-9
 P_VALUE = 0.01
@@ -125,6 +127,8 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
     change = diff / abs(base) if base else (0.0 if diff == 0 else float("inf") * np.sign(diff))
     if abs(diff) <= FLOAT_TOL * max(abs(base), 1.0):
         return Row(point, metric, base, cur, 0.0, "same")
+    if bigger_better is None:
+        return Row(point, metric, base, cur, 100 * change, "changed")
     worse = diff < 0 if bigger_better else diff > 0
     beyond = abs(change) > threshold
     p_value = None
@@ -193,10 +197,13 @@ def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> 
     if kind == "tpot":
         many = r["output_tokens"] > 1
         return ((e2e - ttft)[many] / (r["output_tokens"][many] - 1)).to_numpy(dtype=float)
+    # ITL: one sample per request (its mean gap). The gaps of one request share its batch and its
+    # speed, so pooling them would treat thousands of correlated gaps as independent samples and call
+    # run-to-run noise significant.
     e = tables["emissions"]
     e = e[e["point"] == point].sort_values(["request_id", "time_s"])
-    gaps = e.groupby("request_id")["time_s"].diff().dropna()
-    return gaps.to_numpy(dtype=float)
+    gaps = e.assign(gap=e.groupby("request_id")["time_s"].diff()).dropna(subset=["gap"])
+    return gaps.groupby("request_id")["gap"].mean().to_numpy(dtype=float)
 
 
 def markdown(rows: list[Row], *, show_all: bool = False) -> str:
@@ -219,10 +226,13 @@ def markdown(rows: list[Row], *, show_all: bool = False) -> str:
 
 
 def to_json(rows: list[Row]) -> dict:
-    """Rows plus github-action-benchmark / Bencher lists of the current values."""
+    """Rows plus github-action-benchmark / Bencher lists of the current values (diagnostics, which
+    have no good direction, are in the rows only)."""
     smaller, bigger = [], []
     for r in rows:
         bigger_better, unit = METRICS[r.metric]
+        if bigger_better is None:
+            continue
         entry = {"name": f"{r.point} {r.metric}", "unit": unit, "value": _finite(r.current)}
         (bigger if bigger_better else smaller).append(entry)
     return {

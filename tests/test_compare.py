@@ -1,0 +1,400 @@
+"""The perf-regression gate: planted regressions are caught, unchanged runs pass, improvements are
+reported, measured noise passes and a real measured shift fails; bad input exits 2."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import simharness
+from simharness.cli import app
+from simharness.compare import METRICS, markdown, to_json
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "results" / "baselines" / "ci"
+
+# Small and quick (about a second a run). Depth 1 exposes every host phase in TPOT; depth 2 hides
+# them behind the GPU, so a sync point shows there. iid acceptance, so alpha is the knob.
+BASE = {
+    "name": "gate",
+    "seed": 1,
+    "workload": {"num_requests": 24, "concurrency": 8, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                 "output_len": {"dist": "fixed", "value": 48}},
+    "engine": {"model": "llama-3.2-1b",
+               "speculation": {"k": 4, "invalid_slots": "fill", "acceptance": {"model": "iid", "alpha": 0.8}}},
+    "scheduler": {"policy": "optimistic"},
+    "sweep": {"scheduler.depth": [1, 2]},
+    "report": {"trace_steps": 20, "timeline_steps": 4},
+}
+PREP_US = 200.0  # HostCosts.prep_us default
+
+PLANTED = {
+    "extra_sync": {"scheduler.sync_points": {"add": ["metadata_item"]}},
+    "slow_prep": {"engine.host_costs.prep_us": 3 * PREP_US},
+    "acceptance_drop": {"engine.speculation.acceptance.alpha": 0.55},
+}
+FASTER = {
+    "fast_prep": {"engine.host_costs.prep_us": PREP_US / 4},
+    "faster_gpu": {"engine.gpu": "H200"},
+}
+
+
+def _run(out: Path, overrides: dict | None = None) -> Path:
+    return simharness.run(simharness.scenario_from_dict(BASE, overrides), out=out).run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("runs")
+    out = {"base": _run(tmp / "base"), "unchanged": _run(tmp / "unchanged")}
+    for name, overrides in {**PLANTED, **FASTER}.items():
+        out[name] = _run(tmp / name, overrides)
+    return out
+
+
+def _cli(*args, cwd=ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.Popen([sys.executable, "-m", "simharness", "compare", *map(str, args)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs: dict[str, subprocess.Popen]) -> dict[str, tuple[int, str, str]]:
+    """Start the slow CLI processes together, collect them together."""
+    done = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=180)
+        done[name] = (p.returncode, stdout, stderr)
+    return done
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, ["compare", *map(str, args)])
+
+
+def _by(rows, point=None, metric=None):
+    return {(r.point, r.metric): r for r in rows if (point in (None, r.point)) and (metric in (None, r.metric))}
+
+
+# ---------------------------------------------------------------------------------------------
+# sim level: exact
+
+
+def test_unchanged_run_is_bit_identical_and_passes(runs):
+    rows = simharness.compare(runs["base"], runs["unchanged"])
+    assert rows and {r.verdict for r in rows} == {"same"}
+    assert len({r.point for r in rows}) == 2
+    assert "**0 regression(s), 0 improvement(s)**" in markdown(rows)
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_planted_regression_is_caught(runs, name):
+    rows = simharness.compare(runs["base"], runs[name])
+    regressed = {(r.point, r.metric) for r in rows if r.verdict == "regression"}
+    depth1, depth2 = "scheduler.depth=1", "scheduler.depth=2"
+    if name == "extra_sync":
+        # a sync before prep stalls the async loop: depth 2 loses its overlap
+        assert {(depth1, "syncs_per_step"), (depth2, "syncs_per_step"), (depth2, "mean_tpot_ms"),
+                (depth2, "p99_tpot_ms"), (depth2, "output_throughput")} <= regressed
+    elif name == "slow_prep":
+        # a slower host phase shows at depth 1 (exposed), and is hidden at depth 2
+        assert {(depth1, "mean_tpot_ms"), (depth1, "p99_tpot_ms"), (depth1, "output_throughput")} <= regressed
+        assert _by(rows, depth2, "mean_tpot_ms")[(depth2, "mean_tpot_ms")].verdict != "regression"
+    else:
+        for point in (depth1, depth2):
+            assert {(point, "acceptance_rate"), (point, "mean_acceptance_length"), (point, "mean_tpot_ms")} <= regressed
+    tpot = _by(rows, metric="mean_tpot_ms")
+    worst = max(r.change_pct for r in tpot.values())
+    assert worst > 5.0
+    md = markdown(rows)
+    assert md.index("regression") < md.index("| point |")  # the count comes first
+    assert md.splitlines()[4].endswith("❌ regression |")  # regressions head the table
+
+
+@pytest.mark.parametrize("name", list(FASTER))
+def test_faster_run_is_an_improvement_and_passes(runs, name):
+    rows = simharness.compare(runs["base"], runs[name])
+    verdicts = Counter(r.verdict for r in rows)
+    assert verdicts["regression"] == 0, markdown(rows)
+    assert verdicts["improvement"] > 0
+    point = "scheduler.depth=1"  # the host-bound point gains from either
+    assert _by(rows, point, "mean_tpot_ms")[(point, "mean_tpot_ms")].verdict == "improvement"
+    assert _by(rows, point, "output_throughput")[(point, "output_throughput")].verdict == "improvement"
+
+
+def test_diagnostics_never_gate(runs):
+    # A faster GPU lowers the GPU-busy fraction at depth 1 and a faster host waits longer at a sync:
+    # they are shown as changed, never as a regression.
+    rows = simharness.compare(runs["base"], runs["faster_gpu"]) + simharness.compare(runs["base"], runs["fast_prep"])
+    diagnostics = {"gpu_busy_fraction", "sync_wait_ms_per_step"}
+    moved = [r for r in rows if r.metric in diagnostics and r.verdict != "same"]
+    assert {r.metric for r in moved} == diagnostics
+    assert {r.verdict for r in moved} == {"changed"} and max(abs(r.change_pct) for r in moved) > 5
+    assert {METRICS[m][0] for m in diagnostics} == {None}
+
+
+def test_threshold_separates_changed_from_regression(runs):
+    rows = simharness.compare(runs["base"], runs["slow_prep"], threshold=10.0)  # 1000 %: nothing is beyond it
+    assert {r.verdict for r in rows} <= {"same", "changed"} and "changed" in {r.verdict for r in rows}
+
+
+def test_cli_exit_status_and_json(runs, tmp_path):
+    # the real command line, in subprocesses (started together: each imports torch)
+    js = tmp_path / "compare.json"
+    done = _finish({
+        "regression": _cli(runs["base"], runs["extra_sync"], "--json", js),
+        "unchanged": _cli("results/baselines/ci", "results/baselines/ci/summary.json"),
+        "missing": _cli(runs["base"], tmp_path / "nope"),
+    })
+    code, stdout, stderr = done["regression"]
+    assert code == 1, stderr
+    assert "❌ regression" in stdout and "| scheduler.depth=2 | mean_tpot_ms |" in stdout
+    data = json.loads(js.read_text())
+    assert data["regressions"] > 0 and data["regressions"] == stdout.count("❌ regression")
+    assert {"customSmallerIsBetter", "customBiggerIsBetter", "rows"} <= set(data)
+    code, stdout, stderr = done["unchanged"]
+    assert code == 0, stderr
+    assert stdout.startswith("**0 regression(s), 0 improvement(s)** over ") and "| point |" not in stdout
+    code, stdout, stderr = done["missing"]
+    assert code == 2 and "nope: no such file or directory" in stderr and "Traceback" not in stderr
+
+
+def test_cli_unchanged_exits_zero(runs):
+    r = _invoke(runs["base"], runs["unchanged"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("**0 regression(s), 0 improvement(s)**") and "| point |" not in r.stdout
+
+
+def test_cli_improvement_exits_zero(runs):
+    r = _invoke(runs["base"], runs["fast_prep"])
+    assert r.exit_code == 0, r.output
+    assert "✅ improvement" in r.stdout and "❌" not in r.stdout
+
+
+def test_summary_json_path_is_accepted(runs):
+    r = _invoke(runs["base"] / "summary.json", runs["unchanged"] / "summary.json", "--all")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("| same |") == len(simharness.compare(runs["base"], runs["unchanged"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: exit 2 and one clear line
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for name in ("summary.json", "meta.json"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_different_scenarios_need_force(runs, tmp_path):
+    other = _copy_run(runs["base"], tmp_path / "other")
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "scenario": "other"}))
+    r = _invoke(runs["base"], other)
+    assert r.exit_code == 2
+    assert "different scenarios ('gate' vs 'other')" in r.stderr and "--force" in r.stderr
+    r = _invoke(runs["base"], other, "--force")
+    assert r.exit_code == 0, r.output
+
+
+def test_no_common_points(runs, tmp_path):
+    other = _copy_run(runs["base"], tmp_path / "other")
+    rows = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps([{**r, "point": "x" + r["point"]} for r in rows]))
+    r = _invoke(runs["base"], other)
+    assert r.exit_code == 2 and "no sweep point in common" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no summary.json (is it a run directory?)"),
+        ("{not json", "not valid JSON"),
+        ("[]", "not a simharness summary"),
+        ("[1, 2]", "not a simharness summary"),
+        ('{"point": "a"}', "not a simharness summary"),
+        ('[{"point": "a"}, {"point": "a"}]', "appears more than once"),
+        ('[{"point": "a", "mean_tpot_ms": "fast"}]', "mean_tpot_ms is not a number"),
+        ('[{"point": "a", "foo": 1}]', "no compared metric in common"),
+    ],
+)
+def test_bad_summaries(runs, tmp_path, content, message):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    if content is not None:
+        (bad / "summary.json").write_text(content)
+    if "a" in (content or ""):
+        good = tmp_path / "good"
+        good.mkdir()
+        (good / "summary.json").write_text('[{"point": "a", "mean_tpot_ms": 1.0}]')
+    else:
+        good = runs["base"]
+    r = _invoke(good, bad)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and "Traceback" not in r.output
+
+
+def test_bad_threshold(runs):
+    r = _invoke(runs["base"], runs["unchanged"], "--threshold", "0")
+    assert r.exit_code == 2 and "--threshold" in r.stderr
+
+
+def test_json_is_strict_when_base_is_zero(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([{"point": "p", "syncs_per_step": 0.0, "mean_tpot_ms": 1.0}]))
+    b.write_text(json.dumps([{"point": "p", "syncs_per_step": 1.0, "mean_tpot_ms": 1.0}]))
+    rows = simharness.compare(a, b)
+    assert _by(rows, "p", "syncs_per_step")[("p", "syncs_per_step")].verdict == "regression"
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    json.loads(json.dumps(to_json(rows)), parse_constant=no_constants)
+
+
+# ---------------------------------------------------------------------------------------------
+# the committed baseline
+
+
+def test_committed_baseline_matches_ci_scenario():
+    assert (BASELINE / "summary.json").is_file(), "record it with scripts/refresh-baseline"
+    source = yaml.safe_load((BASELINE / "scenario.source.yaml").read_text())
+    assert source == yaml.safe_load((ROOT / "scenarios" / "ci.yaml").read_text()), (
+        "scenarios/ci.yaml changed without scripts/refresh-baseline")
+    summary = json.loads((BASELINE / "summary.json").read_text())
+    points = [p.id for p in simharness.sweep_points(simharness.load_scenario(ROOT / "scenarios" / "ci.yaml"))]
+    assert [r["point"] for r in summary] == points
+    assert {r["level"] for r in summary} == {"sim"}
+    assert json.loads((BASELINE / "meta.json").read_text())["scenario"] == "ci"
+    assert not list(BASELINE.glob("*.parquet"))  # the summary is enough; keep the repo small
+
+
+def test_cli_on_committed_runs_prints_a_readable_table(tmp_path):
+    # the committed baseline against a copy of it in which one point got 10 % slower at P99
+    slower = _copy_run(BASELINE, tmp_path / "slower")
+    rows = json.loads((slower / "summary.json").read_text())
+    rows[-1]["p99_tpot_ms"] *= 1.10
+    (slower / "summary.json").write_text(json.dumps(rows))
+    r = _invoke(BASELINE, slower)
+    assert r.exit_code == 1, r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("**1 regression(s), 0 improvement(s)**")
+    assert lines[2] == "| point | metric | base | current | change % | verdict |"
+    assert lines[4].startswith(f"| {rows[-1]['point']} | p99_tpot_ms |")
+    assert lines[4].endswith("| +10.00 | ❌ regression |")
+    assert len(lines) == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# measured level (hil / real): statistics decide, not the threshold alone
+
+
+def _percentiles(x: np.ndarray, prefix: str) -> dict[str, float]:
+    ms = 1000 * x
+    return {f"mean_{prefix}_ms": ms.mean(), f"median_{prefix}_ms": np.median(ms),
+            f"p90_{prefix}_ms": np.percentile(ms, 90), f"p99_{prefix}_ms": np.percentile(ms, 99)}
+
+
+def fake_measured_run(path: Path, *, seed: int, n: int, tpot_scale: float = 1.0, acceptance: float = 60.0,
+                      scenario: str = "measured") -> Path:
+    """A hil run directory written by hand: per-request samples whose summary follows from them.
+
+    Each request has its own decode speed (lognormal, like batch composition and KV length vary in
+    a real engine), so summary statistics of two runs differ by a few % from noise alone."""
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True)
+    requests, emissions, summary = [], [], []
+    for point in ("concurrency=4", "concurrency=16"):
+        reqs, ems = [], []
+        for rid in range(n):
+            arrival = 0.05 * rid
+            ttft = rng.lognormal(np.log(0.030), 0.35)
+            speed = rng.lognormal(np.log(0.006 * tpot_scale), 0.35)  # seconds per step of this request
+            steps = 24
+            gaps = speed * rng.lognormal(0.0, 0.2, size=steps)
+            tokens = rng.integers(1, 5, size=steps)  # tokens per step: 1 + accepted drafts
+            times = arrival + ttft + np.concatenate([[0.0], np.cumsum(gaps)])
+            toks = np.concatenate([[1], tokens])
+            reqs.append({"request_id": rid, "arrival_s": arrival, "output_tokens": int(toks.sum()),
+                         "first_token_s": times[0], "last_token_s": times[-1]})
+            ems += [{"request_id": rid, "step": i, "time_s": t, "tokens": int(k)}
+                    for i, (t, k) in enumerate(zip(times, toks, strict=True))]
+        r, e = pd.DataFrame(reqs), pd.DataFrame(ems)
+        ttft = (r.first_token_s - r.arrival_s).to_numpy()
+        e2e = (r.last_token_s - r.arrival_s).to_numpy()
+        tpot = (e2e - ttft) / (r.output_tokens.to_numpy() - 1)
+        itl = e.sort_values(["request_id", "time_s"]).groupby("request_id")["time_s"].diff().dropna().to_numpy()
+        # throughputs have no per-request samples (the threshold alone judges them): keep them fixed
+        summary.append({"point": point, "level": "hil", "acceptance_rate": acceptance,
+                        "output_throughput": 50_000.0, "request_throughput": 20.0,
+                        **_percentiles(ttft, "ttft"), **_percentiles(tpot, "tpot"), **_percentiles(itl, "itl"),
+                        **_percentiles(e2e, "e2el")})
+        requests.append(r.assign(point=point))
+        emissions.append(e.assign(point=point))
+    pd.concat(requests).to_parquet(path / "requests.parquet", index=False)
+    pd.concat(emissions).to_parquet(path / "emissions.parquet", index=False)
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "meta.json").write_text(json.dumps({"scenario": scenario, "device": "fake"}))
+    return path
+
+
+def test_measured_noise_passes(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=60)
+    cur = fake_measured_run(tmp_path / "b", seed=2, n=60)  # same distribution, other samples
+    rows = simharness.compare(base, cur)
+    latency = [r for r in rows if r.metric.endswith("_ms")]
+    assert all(r.p_value is not None for r in latency)
+    # the noise moves statistics beyond the 5 % threshold, and the test on the samples says noise
+    noisy = [r for r in latency if abs(r.change_pct) > 5]
+    assert noisy and all(r.verdict == "noise" for r in noisy), markdown(rows, show_all=True)
+    assert not any(r.verdict == "regression" for r in rows)
+    r = _invoke(base, cur)
+    assert r.exit_code == 0, r.output
+
+
+def test_measured_real_shift_fails(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=200)
+    cur = fake_measured_run(tmp_path / "b", seed=2, n=200, tpot_scale=1.2)  # decode 20 % slower
+    rows = simharness.compare(base, cur)
+    for point in ("concurrency=4", "concurrency=16"):
+        for metric in ("mean_tpot_ms", "median_tpot_ms", "mean_itl_ms"):
+            row = _by(rows, point, metric)[(point, metric)]
+            assert row.verdict == "regression" and row.p_value < 1e-3 and 10 < row.change_pct < 30, row
+        assert _by(rows, point, "mean_ttft_ms")[(point, "mean_ttft_ms")].verdict != "regression"  # unchanged
+    r = _invoke(base, cur)
+    assert r.exit_code == 1 and "❌ regression" in r.stdout
+
+
+def test_measured_acceptance_drop_fails_without_latency_change(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=60)
+    cur = fake_measured_run(tmp_path / "b", seed=1, n=60, acceptance=40.0)  # same samples
+    rows = simharness.compare(base, cur)
+    assert {(r.metric, r.verdict) for r in rows if r.verdict != "same"} == {("acceptance_rate", "regression")}
+    assert _invoke(base, cur).exit_code == 1
+
+
+def test_measured_bad_sample_table(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=10)
+    cur = fake_measured_run(tmp_path / "b", seed=2, n=10)
+    pd.read_parquet(cur / "requests.parquet").drop(columns=["first_token_s"]).to_parquet(cur / "requests.parquet")
+    r = _invoke(base, cur)
+    assert r.exit_code == 2 and "missing column(s) first_token_s" in r.stderr
+
+
+def test_to_json_lists_are_finite(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=20)
+    data = to_json(simharness.compare(base, base))
+    names = [e["name"] for e in data["customSmallerIsBetter"] + data["customBiggerIsBetter"]]
+    assert len(names) == len(set(names)) > 0
+    assert all(math.isfinite(e["value"]) for e in data["customSmallerIsBetter"])
