@@ -169,7 +169,6 @@ class Simulation:
         self.gpu_idle: simpy.Event | None = None  # set while the GPU waits for a launch
         self.work = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
-        self.gpu_free_at = 0.0
         self.last_gpu_end: float | None = None
         self.last_launched: Step | None = None
         self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
@@ -309,7 +308,7 @@ class Simulation:
         # Prep reads the device truth when trimming; with steps in flight it must be read at
         # schedule_end, where the GPU may have moved on, so the host really waits there.
         if syncs["prep"] or (mode.trim and in_flight):
-            yield env.timeout(cost.schedule(b.size))
+            yield self._until(step.schedule_end)
             # syncs placed in prep run before prep's own work: trimming below relies on them
             yield from self._syncs(step, syncs["prep"], in_flight)
             step.prep_start = env.now
