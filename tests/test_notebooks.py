@@ -1,0 +1,85 @@
+"""The notebooks execute top to bottom on their (small) default parameters, use only the public API,
+and are stored without outputs."""
+
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import simharness
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+NAMES = ["quickstart.ipynb", "sync-points.ipynb"]
+PUBLIC = set(simharness.__all__)
+
+
+def _code(nb) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_stored_clean_and_uses_the_public_api(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "store notebooks without outputs"
+    used = set()
+    for source in _code(nb):
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("simharness"), f"from-import of {node.module}"
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name == "simharness" or not alias.name.startswith("simharness"), alias.name
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "simharness":
+                used.add(node.attr)
+    assert used and used <= PUBLIC, f"not public API: {used - PUBLIC}"
+    assert "tempfile" in "".join(_code(nb))  # results go to a temporary directory, not the repo
+
+
+@pytest.fixture
+def python3_kernel(tmp_path, monkeypatch):
+    """Make kernel "python3" this interpreter (the venv's), whatever kernelspecs the machine has:
+    JUPYTER_PATH comes first in the kernelspec search."""
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (simharness tests)",
+        "language": "python",
+    }))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    return "python3"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_executes(name, python3_kernel, tmp_path):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    # a last cell that says which interpreter and which simharness the kernel ran
+    check = "import sys, simharness; print(sys.executable); print(simharness.__file__)"
+    nb.cells.append(nbformat.v4.new_code_cell(check))
+    before = sorted(p.name for p in ROOT.iterdir())
+    client = NotebookClient(nb, kernel_name=python3_kernel, timeout=300,
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()  # raises CellExecutionError, with the cell and traceback, if any cell fails
+    executable, package = nb.cells[-1].outputs[0]["text"].split()
+    assert Path(executable).resolve() == Path(sys.executable).resolve()
+    assert Path(package).resolve() == (ROOT / "simharness" / "__init__.py").resolve()
+    images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                 if "image/png" in o.get("data", {}))
+    assert images >= 2, "the plots did not render"
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors
+    assert sorted(p.name for p in ROOT.iterdir()) == before  # nothing written into the repository
+    assert not (NOTEBOOKS / "results").exists()
+    nbformat.write(nb, tmp_path / name)  # the executed copy, for a look when debugging
