@@ -398,3 +398,12 @@ def test_to_json_lists_are_finite(tmp_path):
     names = [e["name"] for e in data["customSmallerIsBetter"] + data["customBiggerIsBetter"]]
     assert len(names) == len(set(names)) > 0
     assert all(math.isfinite(e["value"]) for e in data["customSmallerIsBetter"])
+
+
+def test_bare_summary_without_meta_is_taken_as_the_same_scenario(runs, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(runs["base"] / "summary.json", bare / "summary.json")  # no meta.json: scenario unknown
+    r = _invoke(bare / "summary.json", runs["unchanged"])
+    assert r.exit_code == 0, r.output
+    assert {x.verdict for x in simharness.compare(bare, runs["extra_sync"])} >= {"regression"}
