@@ -28,7 +28,7 @@ def repetitive_histories(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
     """[BATCH, WIDTH] token rows where earlier spans recur (as in code or quoted text), and seq_lens that
     include the edge cases 0, 1, 2 and WIDTH."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 200, (BATCH, WIDTH), generator=generator)
+    tokens = torch.randint(0, 50, (BATCH, WIDTH), generator=generator)
     for b in range(BATCH):
         for _ in range(40):
             length = int(torch.randint(4, 64, (1,), generator=generator))

@@ -126,30 +126,36 @@ def _rejection_stats_kernel(
     # Positions after the bonus position are never emitted: their logits are not read.
     live = positions <= num_drafts
     drafts = tl.load(drafts_ptr + row * K + positions, mask=positions < num_drafts, other=-1)
-    ptrs = logits_ptr + row.to(tl.int64) * logits_stride_b + positions[:, None].to(tl.int64) * logits_stride_k
+    # Tiles are [columns, positions]: the vocab axis is the contiguous one, so the compiler spreads columns
+    # over threads and keeps all positions of a column in one thread; per-column work (the race noise) is
+    # then done once per column rather than once per thread holding one of its positions.
+    ptrs = logits_ptr + row.to(tl.int64) * logits_stride_b + positions[None, :].to(tl.int64) * logits_stride_k
     lo = split * split_size
     hi = tl.minimum(lo + split_size, vocab)
-    # Each block of BLOCK columns is read as four [K_BLOCK, Q] quarters (four loads in flight, and one
+    # Each block of BLOCK columns is read as four quarters of Q columns (four loads in flight, and one
     # Philox call gives four words per counter, one per quarter).
     Q: tl.constexpr = BLOCK // 4
     lanes = tl.arange(0, Q)
 
-    lane_max = tl.full([K_BLOCK, Q], -float("inf"), dtype=tl.float32)
-    lane_sum = tl.zeros([K_BLOCK, Q], dtype=tl.float32)
-    lane_key = tl.full([K_BLOCK, Q], -float("inf"), dtype=tl.float32)
-    lane_index = tl.zeros([K_BLOCK, Q], dtype=tl.int32)
+    lane_max = tl.full([Q, K_BLOCK], -float("inf"), dtype=tl.float32)
+    lane_sum = tl.zeros([Q, K_BLOCK], dtype=tl.float32)
+    lane_key = tl.full([Q, K_BLOCK], -float("inf"), dtype=tl.float32)
+    lane_index = tl.zeros([Q, K_BLOCK], dtype=tl.int32)
     if temperature == 0:
         for start in range(lo, hi, BLOCK):
             for quarter in tl.static_range(4):
                 columns = start + quarter * Q + lanes
-                x = tl.load(ptrs + columns[None, :], mask=live[:, None] & (columns < hi)[None, :], other=-float("inf"))
+                x = tl.load(ptrs + columns[:, None], mask=(columns < hi)[:, None] & live[None, :], other=-float("inf"))
                 x = x.to(tl.float32)
                 better = x > lane_max  # strict: each lane keeps its earliest column on ties
-                lane_index = tl.where(better, columns[None, :], lane_index)
+                lane_index = tl.where(better, columns[:, None], lane_index)
                 lane_max = tl.where(better, x, lane_max)
         lane_key = lane_max
     else:
-        inv_temperature = 1.0 / temperature
+        # Base-2 units: x = logit * log2(e) / T, so p_j = 2^(x_j - log2 sum_i 2^x_i), and exp2 is one MUFU op.
+        scale = 1.4426950408889634 / temperature
+        lane_max = tl.full([Q, K_BLOCK], -3.0e38, dtype=tl.float32)  # finite: no inf - inf below
+        lane_key = tl.zeros([Q, K_BLOCK], dtype=tl.float32)
         for start in range(lo, hi, BLOCK):
             w0, w1, w2, w3 = tl.randint4x(seed, row * noise_per_row + start // 4 + lanes)
             for quarter in tl.static_range(4):
@@ -162,28 +168,31 @@ def _rejection_stats_kernel(
                 else:
                     word = w3
                 columns = start + quarter * Q + lanes
-                x = tl.load(ptrs + columns[None, :], mask=live[:, None] & (columns < hi)[None, :], other=-float("inf"))
-                x = x.to(tl.float32) * inv_temperature
-                # Online sum of exp(x - lane_max) with one exp per element: exp(-|x - lane_max|).
+                x = tl.load(ptrs + columns[:, None], mask=(columns < hi)[:, None] & live[None, :], other=-float("inf"))
+                x = x.to(tl.float32) * scale
+                # Online sum of 2^(x - lane_max); the race keys below share the lane's reference.
                 new_max = tl.maximum(lane_max, x)
-                decay = tl.exp(tl.minimum(lane_max, x) - tl.where(new_max == -float("inf"), 0.0, new_max))
-                lane_sum = tl.where(x > lane_max, lane_sum * decay + 1.0, lane_sum + decay)
+                rescale = tl.exp2(lane_max - new_max)
+                weight = tl.exp2(x - new_max)
+                lane_sum = lane_sum * rescale + weight
+                lane_key = lane_key * rescale
                 lane_max = new_max
-                # Exponential race: argmax_j (log p_j - log E_j) with E_j = -log(u_j) ~ Exp(1) drawn per
-                # column; the draft itself is excluded at draft positions.
+                # Exponential race: argmax_j p_j / E_j with E_j = -ln(u_j) ~ Exp(1) is a sample of p (one E per
+                # column, shared by the positions). The draft itself is excluded at draft positions.
                 uniform = ((word >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # in (0, 1)
-                key = x - tl.log(-tl.log(uniform))[None, :]
-                key = tl.where(columns[None, :] == drafts[:, None], -float("inf"), key)
+                key = weight * (-1.0 / tl.log(uniform))[:, None]
+                key = tl.where(columns[:, None] == drafts[None, :], 0.0, key)
                 better = key > lane_key
-                lane_index = tl.where(better, columns[None, :], lane_index)
+                lane_index = tl.where(better, columns[:, None], lane_index)
                 lane_key = tl.where(better, key, lane_key)
+        lane_key = tl.log2(lane_key) + lane_max  # back to one scale for all lanes: log2(p_j / E_j) + const
 
-    row_max = tl.max(lane_max, axis=1)
+    row_max = tl.max(lane_max, axis=0)
     safe_max = tl.where(row_max == -float("inf"), 0.0, row_max)
-    row_sum = tl.sum(lane_sum * tl.exp(lane_max - safe_max[:, None]), axis=1)
+    row_sum = tl.sum(lane_sum * tl.exp2(lane_max - safe_max[None, :]), axis=0)
     # Greedy: the max logit and its lowest column. Random: the race winner.
-    best_key = tl.max(lane_key, axis=1)
-    best_index = tl.min(tl.where(lane_key == best_key[:, None], lane_index, vocab), axis=1)
+    best_key = tl.max(lane_key, axis=0)
+    best_index = tl.min(tl.where(lane_key == best_key[None, :], lane_index, vocab), axis=0)
     out = (row * tl.num_programs(1) + split) * K_BLOCK + positions
     tl.store(max_ptr + out, row_max)
     tl.store(sum_ptr + out, row_sum)
@@ -234,18 +243,19 @@ def _rejection_walk_kernel(
     if temperature == 0:
         accept = has_token & (drafts == token)
     else:
-        # Accept x with probability p(x) = exp(logit_x / T - logsumexp(logits / T)).
+        # Accept x with probability p(x) = 2^(x_x - log2 sum_j 2^x_j), x = logit * log2(e) / T as in kernel 1.
+        scale = 1.4426950408889634 / temperature
         split_max = tl.load(max_ptr + partial, mask=mask, other=-float("inf"))
         split_sum = tl.load(sum_ptr + partial, mask=mask, other=0.0)
         global_max = tl.max(split_max, axis=1)
         safe_max = tl.where(global_max == -float("inf"), 0.0, global_max)
-        log_norm = safe_max + tl.log(tl.sum(split_sum * tl.exp(split_max - safe_max[:, None]), axis=1))
+        log_norm = safe_max + tl.log2(tl.sum(split_sum * tl.exp2(split_max - safe_max[:, None]), axis=1))
         draft_logit = tl.load(
             logits_ptr + row.to(tl.int64) * logits_stride_b + positions.to(tl.int64) * logits_stride_k + drafts,
             mask=has_token,
             other=-float("inf"),
         ).to(tl.float32)
-        p_draft = tl.exp(draft_logit * (1.0 / temperature) - log_norm)
+        p_draft = tl.exp2(draft_logit * scale - log_norm)
         word, _, _, _ = tl.randint4x(seed, accept_counter_base + row * K_BLOCK + positions)
         uniform = ((word >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # in (0, 1)
         accept = has_token & (uniform < p_draft)
@@ -256,12 +266,12 @@ def _rejection_walk_kernel(
     tl.store(num_emitted_ptr + row, num_accepted + 1)
 
 
-_BLOCK = 1024  # vocab columns per loop step: four quarters of 256
+_BLOCK = 2048  # vocab columns per loop step: four quarters of 512
 
 
 def _num_splits(batch: int, vocab: int, device: torch.device) -> int:
-    """Vocab splits per row: enough programs to fill the GPU (~8 per SM) at small batch sizes."""
-    target_programs = 8 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    """Vocab splits per row: enough programs to fill the GPU (~4 per SM) at small batch sizes."""
+    target_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     return max(1, min(triton.cdiv(vocab, _BLOCK), triton.cdiv(target_programs, batch)))
 
 
@@ -304,7 +314,7 @@ def rejection_sample_triton(
     _rejection_stats_kernel[(batch, n_splits)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
         row_max, row_sum, best_key, best_index, vocab, split_size, noise_per_row, seed,
-        K=k, K_BLOCK=k_block, BLOCK=_BLOCK, num_warps=8,
+        K=k, K_BLOCK=k_block, BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
     _rejection_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
