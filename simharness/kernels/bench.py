@@ -200,6 +200,7 @@ def write_tables(frame: pd.DataFrame, device: torch.device, out_dir: Path, copy_
         f"- device: {device_name(device)} ({device.type})",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
+        f"- produced by simharness.kernels.bench.run_kernel_bench(device={str(device)!r}, quick={quick})",
         f"- measured copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, bytes read + written)",
         f"- timing: {timing}; medians of 25 repeats (5 when quick or on CPU; 3 for the n-gram reference)",
         f"- sizes: {'quick' if quick else 'full'}; n-gram min_n={MIN_N} max_n={MAX_N} k={K}, int32 histories of "
