@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton.runtime.interpreter import InterpretedFunction
@@ -27,14 +28,15 @@ from simharness.kernels.ngram import (
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    """Interpret the kernels even when another test module imported triton before TRITON_INTERPRET was set."""
-    if isinstance(ngram._ngram_scan_kernel, InterpretedFunction):
-        yield
-        return
+    """Interpret the kernels even when another test module imported triton (or the kernels) before
+    TRITON_INTERPRET was set: Triton reads the variable when a @triton.jit function is defined."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
+        if not isinstance(tl.max, InterpretedFunction):  # Triton's own library was defined compiled
+            patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
         for name in ("_ngram_scan_kernel", "_ngram_finalize_kernel"):
-            patch.setattr(ngram, name, InterpretedFunction(getattr(ngram, name).fn))
+            kernel = getattr(ngram, name)
+            if not isinstance(kernel, InterpretedFunction):
+                patch.setattr(ngram, name, InterpretedFunction(kernel.fn))
         yield
 
 

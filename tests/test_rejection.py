@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 from scipy import stats
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
@@ -26,14 +27,15 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    """Interpret the kernels even when another test module imported triton before TRITON_INTERPRET was set."""
-    if isinstance(rejection._rejection_stats_kernel, InterpretedFunction):
-        yield
-        return
+    """Interpret the kernels even when another test module imported triton (or the kernels) before
+    TRITON_INTERPRET was set: Triton reads the variable when a @triton.jit function is defined."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
+        if not isinstance(tl.max, InterpretedFunction):  # Triton's own library was defined compiled
+            patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
         for name in ("_rejection_stats_kernel", "_rejection_walk_kernel"):
-            patch.setattr(rejection, name, InterpretedFunction(getattr(rejection, name).fn))
+            kernel = getattr(rejection, name)
+            if not isinstance(kernel, InterpretedFunction):
+                patch.setattr(rejection, name, InterpretedFunction(kernel.fn))
         yield
 
 
