@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers import single_thread
 
 from simharness.engine.decode import PHASES, DecodeLoop
 from simharness.engine.model import Transformer, get_config
@@ -20,11 +21,7 @@ N_GEN = 28
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
-    """The tiny model gains nothing from threads, and OpenMP spinning on a busy 2-core runner costs 30x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from single_thread()
 
 
 def make_loop(k: int, **kwargs) -> DecodeLoop:

@@ -5,10 +5,9 @@ Run this file in its own pytest process: the CPU kernel tests set TRITON_INTERPR
 
 import os
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
+from helpers import chisquare_pvalue
 
 from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
 from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
@@ -112,25 +111,6 @@ def test_rejection_greedy_rows_agree_at_realistic_size(dtype: torch.dtype, ties:
     assert (torch.where(columns > last[:, None], output, -1) == -1).all()
     again = rejection_sample_triton(logits, drafts, num_drafts, temperature, seed=5)
     assert torch.equal(again[0], got[0])
-
-
-def chisquare_pvalue(observed: np.ndarray, probabilities: np.ndarray) -> float:
-    """Goodness of fit; the smallest bins are merged until each merged bin expects >= 5 samples."""
-    expected = probabilities * observed.sum()
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # an impossible outcome happened
-    merged_observed, merged_expected = [], []
-    pending_observed, pending_expected = 0.0, 0.0
-    for i in np.argsort(expected):
-        pending_observed += observed[i]
-        pending_expected += expected[i]
-        if pending_expected >= 5:
-            merged_observed.append(pending_observed)
-            merged_expected.append(pending_expected)
-            pending_observed, pending_expected = 0.0, 0.0
-    merged_observed[-1] += pending_observed
-    merged_expected[-1] += pending_expected
-    return float(stats.chisquare(merged_observed, merged_expected).pvalue)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import single_thread
 
 from simharness.engine.model import PRESETS, Transformer, get_config, model_sizes, steer_logits
 
@@ -19,11 +20,7 @@ TINY = get_config("tiny")
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread() -> Iterator[None]:
-    """The tiny model gains nothing from threads, and OpenMP spinning on a busy 2-core runner costs 30x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from single_thread()
 
 
 def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:

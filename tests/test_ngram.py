@@ -10,11 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-import triton.language as tl
+from helpers import interpreted_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 from simharness.kernels import ngram
 from simharness.kernels.ngram import (
@@ -28,16 +26,7 @@ from simharness.kernels.ngram import (
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    """Interpret the kernels even when another test module imported triton (or the kernels) before
-    TRITON_INTERPRET was set: Triton reads the variable when a @triton.jit function is defined."""
-    with pytest.MonkeyPatch.context() as patch:
-        if not isinstance(tl.max, InterpretedFunction):  # Triton's own library was defined compiled
-            patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
-        for name in ("_ngram_scan_kernel", "_ngram_finalize_kernel"):
-            kernel = getattr(ngram, name)
-            if not isinstance(kernel, InterpretedFunction):
-                patch.setattr(ngram, name, InterpretedFunction(kernel.fn))
-        yield
+    yield from interpreted_kernels(ngram, ("_ngram_scan_kernel", "_ngram_finalize_kernel"))
 
 
 def assert_all_agree(token_ids: torch.Tensor, seq_lens: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

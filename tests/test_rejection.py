@@ -7,13 +7,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # CI has no GPU: the Triton kernels run in
 
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
-from scipy import stats
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+from helpers import chisquare_pvalue, interpreted_kernels
 
 from simharness.kernels import rejection
 from simharness.kernels.rejection import rejection_sample, rejection_sample_reference, rejection_sample_triton
@@ -27,16 +23,7 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    """Interpret the kernels even when another test module imported triton (or the kernels) before
-    TRITON_INTERPRET was set: Triton reads the variable when a @triton.jit function is defined."""
-    with pytest.MonkeyPatch.context() as patch:
-        if not isinstance(tl.max, InterpretedFunction):  # Triton's own library was defined compiled
-            patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
-        for name in ("_rejection_stats_kernel", "_rejection_walk_kernel"):
-            kernel = getattr(rejection, name)
-            if not isinstance(kernel, InterpretedFunction):
-                patch.setattr(rejection, name, InterpretedFunction(kernel.fn))
-        yield
+    yield from interpreted_kernels(rejection, ("_rejection_stats_kernel", "_rejection_walk_kernel"))
 
 
 def random_batch(
@@ -171,26 +158,6 @@ def speculative_case(samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     q = 0.2 / VOCAB + 0.8 * torch.nn.functional.one_hot(p[:K].argmax(dim=-1), VOCAB).double()
     drafts = torch.multinomial(q, samples, replacement=True, generator=generator).T
     return logits.expand(samples, -1, -1), drafts, p, q
-
-
-def chisquare_pvalue(observed: np.ndarray, probabilities: np.ndarray) -> float:
-    """Goodness of fit; the smallest bins are merged until each merged bin expects >= 5 samples."""
-    expected = probabilities * observed.sum()
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # an impossible outcome happened
-    merged_observed, merged_expected = [], []
-    pending_observed, pending_expected = 0.0, 0.0
-    for i in np.argsort(expected):
-        pending_observed += observed[i]
-        pending_expected += expected[i]
-        if pending_expected >= 5:
-            merged_observed.append(pending_observed)
-            merged_expected.append(pending_expected)
-            pending_observed, pending_expected = 0.0, 0.0
-    merged_observed[-1] += pending_observed
-    merged_expected[-1] += pending_expected
-    assert len(merged_expected) >= 2, "too few samples for a chi-squared test"
-    return float(stats.chisquare(merged_observed, merged_expected).pvalue)
 
 
 def position_pvalues(output: torch.Tensor, num_emitted: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> list[float]:

@@ -1,0 +1,54 @@
+"""Helpers shared by several test modules."""
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+
+def interpreted_kernels(module: ModuleType, names: tuple[str, ...]) -> Iterator[None]:
+    """Interpret `module`'s kernels even when another test module imported triton (or the kernels) before
+    TRITON_INTERPRET was set: Triton reads the variable when a @triton.jit function is defined."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not isinstance(tl.max, InterpretedFunction):  # Triton's own library was defined compiled
+            patch.setattr(JITFunction, "__call__", lambda self, *a, **kw: InterpretedFunction(self.fn)(*a, **kw))
+        for name in names:
+            kernel = getattr(module, name)
+            if not isinstance(kernel, InterpretedFunction):
+                patch.setattr(module, name, InterpretedFunction(kernel.fn))
+        yield
+
+
+def single_thread() -> Iterator[None]:
+    """The tiny model gains nothing from threads, and OpenMP spinning on a busy 2-core runner costs 30x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def chisquare_pvalue(observed: np.ndarray, probabilities: np.ndarray) -> float:
+    """Goodness of fit; the smallest bins are merged until each merged bin expects >= 5 samples."""
+    expected = probabilities * observed.sum()
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # an impossible outcome happened
+    merged_observed, merged_expected = [], []
+    pending_observed, pending_expected = 0.0, 0.0
+    for i in np.argsort(expected):
+        pending_observed += observed[i]
+        pending_expected += expected[i]
+        if pending_expected >= 5:
+            merged_observed.append(pending_observed)
+            merged_expected.append(pending_expected)
+            pending_observed, pending_expected = 0.0, 0.0
+    merged_observed[-1] += pending_observed
+    merged_expected[-1] += pending_expected
+    assert len(merged_expected) >= 2, "too few samples for a chi-squared test"
+    return float(stats.chisquare(merged_observed, merged_expected).pvalue)
