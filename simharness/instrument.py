@@ -62,7 +62,8 @@ _BY_NAME: dict[str, Phase] = {}
 
 def phase(name: str) -> Phase:
     """`with phase("prep"): ...` runs the block as phase `name`: an NVTX range, and the phase syncs are
-    attributed to. Phases nest; the context manager is cached per name, so entering one costs ~1 µs."""
+    attributed to. Phases nest; the context manager is cached per name: without a profiler attached,
+    entering and leaving one costs ~0.45 µs."""
     found = _BY_NAME.get(name)
     if found is None:
         found = _BY_NAME[name] = Phase(name)
