@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from simharness.engine.model import Transformer, steer_logits
+from simharness.instrument import phase
 from simharness.kernels.ngram import propose_ngram
 from simharness.kernels.rejection import rejection_sample
 
@@ -213,52 +214,55 @@ class DecodeLoop:
         staging = self._ring[ring_index]
         staging.step_id = self._step_id
         self._mark(staging, 0)
+        with phase("gpu_verify"):
+            if lengths is None:
+                lengths = self.lengths[slots]
+            start = lengths - 1
+            row_base = slots * max_len
+            last = torch.take(self.history, row_base + start)
+            if drafts is None:
+                drafts = self.drafts[slots]
+            if num_drafts is None:
+                if not self.device_proposer:
+                    num_drafts = (drafts >= 0).sum(dim=1, dtype=torch.int32)
+                elif self.invalid == "pad":
+                    num_drafts = self.num_valid[slots]
+                else:
+                    num_drafts = self._all_drafts[: slots.shape[0]]
+            # -1 is no token id: the model sees the last token there, the sampler still sees -1 (rejected).
+            model_drafts = torch.where(drafts < 0, last[:, None], drafts) if k else drafts
+            logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
+            if self._steered:
+                # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
+                ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
+                ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
+                ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, -1)
+                steer_logits(logits, ref_tokens, STEER_MARGIN)
+            self._mark(staging, 1)
 
-        if lengths is None:
-            lengths = self.lengths[slots]
-        start = lengths - 1
-        row_base = slots * max_len
-        last = torch.take(self.history, row_base + start)
-        if drafts is None:
-            drafts = self.drafts[slots]
-        if num_drafts is None:
-            if not self.device_proposer:
-                num_drafts = (drafts >= 0).sum(dim=1, dtype=torch.int32)
-            elif self.invalid == "pad":
-                num_drafts = self.num_valid[slots]
-            else:
-                num_drafts = self._all_drafts[: slots.shape[0]]
-        # -1 is no token id: the model sees the last token there, the sampler still sees -1 (rejected).
-        model_drafts = torch.where(drafts < 0, last[:, None], drafts) if k else drafts
-        logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
-        if self._steered:
-            # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
-            ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
-            ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
-            ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, -1)
-            steer_logits(logits, ref_tokens, STEER_MARGIN)
-        self._mark(staging, 1)
+        with phase("gpu_sample"):
+            output, num_emitted = rejection_sample(
+                logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
+            )
+            self._mark(staging, 2)
 
-        output, num_emitted = rejection_sample(
-            logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
-        )
-        self._mark(staging, 2)
+        with phase("gpu_commit"):
+            # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past
+            # the emitted tokens get their old values back.
+            index = row_base[:, None] + (lengths[:, None] + self._positions).clamp(max=max_len - 1)
+            keep = self._positions < num_emitted[:, None]
+            values = torch.where(keep, output, torch.take(self.history, index))
+            self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
+            new_lengths = lengths + num_emitted
+            self.lengths.index_copy_(0, slots, new_lengths)
+            self._mark(staging, 3)
 
-        # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past the
-        # emitted tokens get their old values back.
-        index = row_base[:, None] + (lengths[:, None] + self._positions).clamp(max=max_len - 1)
-        keep = self._positions < num_emitted[:, None]
-        values = torch.where(keep, output, torch.take(self.history, index))
-        self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
-        new_lengths = lengths + num_emitted
-        self.lengths.index_copy_(0, slots, new_lengths)
-        self._mark(staging, 3)
-
-        if self.device_proposer:
-            new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
-            self.drafts.index_copy_(0, slots, new_drafts)
-            self.num_valid.index_copy_(0, slots, new_valid)
-        self._mark(staging, 4)
+        with phase("gpu_propose"):
+            if self.device_proposer:
+                new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
+                self.drafts.index_copy_(0, slots, new_drafts)
+                self.num_valid.index_copy_(0, slots, new_valid)
+            self._mark(staging, 4)
 
         batch = slots.shape[0]
         staging.device[:batch, : k + 1] = output
@@ -280,14 +284,8 @@ class DecodeLoop:
         else:
             staging.times.append(time.perf_counter())
 
-    def wait(self, result: StepResult) -> None:
-        """Block until the step and its device-to-host copy are done (the step's one sync)."""
-        staging = self._staging(result)
-        if self.cuda:
-            staging.events[5].synchronize()
-
     def readback(self, result: StepResult) -> StepOutput:
-        """Wait for the step, copy its tokens and counts to the host, read its phase times."""
+        """Wait for the step, copy its tokens and counts to the host, read its phase times (the one sync)."""
         staging = self._staging(result)
         if self.cuda:
             staging.events[5].synchronize()
