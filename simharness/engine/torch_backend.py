@@ -69,24 +69,28 @@ def capacity(sc, requests, depth: int, k: int) -> tuple[int, int]:
     return slots, longest + (depth + 1) * (k + 1) + 1
 
 
-def warm_up(sc, requests, model: Transformer, n: int = 6, tokens: int = 16) -> None:
+def warm_up(sc, requests, model: Transformer, n: int = 20, tokens: int = 16) -> None:
     """Run a point's decode-loop configuration on its first `n` requests, cut to `tokens` output tokens,
     so that the kernels' first compilations (seconds each, per specialisation) do not land in measured
-    steps. Closed loop at concurrency 4 (or the slots there are): small batch sizes, chunked or whole prefills."""
+    steps. Triton specialises integer arguments on divisibility by 16, so the closed loop runs at
+    concurrency 16 (batch sizes 1 to 16) and one prompt is cut to a multiple of 16 tokens."""
     from simharness.simulation import Simulation, resolve_mode
 
     m = min(n, len(requests.prompt_len))
     cut = np.minimum(requests.output_len[:m], tokens)
+    prompt_len = requests.prompt_len[:m].copy()
+    if prompt_len[0] > 16:
+        prompt_len[0] -= prompt_len[0] % 16
     few = dataclasses.replace(
         requests,
         kind=requests.kind[:m],
-        prompt_len=requests.prompt_len[:m],
+        prompt_len=prompt_len,
         output_len=cut,
-        prompt_tokens=requests.prompt_tokens[:m],
+        prompt_tokens=[t[:p] for t, p in zip(requests.prompt_tokens[:m], prompt_len, strict=True)],
         output_tokens=[t[:c] for t, c in zip(requests.output_tokens[:m], cut, strict=True)],
         arrival_s=None,
     )
-    workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(4, model.max_slots)})
+    workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(16, model.max_slots)})
     small = sc.model_copy(update={"workload": workload})
     backend = TorchBackend(small, few, model, resolve_mode(small))
     Simulation(small, few, None, backend=backend).run()
@@ -222,10 +226,10 @@ class TorchBackend:
             if self.cuda:
                 # Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the
                 # device work alone, not gaps where the GPU waited for launches (~30 us each, eager).
-                # Medians, twice over: one slow enqueue (a kernel's first compilation) must not hold every
+                # Medians, three times over: one slow enqueue (a kernel's first compilation) must not hold every
                 # later step; a step whose enqueue still outlasts its hold is counted in `starved_steps`.
                 enqueue = np.median(self.step_enqueue) + len(launch.prefills) * np.median(self.prefill_enqueue)
-                hold = 2.0 * enqueue + 3e-4
+                hold = 3.0 * enqueue + 5e-4
                 torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
                 launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                 launch.events[0].record()
