@@ -152,7 +152,9 @@ class TorchBackend:
         # host mirror of the device truth, as of the last read-back step that held the request
         self.committed = np.zeros(n, dtype=np.int64)  # generated tokens on the device
         self.next_valid = np.zeros(n, dtype=np.int64)  # valid drafts proposed for its next step
-        self.history = [np.zeros(0, dtype=np.int64)] * n  # prompt + generated tokens (host copy)
+        # prompt + generated tokens (host copy), with room for the steps a finished request may still sit in
+        width = int((self.prompt_len + self.output_len).max()) + (mode.depth + 1) * (mode.k + 1)
+        self.history = np.zeros((n, width), dtype=np.int64)
         self.host_drafts = np.full((n, max(mode.k, 1)), -1, dtype=np.int64)  # CPU proposer's drafts
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
@@ -177,7 +179,7 @@ class TorchBackend:
     def output_tokens(self, rid: int) -> np.ndarray:
         """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
         p = self.prompt_len[rid]
-        return self.history[rid][p : p + self.output_len[rid]]
+        return self.history[rid, p : p + self.output_len[rid]]
 
     # ---------------------------------------------------------------- engine-loop phases (measured)
 
@@ -191,11 +193,7 @@ class TorchBackend:
                 rid = int(b.req[i])
                 if self.slot[rid] < 0:
                     self.slot[rid] = self.free_slots.pop()
-                    self.history[rid] = np.zeros(
-                        self.prompt_len[rid] + self.output_len[rid] + (self.mode.depth + 1) * (self.k + 1),
-                        dtype=np.int64,
-                    )
-                    self.history[rid][: self.prompt_len[rid]] = self.req.prompt_tokens[rid]
+                    self.history[rid, : self.prompt_len[rid]] = self.req.prompt_tokens[rid]
             launch = _Launch(decode_rids=b.req[b.decode])
             for i in np.flatnonzero(b.prefill):
                 rid, start = int(b.req[i]), int(self.prefilled[b.req[i]])
@@ -279,7 +277,7 @@ class TorchBackend:
             k = self.k
             for rid in rids:
                 n = self.prompt_len[rid] + self.committed[rid]
-                drafts = propose_ngram_row(self.history[rid][:n], **self.ngram_args)
+                drafts = propose_ngram_row(self.history[rid, :n], **self.ngram_args)
                 self.host_drafts[rid, :k] = -1
                 self.host_drafts[rid, : len(drafts)] = drafts
         return self._leave(t0)
@@ -323,17 +321,16 @@ class TorchBackend:
             accepted = (out.num_emitted - 1) * live
             emitted[b.decode] = np.clip(np.minimum(out.num_emitted, remaining), 0, None)
             wasted = (1 + slots) * ~live
-            for i, rid in enumerate(r):
-                n = self.prompt_len[rid] + before[i]
-                self.history[rid][n : n + out.num_emitted[i]] = out.tokens[i, : out.num_emitted[i]]
+            columns = (self.prompt_len[r] + before)[:, None] + np.arange(self.k + 1)
+            keep = np.arange(self.k + 1) < out.num_emitted[:, None]
+            self.history[np.broadcast_to(r[:, None], keep.shape)[keep], columns[keep]] = out.tokens[keep]
             self.committed[r] = before + out.num_emitted
             self.next_valid[r] = out.next_valid
         else:
             n_drafts = accepted = wasted = np.zeros(0, dtype=np.int64)
         if first is not None:
             rids = np.asarray(launch.first_rids)
-            for i, rid in enumerate(rids):
-                self.history[rid][self.prompt_len[rid]] = first[0, i]
+            self.history[rids, self.prompt_len[rids]] = first[0]
             self.committed[rids] = 1
             self.next_valid[rids] = first[1]
             emitted[np.isin(b.req, rids)] = 1
