@@ -120,3 +120,26 @@ def test_cpu_proposer_phase_is_measured(requests, model):
     steps = records.steps_frame()
     assert (steps["measured"] == "prep,launch,gpu,readback,propose").all()
     assert (steps["propose_end"] > steps["propose_start"]).any()
+
+
+def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
+    """The CI variant of the hil scenario, cut to one small point, run at both levels through the public API."""
+    import json
+
+    import simharness
+    from simharness.scenario import load_scenario
+    from simharness.trace import check_trace
+
+    overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
+    hil = simharness.run(load_scenario("scenarios/hil-cpu.yaml", overrides), tmp_path / "hil")
+    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "model"}), tmp_path)
+    assert list(hil.summary["level"]) == ["hil"] and list(sim.summary["level"]) == ["sim"]
+    for name in ("summary", "requests", "steps", "syncs", "emissions", "device_syncs"):
+        assert list(getattr(hil, name).columns) == list(getattr(sim, name).columns), name
+    assert hil.steps["gpu_verify_s"].notna().all() and sim.steps["gpu_verify_s"].isna().all()
+    (trace,) = (hil.run_dir / "traces").glob("*.json")
+    events = json.loads(trace.read_text())
+    assert check_trace(events) == []
+    assert any(e.get("ph") == "M" and e["args"].get("name") == "hil: measured phases" for e in events["traceEvents"])
+    report = hil.report.read_text()
+    assert "## Device sync sites" in report and "## Measured vs modelled" in report
