@@ -98,16 +98,19 @@ class Records:
     def syncs_frame(self) -> pd.DataFrame:
         return pd.DataFrame.from_records(self.syncs, columns=SYNC_COLUMNS)
 
+    def emission_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The emissions as columns: request ids, steps, times, token counts (one entry per emission)."""
+        batches = self.emission_batches
+        sizes = [len(b[2]) for b in batches]
+        return (
+            np.concatenate([b[2] for b in batches]).astype(np.int64),
+            np.repeat([b[0] for b in batches], sizes).astype(np.int64),
+            np.repeat([b[1] for b in batches], sizes).astype(np.float64),
+            np.concatenate([b[3] for b in batches]).astype(np.int64),
+        )
+
     def emissions_frame(self) -> pd.DataFrame:
         if not self.emission_batches:
             return pd.DataFrame({c: pd.Series(dtype="float64" if c == "time_s" else "int64")
                                  for c in EMISSION_COLUMNS})
-        sizes = [len(b[2]) for b in self.emission_batches]
-        return pd.DataFrame(
-            {
-                "request_id": np.concatenate([b[2] for b in self.emission_batches]).astype(np.int64),
-                "step": np.repeat([b[0] for b in self.emission_batches], sizes).astype(np.int64),
-                "time_s": np.repeat([b[1] for b in self.emission_batches], sizes).astype(np.float64),
-                "tokens": np.concatenate([b[3] for b in self.emission_batches]).astype(np.int64),
-            }
-        )
+        return pd.DataFrame(dict(zip(EMISSION_COLUMNS, self.emission_arrays(), strict=True)))

@@ -14,7 +14,9 @@ costs wasted verify slots.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +42,7 @@ KNOWN_SYNC_POINTS: dict[str, SyncPoint] = {
 # Not a sync point one can remove: settling a step needs its output (engine core `get_output`).
 OUTPUT_READBACK = "output_readback"
 PHASES = ("schedule", "prep", "launch", "update")
+_total = np.add.reduce  # an array's sum without ndarray.sum's dispatch (per-step totals)
 
 
 @dataclass
@@ -239,21 +242,17 @@ class Simulation:
         now = self.env.now
         delay = t - now
         while now + delay < t:
-            delay = np.nextafter(delay, np.inf)
+            delay = math.nextafter(delay, math.inf)
         while now + delay > t:
-            delay = np.nextafter(delay, -np.inf)
-        return self.env.timeout(float(delay))
+            delay = math.nextafter(delay, -math.inf)
+        return self.env.timeout(delay)
 
-    def _draft_slots(self, r: np.ndarray, decode: np.ndarray) -> np.ndarray:
-        """Draft slots the scheduler reserves: k placeholders under async, known drafts when synchronous."""
-        if not self.mode.k:
-            return np.zeros(len(r), dtype=np.int64)
-        if self.mode.depth > 1 or not self.mode.trim:
-            return decode * self.mode.k
-        # synchronous: the host holds the drafts proposed after the last step
-        slots = np.zeros(len(r), dtype=np.int64)
-        slots[decode] = self.backend.valid_drafts(r[decode])
-        return slots
+    def _draft_slots(self) -> int | Callable[[np.ndarray], np.ndarray]:
+        """Draft slots the scheduler reserves per decoding request: k placeholders under async (or
+        when every slot is verified), the drafts the host holds when synchronous and trimming."""
+        if self.mode.k and self.mode.depth == 1 and self.mode.trim:
+            return self.backend.valid_drafts
+        return self.mode.k
 
     def _sync(self, step: Step, sp: SyncPoint, in_flight: deque):
         """Block the host on a GPU event; record the wait."""
@@ -271,6 +270,7 @@ class Simulation:
         in_flight: deque[Step] = deque()
         next_step = 0
         gc = self.sc.engine.gc
+        draft_slots = self._draft_slots()
         while sched.n_finished < self.n:
             launched = False
             if len(in_flight) < mode.depth:
@@ -280,7 +280,7 @@ class Simulation:
                     if gc.distribution == "exponential":
                         gc_pause = self.gc_rng.exponential(gc.mean_ms * 1e-3)
                     yield env.timeout(gc_pause)
-                batch = sched.schedule(self._draft_slots)
+                batch = sched.schedule(draft_slots)
                 if batch.size:
                     step = Step(id=next_step, batch=batch, done=env.event(), gc_pause=gc_pause)
                     next_step += 1
@@ -316,12 +316,14 @@ class Simulation:
             step.prep_start = step.schedule_end
         slots = b.draft_slots
         n_tokens = b.n_tokens
-        if mode.trim and b.decode.any():
-            dec = b.decode
-            slots = slots.copy()
-            slots[dec] = np.minimum(self.backend.valid_drafts(b.req[dec]), mode.k)
+        if mode.trim and b.n_prefill < b.size:
+            if b.n_prefill:
+                slots = slots.copy()
+                slots[b.decode] = np.minimum(self.backend.valid_drafts(b.req[b.decode]), mode.k)
+            else:
+                slots = np.minimum(self.backend.valid_drafts(b.req), mode.k)
             step.valid = slots
-            n_tokens = int(np.where(dec, 1 + slots, b.tokens).sum())
+            n_tokens += int((slots - b.draft_slots).sum())  # a decode computes 1 + its slots
         step.verified_slots = slots
         step.prep_end = step.prep_start + cost.prep(b.size, n_tokens)
         if syncs["launch"]:
@@ -359,10 +361,14 @@ class Simulation:
         step.update_start = env.now if self.phase_syncs["update"] else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
-        done = self.sched.settle(b, step.emitted)
-        out = np.flatnonzero(step.emitted)
-        self.records.add_emissions(step.id, now, b.req[out], step.emitted[out])
-        rd = b.req[b.decode]
+        emitted = step.emitted
+        done = self.sched.settle(b, emitted)
+        if np.count_nonzero(emitted) == len(emitted):
+            self.records.add_emissions(step.id, now, b.req, emitted)
+        else:
+            out = np.flatnonzero(emitted)
+            self.records.add_emissions(step.id, now, b.req[out], emitted[out])
+        rd = b.req[b.decode] if b.n_prefill else b.req
         self.decode_tallies.append((rd, step.drafts_valid, step.accepted, step.wasted))
         step.propose_start = step.propose_end = now
         if self.mode.ngram_cpu and self.mode.k:
@@ -378,18 +384,19 @@ class Simulation:
     def _record_step(self, s: Step) -> None:
         b = s.batch
         n_decode = len(s.accepted)
+        drafts = int(_total(b.draft_slots))
         self.records.add_step(
             (
                 s.id,
                 b.size,
                 b.size - n_decode,
-                int(b.tokens[b.prefill].sum()),
-                n_decode + int(s.verified_slots.sum()),
-                int(b.draft_slots.sum()),
-                int(s.drafts_valid.sum()),
-                int(s.accepted.sum()),
-                int(s.emitted.sum()),
-                int(s.wasted.sum()),
+                int(_total(b.tokens[b.prefill])) if b.n_prefill else 0,
+                n_decode + (drafts if s.verified_slots is b.draft_slots else int(_total(s.verified_slots))),
+                drafts,
+                int(_total(s.drafts_valid)),
+                int(_total(s.accepted)),
+                int(_total(s.emitted)),
+                int(_total(s.wasted)),
                 s.in_flight,
                 s.schedule_start,
                 s.schedule_end,
@@ -430,14 +437,13 @@ class Simulation:
     def _tally_requests(self) -> None:
         """Per-request token times and counts from the emissions and the settled steps' tallies."""
         if self.records.emission_batches:
-            em = self.records.emissions_frame()
-            ids, times = em.request_id.to_numpy(), em.time_s.to_numpy()
+            ids, _, times, _ = self.records.emission_arrays()
             np.fmin.at(self.first_token, ids, times)  # fmin/fmax skip the NaN of no token yet
             np.fmax.at(self.last_token, ids, times)
             self.chunks += np.bincount(ids, minlength=self.n)
         if self.decode_tallies:
             rd, valid, acc, wasted = (np.concatenate(x) for x in zip(*self.decode_tallies, strict=True))
-            np.add.at(self.num_drafts, rd, valid > 0)
+            np.add.at(self.num_drafts, rd, (valid > 0).astype(np.int64))  # add.at is slow with bool values
             np.add.at(self.draft_tokens, rd, valid)
             np.add.at(self.accepted_tokens, rd, acc)
             np.add.at(self.wasted_slots, rd, wasted)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from simharness.costmodel import CostModel
+from simharness.policy import constant
 
 
 class ModelBackend:
@@ -25,18 +26,26 @@ class ModelBackend:
         self.output_len = requests.output_len
         self.max_position = np.maximum(self.output_len - 1, 1)  # last entry of a request in the tables
         self.acc = acceptance
+        self.uniform_drafts = acceptance.uniform_drafts if k else 0
         self.cost = cost
         self.k = k
         self.rng = rng
         self.prefilled = np.zeros(n, dtype=np.int64)
-        self.committed = np.zeros(n, dtype=np.int64)
+        # the device truth kept as the two forms a step reads: output tokens still to come
+        # (output_len - committed) and a decoding request's context (prompt_len + committed)
+        self.remaining = self.output_len.astype(np.int64)
+        self.context = self.prompt_len.astype(np.int64)
+        self._zeros: dict[tuple[int, int], np.ndarray] = {}
 
     def valid_drafts(self, r: np.ndarray) -> np.ndarray:
         """Valid drafts the proposer holds for requests `r` (0 for finished ones)."""
         if not self.k:
             return np.zeros(len(r), dtype=np.int64)
-        committed = self.committed[r]
-        return self.acc.valid_drafts(r, self._position(r, committed)) * (committed < self.output_len[r])
+        remaining = self.remaining[r]
+        live = remaining > 0
+        if self.uniform_drafts is not None:
+            return self.uniform_drafts * live
+        return self.acc.valid_drafts(r, self._position(r, self.output_len[r] - remaining)) * live
 
     def _position(self, r: np.ndarray, committed: np.ndarray) -> np.ndarray:
         # committed length, clamped into the acceptance tables (finished requests are masked)
@@ -48,40 +57,72 @@ class ModelBackend:
         `step.accepted`, `step.drafts_valid` and `step.wasted` are per decoding request
         (`batch.req[batch.decode]`); `step.emitted` is per request of the batch."""
         b = step.batch
-        req, pre, dec = b.req, b.prefill, b.decode
-        committed = self.committed[req]
-        prompt = self.prompt_len[req]
-        context = np.where(pre, self.prefilled[req], prompt + committed)
-        emitted = b.completes_prefill.astype(np.int64)  # the last prefill chunk samples the first token
-        query = b.tokens
-        r = req[dec]
-        if len(r) < len(req):
-            self.prefilled[req[pre]] += b.tokens[pre]
-        if len(r):
+        req = b.req
+        if b.n_prefill:
+            pre, dec = b.prefill, b.decode
+            rp, r = req[pre], req[dec]
+            tp = b.tokens[pre]
+            cp = self.prefilled[rp]
+            self.prefilled[rp] = cp + tp
+            # prefill rows: query tp over context cp
+            tokens = int(tp.sum())
+            kv_tokens = int(cp.sum()) + tokens
+            pairs2 = int(np.dot(tp, 2 * cp + tp + 1))
+            emitted = b.completes_prefill.astype(np.int64)  # the last prefill chunk samples the first token
             slots = step.verified_slots[dec]
-            if step.verified_slots is not b.draft_slots:  # trimmed: fewer slots than scheduled
-                query = b.tokens.copy()
-                query[dec] = 1 + slots
-            rc = committed[dec]
-            remaining = self.output_len[r] - rc  # 0 for a request that already finished
-            live = remaining > 0
-            # a request that finished in an earlier step but sits in this one wastes its slots
-            wasted = (1 + slots) * ~live
-            if step.valid is not None:
-                valid = step.valid[dec]
-                position = None
+        else:
+            r = req
+            tokens = kv_tokens = pairs2 = 0
+            slots = step.verified_slots
+        if len(r):
+            acc, n_drafts, wasted, em = self._decode(step, r, slots)
+            # decode rows: query 1 + slots over context prompt + committed
+            q = slots + 1
+            ctx = self.context[r]
+            q_sum = len(r) + int(slots.sum())
+            tokens += q_sum
+            kv_tokens += int(ctx.sum()) + q_sum
+            pairs2 += 2 * int(np.dot(q, ctx)) + int(np.dot(q, q + 1))
+            if b.n_prefill:
+                emitted[dec] = em
             else:
-                position = self._position(r, rc)
-                valid = self.acc.valid_drafts(r, position) * live if self.k else np.zeros(len(r), dtype=np.int64)
-            n_drafts = np.minimum(valid, slots) * live
-            acc = np.zeros(len(r), dtype=np.int64)
-            if self.k and n_drafts.any():
-                if position is None:
-                    position = self._position(r, rc)
-                acc = self.acc.accept(r, position, n_drafts, self.rng)
-            emitted[dec] = np.minimum(acc + 1, remaining)
+                emitted = em
         else:
             acc = wasted = n_drafts = np.zeros(0, dtype=np.int64)
-        self.committed[req] += emitted  # request ids are unique within a batch
+        self.remaining[req] -= emitted  # request ids are unique within a batch
+        self.context[req] += emitted
+        # the proposer scans every row's prompt and committed tokens after the step
+        history = int(self.context[req].sum()) if self.cost.ngram_gpu else 0
         step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, acc, n_drafts, wasted
-        return self.cost.gpu_step(query, context, prompt + committed + emitted)
+        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history)
+
+    def _decode(self, step, r: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Accepted drafts, verified valid drafts, wasted slots and emitted tokens of decoding requests `r`."""
+        remaining = self.remaining[r]
+        if remaining.min() > 0:
+            live = None
+            wasted = constant(self._zeros, len(r), 0, np.int64)
+        else:
+            # a request that finished in an earlier step but sits in this one wastes its slots
+            live = remaining > 0
+            wasted = (1 + slots) * ~live
+        position = None
+        if step.valid is not None:
+            valid = step.valid[step.batch.decode] if step.batch.n_prefill else step.valid
+        elif self.uniform_drafts is not None:
+            valid = self.uniform_drafts
+        else:
+            position = self._position(r, self.output_len[r] - remaining)
+            valid = self.acc.valid_drafts(r, position)
+        if live is None:
+            # slots never exceed k, so with k drafts held every slot carries a valid draft
+            n_drafts = slots if isinstance(valid, int) and valid >= self.k else np.minimum(valid, slots)
+        else:
+            n_drafts = np.minimum(valid, slots) * live
+        if self.k and n_drafts.any():
+            if position is None and self.uniform_drafts is None:
+                position = self._position(r, self.output_len[r] - remaining)
+            acc = self.acc.accept(r, position, n_drafts, self.rng)
+        else:
+            acc = np.zeros(len(r), dtype=np.int64)
+        return acc, n_drafts, wasted, np.minimum(acc + 1, remaining)
