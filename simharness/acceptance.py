@@ -73,7 +73,7 @@ class SurvivalAcceptance:
         # probability survival[j - 1] because survival is non-increasing. The count of such j is k
         # minus the count of survival values <= u.
         u = rng.random(len(req))
-        reached = len(self.survival) - np.searchsorted(self._ascending, u, side="right")
+        reached = len(self.survival) - self._ascending.searchsorted(u, side="right")
         return np.minimum(reached, n_drafts)
 
     @property

@@ -100,7 +100,7 @@ class BatchScheduler:
         room = self.room[running]
         if not self.n_prefilling:
             # every running request decodes: candidates are those with room, in order
-            cand = running if not len(running) or room.min() > 0 else running[room > 0]
+            cand = running if not len(running) or np.minimum.reduce(room) > 0 else running[room > 0]
             n_cand = len(cand)
             if isinstance(draft_slots, int):
                 # constant tokens per request: the cumulative sum fits the budget for the first n
@@ -111,13 +111,13 @@ class BatchScheduler:
             else:
                 slots = draft_slots(cand)
                 cum = np.cumsum(slots + 1)
-                n_fit = int(np.searchsorted(cum, budget, side="right"))
+                n_fit = int(cum.searchsorted(budget, side="right"))
                 used = int(cum[n_fit - 1]) if n_fit else 0
                 slots = slots[:n_fit]
                 tok = slots + 1
             req = cand if n_fit == n_cand else cand[:n_fit]
             n_prefill = 0
-            pre = constant(self._flags, n_fit, False, bool)
+            pre = completes = constant(self._flags, n_fit, False, bool)
         else:
             left = self.prompt_left[running]
             prefill = left > 0
@@ -133,7 +133,7 @@ class BatchScheduler:
             # take requests in order while the budget lasts (tokens >= 1, so the cumsum is increasing);
             # a prefill may be cut to the budget left
             cum = np.cumsum(tokens)
-            n_fit = int(np.searchsorted(cum, budget, side="right"))
+            n_fit = int(cum.searchsorted(budget, side="right"))
             req, tok, pre, slots = cand[:n_fit], tokens[:n_fit], cand_prefill[:n_fit], slots[:n_fit]
             used = int(cum[n_fit - 1]) if n_fit else 0
             if n_fit < len(cand) and cand_prefill[n_fit] and self.cfg.chunked_prefill and used < budget:
@@ -142,9 +142,16 @@ class BatchScheduler:
                 pre = np.append(pre, True)
                 slots = np.append(slots, 0)
                 used = budget
-            n_prefill = int(np.count_nonzero(pre))
+            completes = np.zeros(len(req), dtype=bool)
+            rp = req[pre]
+            n_prefill = len(rp)
+            if n_prefill:
+                left = self.prompt_left[rp] - tok[pre]
+                self.prompt_left[rp] = left
+                completes[pre] = left == 0
+                self.n_prefilling -= int(np.count_nonzero(completes))
         # admit waiting requests FCFS
-        new_req, new_tok = [], []
+        new_req, new_tok, new_completes = [], [], []
         while self.has_waiting() and self.n_running < self.cfg.max_num_seqs and used < budget:
             rid = self.n_admitted
             need = int(self.prompt_len[rid])
@@ -154,29 +161,26 @@ class BatchScheduler:
             self.status[rid] = RUNNING
             self.n_admitted += 1
             self.n_running += 1
-            self.n_prefilling += 1
+            self.prompt_left[rid] = need - chunk
+            self.n_prefilling += chunk < need
             new_req.append(rid)
             new_tok.append(chunk)
+            new_completes.append(chunk == need)
             used += chunk
         if new_req:
             self._running = None
-            req = np.concatenate([req, np.array(new_req, dtype=np.int64)])
-            tok = np.concatenate([tok, np.array(new_tok, dtype=np.int64)])
-            pre = np.concatenate([pre, np.ones(len(new_req), dtype=bool)])
-            slots = np.concatenate([slots, np.zeros(len(new_req), dtype=np.int64)])
-            n_prefill += len(new_req)
+            m = len(new_req)
+            req = np.concatenate((req, new_req))
+            tok = np.concatenate((tok, new_tok))
+            pre = np.concatenate((pre, [True] * m))
+            slots = np.concatenate((slots, [0] * m))
+            completes = np.concatenate((completes, new_completes))
+            n_prefill += m
         if n_prefill:
-            completes = np.zeros(len(req), dtype=bool)
-            rp, tp = req[pre], tok[pre]
-            left = self.prompt_left[rp] - tp
-            self.prompt_left[rp] = left
-            completes[pre] = left == 0
-            self.n_prefilling -= int(np.count_nonzero(completes))
             decode = ~pre
             emits = decode | completes
             self.room[req] -= emits  # request ids are unique within a batch
         else:
-            completes = pre
             decode = emits = constant(self._flags, len(req), True, bool)
             self.room[req] -= 1
         return Batch(req, tok, pre, completes, slots, used, decode, emits, n_prefill)

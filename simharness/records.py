@@ -74,6 +74,7 @@ class Records:
     # emissions are kept per step as (step, time, request ids, token counts) to stay vectorised
     emission_batches: list[tuple[int, float, np.ndarray, np.ndarray]] = field(default_factory=list)
     requests: pd.DataFrame | None = None
+    _emission_columns: tuple[int, tuple[np.ndarray, ...]] | None = field(default=None, repr=False)
 
     def add_step(self, row: tuple, accepted: np.ndarray) -> None:
         self.steps.append(row)
@@ -101,13 +102,17 @@ class Records:
     def emission_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The emissions as columns: request ids, steps, times, token counts (one entry per emission)."""
         batches = self.emission_batches
-        sizes = [len(b[2]) for b in batches]
-        return (
-            np.concatenate([b[2] for b in batches]).astype(np.int64),
-            np.repeat([b[0] for b in batches], sizes).astype(np.int64),
-            np.repeat([b[1] for b in batches], sizes).astype(np.float64),
-            np.concatenate([b[3] for b in batches]).astype(np.int64),
-        )
+        if self._emission_columns is None or self._emission_columns[0] != len(batches):
+            steps, times, ids, tokens = zip(*batches, strict=True)
+            sizes = [len(x) for x in ids]
+            columns = (
+                np.concatenate(ids).astype(np.int64, copy=False),
+                np.repeat(np.array(steps, dtype=np.int64), sizes),
+                np.repeat(np.array(times, dtype=np.float64), sizes),
+                np.concatenate(tokens).astype(np.int64, copy=False),
+            )
+            self._emission_columns = (len(batches), columns)  # the simulation and the frame both need them
+        return self._emission_columns[1]
 
     def emissions_frame(self) -> pd.DataFrame:
         if not self.emission_batches:

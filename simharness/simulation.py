@@ -384,16 +384,19 @@ class Simulation:
     def _record_step(self, s: Step) -> None:
         b = s.batch
         n_decode = len(s.accepted)
-        drafts = int(_total(b.draft_slots))
+        prefill_tokens = int(_total(b.tokens[b.prefill])) if b.n_prefill else 0
+        drafts = b.n_tokens - prefill_tokens - (b.size - b.n_prefill)  # a decode computes 1 + its slots
+        # totals of arrays that are the same object are summed once
+        verified = drafts if s.verified_slots is b.draft_slots else int(_total(s.verified_slots))
         self.records.add_step(
             (
                 s.id,
                 b.size,
                 b.size - n_decode,
-                int(_total(b.tokens[b.prefill])) if b.n_prefill else 0,
-                n_decode + (drafts if s.verified_slots is b.draft_slots else int(_total(s.verified_slots))),
+                prefill_tokens,
+                n_decode + verified,
                 drafts,
-                int(_total(s.drafts_valid)),
+                verified if s.drafts_valid is s.verified_slots else int(_total(s.drafts_valid)),
                 int(_total(s.accepted)),
                 int(_total(s.emitted)),
                 int(_total(s.wasted)),

@@ -14,6 +14,8 @@ import numpy as np
 from simharness.costmodel import CostModel
 from simharness.policy import constant
 
+_sum, _min, _max = np.add.reduce, np.minimum.reduce, np.maximum.reduce  # without ndarray method dispatch
+
 
 class ModelBackend:
     """`engine.backend: model`: outcomes from the acceptance model, durations from the cost model."""
@@ -58,48 +60,64 @@ class ModelBackend:
         (`batch.req[batch.decode]`); `step.emitted` is per request of the batch."""
         b = step.batch
         req = b.req
+        # GPU time needs batch totals, all integers: query tokens, KV tokens after the step, twice the
+        # attention pairs (query * (2 * context + query + 1)) and the history the proposer scans.
+        tokens = kv_tokens = pairs2 = history = 0
         if b.n_prefill:
-            pre, dec = b.prefill, b.decode
-            rp, r = req[pre], req[dec]
-            tp = b.tokens[pre]
-            cp = self.prefilled[rp]
-            self.prefilled[rp] = cp + tp
-            # prefill rows: query tp over context cp
-            tokens = int(tp.sum())
-            kv_tokens = int(cp.sum()) + tokens
-            pairs2 = int(np.dot(tp, 2 * cp + tp + 1))
-            emitted = b.completes_prefill.astype(np.int64)  # the last prefill chunk samples the first token
+            # prefill rows are few (the requests admitted this step): one at a time
+            for i in np.flatnonzero(b.prefill).tolist():
+                rid, t = int(req[i]), int(b.tokens[i])
+                c = int(self.prefilled[rid])  # a chunk's context is the prompt prefilled before it
+                self.prefilled[rid] = c + t
+                tokens += t
+                kv_tokens += c + t
+                pairs2 += t * (2 * c + t + 1)
+                if b.completes_prefill[i]:  # the last prefill chunk samples the first token
+                    self.remaining[rid] -= 1
+                    self.context[rid] += 1
+                history += int(self.context[rid])
+            emitted = b.completes_prefill.astype(np.int64)
+            dec = b.decode
+            r = req[dec]
             slots = step.verified_slots[dec]
+            n_slots = int(_sum(slots))
         else:
             r = req
-            tokens = kv_tokens = pairs2 = 0
             slots = step.verified_slots
+            # untrimmed, a decode's tokens are 1 + its scheduled slots
+            n_slots = b.n_tokens - len(r) if slots is b.draft_slots else int(_sum(slots))
         if len(r):
-            acc, n_drafts, wasted, em = self._decode(step, r, slots)
             # decode rows: query 1 + slots over context prompt + committed
-            q = slots + 1
+            remaining = self.remaining[r]
             ctx = self.context[r]
-            q_sum = len(r) + int(slots.sum())
-            tokens += q_sum
-            kv_tokens += int(ctx.sum()) + q_sum
-            pairs2 += 2 * int(np.dot(q, ctx)) + int(np.dot(q, q + 1))
+            acc, n_drafts, wasted = self._decode(step, r, slots, remaining)
+            em = np.minimum(acc + 1, remaining)
+            self.remaining[r] = remaining - em
+            self.context[r] = ctx + em
+            n, ctx_sum = len(r), int(_sum(ctx))
+            tokens += n + n_slots
+            kv_tokens += ctx_sum + n + n_slots
+            # sum of (1 + s) * (2 * c + 2 + s) = 2 * sum(c) + 2 * (s . c) + 2n + 3 * sum(s) + s . s, where
+            # slots never exceed k: if they sum to n * k, every one is k
+            if n_slots == n * self.k:
+                sc, ss = self.k * ctx_sum, n_slots * self.k
+            else:
+                sc, ss = int(np.dot(slots, ctx)), int(np.dot(slots, slots))
+            pairs2 += 2 * (ctx_sum + sc) + 2 * n + 3 * n_slots + ss
+            if self.cost.ngram_gpu:
+                history += ctx_sum + int(_sum(em))
             if b.n_prefill:
                 emitted[dec] = em
             else:
                 emitted = em
         else:
             acc = wasted = n_drafts = np.zeros(0, dtype=np.int64)
-        self.remaining[req] -= emitted  # request ids are unique within a batch
-        self.context[req] += emitted
-        # the proposer scans every row's prompt and committed tokens after the step
-        history = int(self.context[req].sum()) if self.cost.ngram_gpu else 0
         step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, acc, n_drafts, wasted
-        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history)
+        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history if self.cost.ngram_gpu else 0)
 
-    def _decode(self, step, r: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Accepted drafts, verified valid drafts, wasted slots and emitted tokens of decoding requests `r`."""
-        remaining = self.remaining[r]
-        if remaining.min() > 0:
+    def _decode(self, step, r: np.ndarray, slots: np.ndarray, remaining: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Accepted drafts, verified valid drafts and wasted slots of decoding requests `r`."""
+        if _min(remaining) > 0:
             live = None
             wasted = constant(self._zeros, len(r), 0, np.int64)
         else:
@@ -119,10 +137,10 @@ class ModelBackend:
             n_drafts = slots if isinstance(valid, int) and valid >= self.k else np.minimum(valid, slots)
         else:
             n_drafts = np.minimum(valid, slots) * live
-        if self.k and n_drafts.any():
+        if self.k and _max(n_drafts) > 0:
             if position is None and self.uniform_drafts is None:
                 position = self._position(r, self.output_len[r] - remaining)
             acc = self.acc.accept(r, position, n_drafts, self.rng)
         else:
             acc = np.zeros(len(r), dtype=np.int64)
-        return acc, n_drafts, wasted, np.minimum(acc + 1, remaining)
+        return acc, n_drafts, wasted
