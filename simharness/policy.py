@@ -64,9 +64,9 @@ class BatchScheduler:
         self.output_len = output_len.astype(np.int64)
         self.status = np.full(n, NOT_ARRIVED, dtype=np.int8)
         self.prompt_left = self.prompt_len.copy()  # prompt tokens not scheduled yet
-        self.committed = np.zeros(n, dtype=np.int64)  # output tokens the host has processed
-        # output_len - committed - (in-flight steps that will emit for the request): a decoding
-        # request is a candidate while this is positive
+        self.left = self.output_len.copy()  # output tokens the host has not processed yet
+        # left - (in-flight steps that will emit for the request): a decoding request is a
+        # candidate while this is positive
         self.room = self.output_len.copy()
         self.n_arrived = 0
         self.n_admitted = 0
@@ -81,6 +81,11 @@ class BatchScheduler:
         assert rid == self.n_arrived, "requests arrive in id order"
         self.status[rid] = WAITING
         self.n_arrived += 1
+
+    @property
+    def committed(self) -> np.ndarray:
+        """Output tokens the host has processed, per request."""
+        return self.output_len - self.left
 
     def has_waiting(self) -> bool:
         return self.n_admitted < self.n_arrived
@@ -190,13 +195,13 @@ class BatchScheduler:
         counts, return the ids that finished now."""
         req = batch.req
         self.room[req] += batch.emits - emitted
-        committed = self.committed[req] + emitted
-        self.committed[req] = committed
-        # finished now: reached the output length with this step's tokens (a request that finished
-        # earlier and sat in this step emits nothing)
-        at_end = np.flatnonzero(committed >= self.output_len[req])
-        if not len(at_end):
-            return at_end
+        left = self.left[req] - emitted
+        self.left[req] = left
+        if np.minimum.reduce(left) > 0:
+            return left[:0]
+        # finished now: no tokens left after this step's (one that finished earlier and sat in
+        # this step emits nothing)
+        at_end = (left == 0).nonzero()[0]
         done = req[at_end[emitted[at_end] > 0]]
         if len(done):
             self.status[done] = FINISHED

@@ -33,21 +33,21 @@ class ModelBackend:
         self.k = k
         self.rng = rng
         self.prefilled = np.zeros(n, dtype=np.int64)
-        # the device truth kept as the two forms a step reads: output tokens still to come
-        # (output_len - committed) and a decoding request's context (prompt_len + committed)
-        self.remaining = self.output_len.astype(np.int64)
+        # the device truth: committed output tokens, kept as a decoding request's context
+        # (prompt_len + committed), which ends at prompt_len + output_len
         self.context = self.prompt_len.astype(np.int64)
+        self.end = self.context + self.output_len
         self._zeros: dict[tuple[int, int], np.ndarray] = {}
 
     def valid_drafts(self, r: np.ndarray) -> np.ndarray:
         """Valid drafts the proposer holds for requests `r` (0 for finished ones)."""
         if not self.k:
             return np.zeros(len(r), dtype=np.int64)
-        remaining = self.remaining[r]
-        live = remaining > 0
+        ctx = self.context[r]
+        live = ctx < self.end[r]
         if self.uniform_drafts is not None:
             return self.uniform_drafts * live
-        return self.acc.valid_drafts(r, self._position(r, self.output_len[r] - remaining)) * live
+        return self.acc.valid_drafts(r, self._position(r, ctx - self.prompt_len[r])) * live
 
     def _position(self, r: np.ndarray, committed: np.ndarray) -> np.ndarray:
         # committed length, clamped into the acceptance tables (finished requests are masked)
@@ -73,7 +73,6 @@ class ModelBackend:
                 kv_tokens += c + t
                 pairs2 += t * (2 * c + t + 1)
                 if b.completes_prefill[i]:  # the last prefill chunk samples the first token
-                    self.remaining[rid] -= 1
                     self.context[rid] += 1
                 history += int(self.context[rid])
             emitted = b.completes_prefill.astype(np.int64)
@@ -88,11 +87,10 @@ class ModelBackend:
             n_slots = b.n_tokens - len(r) if slots is b.draft_slots else int(_sum(slots))
         if len(r):
             # decode rows: query 1 + slots over context prompt + committed
-            remaining = self.remaining[r]
             ctx = self.context[r]
-            acc, n_drafts, wasted = self._decode(step, r, slots, remaining)
+            remaining = self.end[r] - ctx
+            acc, n_drafts, wasted = self._decode(step, r, slots, n_slots, ctx, remaining)
             em = np.minimum(acc + 1, remaining)
-            self.remaining[r] = remaining - em
             self.context[r] = ctx + em
             n, ctx_sum = len(r), int(_sum(ctx))
             tokens += n + n_slots
@@ -115,7 +113,9 @@ class ModelBackend:
         step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, acc, n_drafts, wasted
         return self.cost.gpu_time(tokens, kv_tokens, pairs2, history if self.cost.ngram_gpu else 0)
 
-    def _decode(self, step, r: np.ndarray, slots: np.ndarray, remaining: np.ndarray) -> tuple[np.ndarray, ...]:
+    def _decode(
+        self, step, r: np.ndarray, slots: np.ndarray, n_slots: int, ctx: np.ndarray, remaining: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
         """Accepted drafts, verified valid drafts and wasted slots of decoding requests `r`."""
         if _min(remaining) > 0:
             live = None
@@ -125,21 +125,22 @@ class ModelBackend:
             live = remaining > 0
             wasted = (1 + slots) * ~live
         position = None
+        if self.uniform_drafts is None:
+            # a decoding request has committed its first token; a live one is inside its table row
+            committed = ctx - self.prompt_len[r]
+            position = committed if live is None else self._position(r, committed)
         if step.valid is not None:
             valid = step.valid[step.batch.decode] if step.batch.n_prefill else step.valid
         elif self.uniform_drafts is not None:
             valid = self.uniform_drafts
         else:
-            position = self._position(r, self.output_len[r] - remaining)
             valid = self.acc.valid_drafts(r, position)
         if live is None:
             # slots never exceed k, so with k drafts held every slot carries a valid draft
             n_drafts = slots if isinstance(valid, int) and valid >= self.k else np.minimum(valid, slots)
         else:
             n_drafts = np.minimum(valid, slots) * live
-        if self.k and _max(n_drafts) > 0:
-            if position is None and self.uniform_drafts is None:
-                position = self._position(r, self.output_len[r] - remaining)
+        if self.k and (n_slots if n_drafts is slots else _max(n_drafts)) > 0:
             acc = self.acc.accept(r, position, n_drafts, self.rng)
         else:
             acc = np.zeros(len(r), dtype=np.int64)
