@@ -73,7 +73,7 @@ class BatchScheduler:
         self.n_finished = 0
         self.n_running = 0
         self.n_prefilling = 0  # running requests with prompt tokens left to schedule
-        self._running: np.ndarray | None = None  # running ids, cached between admissions and finishes
+        self._running = self._frozen(np.zeros(0, dtype=np.int64))  # running ids; batches share it
         self._ints: dict[tuple[int, int], np.ndarray] = {}
         self._flags: dict[tuple[int, int], np.ndarray] = {}
 
@@ -92,10 +92,12 @@ class BatchScheduler:
 
     def running(self) -> np.ndarray:
         """Running request ids in admission order."""
-        if self._running is None:
-            self._running = np.flatnonzero(self.status == RUNNING)
-            self._running.flags.writeable = False  # batches share it
         return self._running
+
+    @staticmethod
+    def _frozen(a: np.ndarray) -> np.ndarray:
+        a.flags.writeable = False
+        return a
 
     def schedule(self, draft_slots: int | Callable[[np.ndarray], np.ndarray]) -> Batch:
         """Pick the next step's batch. `draft_slots` is the number of slots every decoding request
@@ -173,7 +175,8 @@ class BatchScheduler:
             new_completes.append(chunk == need)
             used += chunk
         if new_req:
-            self._running = None
+            # ids are admitted in ascending order, so appending keeps the running set sorted
+            self._running = self._frozen(np.concatenate((self._running, new_req)))
             m = len(new_req)
             req = np.concatenate((req, new_req))
             tok = np.concatenate((tok, new_tok))
@@ -207,5 +210,6 @@ class BatchScheduler:
             self.status[done] = FINISHED
             self.n_finished += len(done)
             self.n_running -= len(done)
-            self._running = None
+            running = self._running
+            self._running = self._frozen(running[self.status[running] == RUNNING])
         return done

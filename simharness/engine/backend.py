@@ -65,7 +65,8 @@ class ModelBackend:
         tokens = kv_tokens = pairs2 = history = 0
         if b.n_prefill:
             # prefill rows are few (the requests admitted this step): one at a time
-            for i in np.flatnonzero(b.prefill).tolist():
+            rows = b.prefill.nonzero()[0]
+            for i in rows.tolist():
                 rid, t = int(req[i]), int(b.tokens[i])
                 c = int(self.prefilled[rid])  # a chunk's context is the prompt prefilled before it
                 self.prefilled[rid] = c + t
@@ -76,7 +77,9 @@ class ModelBackend:
                     self.context[rid] += 1
                 history += int(self.context[rid])
             emitted = b.completes_prefill.astype(np.int64)
-            dec = b.decode
+            n_decode = len(req) - b.n_prefill
+            # admitted requests come last: then the decode rows are a prefix
+            dec = slice(0, n_decode) if not n_decode or rows[0] == n_decode else b.decode
             r = req[dec]
             slots = step.verified_slots[dec]
             n_slots = int(_sum(slots))
