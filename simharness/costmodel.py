@@ -74,6 +74,8 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, True),
     "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, False),
     "qwen3-1.7b": ModelShape("qwen3-1.7b", 28, 2048, 16, 8, 128, 6144, 151936, True),
+    # the torch backend's CPU test model (engine/model.py preset `tiny`, vocabulary widened to the corpus')
+    "tiny": ModelShape("tiny", 2, 64, 4, 2, 16, 128, 32000, False),
 }
 
 

@@ -42,9 +42,22 @@ STEP_COLUMNS = [
     "sync_wait_s",
     "n_syncs",
     "bubble_s",
+    # hardware in the loop: the phases measured in this step ("" at the sim level), the measured device
+    # time of each device phase (they add up to gpu_end - gpu_start; NaN at the sim level), synchronizing
+    # CUDA operations caught in the step, and the harness's own host time for it (NaN at the sim level)
+    "measured",
+    "gpu_prefill_s",
+    "gpu_verify_s",
+    "gpu_sample_s",
+    "gpu_commit_s",
+    "gpu_propose_s",
+    "device_syncs",
+    "harness_s",
 ]
 
 SYNC_COLUMNS = ["step", "name", "phase", "waits_for", "start_s", "end_s"]
+# Synchronizing CUDA operations caught in a hardware-in-the-loop run (instrument.SyncRecorder).
+DEVICE_SYNC_DTYPES = {"step": "int64", "phase": "str", "site": "str", "wait_s": "float64"}
 EMISSION_COLUMNS = ["request_id", "step", "time_s", "tokens"]
 REQUEST_COLUMNS = [
     "request_id",
@@ -119,3 +132,10 @@ class Records:
             return pd.DataFrame({c: pd.Series(dtype="float64" if c == "time_s" else "int64")
                                  for c in EMISSION_COLUMNS})
         return pd.DataFrame(dict(zip(EMISSION_COLUMNS, self.emission_arrays(), strict=True)))
+
+
+def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:
+    """The device-syncs table from (step, phase, site, wait_s) rows; empty at the sim level."""
+    columns = list(zip(*rows, strict=True)) if rows else [()] * len(DEVICE_SYNC_DTYPES)
+    dtypes = DEVICE_SYNC_DTYPES.items()
+    return pd.DataFrame({c: pd.Series(v, dtype=t) for (c, t), v in zip(dtypes, columns, strict=True)})

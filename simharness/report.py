@@ -1,9 +1,10 @@
 """The run report: `report.md` with a summary table, PNG plots and the host sync points.
 
 Rendered only from the files of a run directory (scenario.yaml, summary.csv, steps.parquet,
-syncs.parquet, meta.json), so `simharness report RUN_DIR` can redo it at any time. A "mode" is one
-combination of the swept values other than concurrency; plots draw one line per mode against
-concurrency when concurrency is swept, and bars per point otherwise.
+syncs.parquet, device_syncs.parquet, meta.json), so `simharness report RUN_DIR` can redo it at any
+time. A "mode" is one combination of the swept values other than concurrency; plots draw one line per
+mode against concurrency when concurrency is swept, and bars per point otherwise. Points measured on
+hardware (hil) add two sections: the synchronizing CUDA operations caught, and measured vs modelled.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from simharness.metrics import host_intervals
 from simharness.results import load_run_scenario
 from simharness.scenario import Scenario
 from simharness.simulation import OUTPUT_READBACK
+from simharness.trace import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 
 CONCURRENCY = "workload.concurrency"
 # Timeline colours: host phases, avoidable syncs in red, the by-design output wait in grey.
@@ -80,6 +82,16 @@ def write_report(run_dir: Path) -> Path:
         "## Host sync points\n",
         _sync_table(summary, steps, syncs),
     ])
+    hil = _hil_points(summary, steps)
+    if hil:
+        device_syncs_path = run_dir / "device_syncs.parquet"
+        device_syncs = pd.read_parquet(device_syncs_path) if device_syncs_path.is_file() else None
+        text += "\n".join([
+            "\n## Device sync sites\n",
+            _device_sync_table(summary, steps, device_syncs, hil),
+            "## Measured vs modelled\n",
+            _measured_table(summary, steps, hil),
+        ])
     path.write_text(text)
     return path
 
@@ -225,6 +237,67 @@ def _sync_table(summary: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame)
                      _cell(r["mean"], "{:.1f}"), _cell(r["sum"] / n_steps if n_steps else np.nan, "{:.1f}")])
     headers = ["mode", "sync point", "phase", "waits for", "count/step", "mean wait µs", "wait µs/step"]
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
+
+
+def _hil_points(summary: pd.DataFrame, steps: pd.DataFrame) -> list[str]:
+    """Points measured on hardware, in summary order: level "hil", or device phases in their steps."""
+    hil = set()
+    if "level" in summary.columns:
+        hil |= set(summary.loc[summary["level"] == "hil", "point"])
+    if "gpu_verify_s" in steps.columns:
+        hil |= set(steps.loc[steps["gpu_verify_s"].notna(), "point"])
+    return [p for p in summary["point"] if p in hil]
+
+
+def _device_sync_table(summary: pd.DataFrame, steps: pd.DataFrame, device_syncs: pd.DataFrame | None,
+                       points: list[str]) -> str:
+    """Per hil point, each (site, phase) where torch's sync debug mode caught a synchronizing CUDA operation."""
+    if device_syncs is None:
+        return "Not recorded: this run directory has no `device_syncs.parquet`.\n"
+    n_steps = steps.groupby("point").size()
+    found = device_syncs[device_syncs["point"].isin(points)] if len(device_syncs) else device_syncs
+    if found.empty:
+        total = sum(int(n_steps.get(p, 0)) for p in points)
+        return (f"No synchronizing CUDA operation outside the by-design readback in {total:,} steps: torch's sync "
+                "debug mode caught none (the readback waits on a CUDA event, which that mode does not report).\n")
+    g = found.groupby(["point", "site", "phase"], sort=False)["wait_s"].agg(["size", "sum", "mean"])
+    g = g.reset_index().assign(order=lambda d: d["point"].map({p: i for i, p in enumerate(points)}))
+    g = g.sort_values(["order", "size", "site"], ascending=[True, False, True])
+    label = summary.set_index("point")["label"]
+    rows = [
+        [label[r.point], f"`{r.site}`", r.phase or "–", f"{r.size:,}", _cell(r.size / n_steps[r.point], "{:.2f}"),
+         _cell(r.sum * 1e3, "{:.3f}"), _cell(r.mean * 1e3, "{:.3f}")]
+        for r in g.itertuples()
+    ]
+    headers = ["point", "site", "phase", "count", "count/step", "total wait ms", "mean wait ms"]
+    return _markdown_table(headers, rows) + (
+        "\nCaught by torch's sync debug mode; phase is the innermost instrumented phase open at the call. torch "
+        "reports a sync once the operation has returned, so a wait is the host time from the latest phase boundary, "
+        "step start or earlier sync to that return: an upper bound on the time spent waiting.\n"
+    )
+
+
+def _measured_table(summary: pd.DataFrame, steps: pd.DataFrame, points: list[str]) -> str:
+    """Per hil point: what was measured, the median device time per step by device phase, the harness's own time."""
+    label = summary.set_index("point")["label"]
+    rows = []
+    for point in points:
+        s = steps[steps["point"] == point]
+        measured = list(dict.fromkeys(name for names in s["measured"] for name in names.split(",") if name))
+        device_ms = float((s["gpu_end"] - s["gpu_start"]).median()) * 1e3
+        harness_ms = float(s["harness_s"].median()) * 1e3
+        rows.append([
+            label[point], ", ".join(measured) or "–", _cell(device_ms, "{:.3f}"),
+            *(_cell(float(s[c].median()) * 1e3, "{:.3f}") for c in DEVICE_PHASE_COLUMNS),
+            _cell(harness_ms, "{:.3f}"), _cell(100 * harness_ms / device_ms if device_ms else np.nan, "{:.1f}"),
+        ])
+    headers = ["point", "measured", "device ms/step", *(f"{p} ms" for p in DEVICE_PHASES), "harness ms/step",
+               "harness % of device"]
+    return _markdown_table(headers, rows) + (
+        "\nMedians over the point's steps (the phase medians need not add up to the step's). Measured phases ran "
+        "on the hardware; the engine loop's other host work (schedule, update, ...) comes from the cost model. "
+        "Harness: the harness's own host time per step, outside the decode loop.\n"
+    )
 
 
 def _cell(value: object, fmt: str) -> str:

@@ -22,7 +22,7 @@ import yaml
 
 from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
 
-TABLES = ("requests", "steps", "syncs", "emissions")
+TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
 
 
 def new_run_dir(out: Path, scenario: Scenario) -> Path:
@@ -86,10 +86,13 @@ def combine(run_dir: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     for name in TABLES:
         parts = []
         for i, row in zip(indices, rows, strict=True):
+            if not (point_dir(run_dir, i) / f"{name}.parquet").is_file():
+                continue  # a point written before the table existed (device_syncs)
             df = read_point_table(run_dir, i, name)
             df.insert(0, "point", row["point"])
             parts.append(df)
-        tables[name] = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+        filled = [df for df in parts if len(df)] or parts[:1]
+        tables[name] = pd.concat(filled, ignore_index=True) if filled else pd.DataFrame()
         tables[name].to_parquet(run_dir / f"{name}.parquet", index=False)
     return summary, tables
 

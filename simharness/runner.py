@@ -12,6 +12,7 @@ import pandas as pd
 from simharness import results
 from simharness.acceptance import make_acceptance
 from simharness.metrics import compute_metrics
+from simharness.records import Records, device_syncs_frame
 from simharness.report import write_report
 from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, sweep_points
 from simharness.simulation import Simulation, resolve_mode
@@ -29,6 +30,7 @@ class RunResult:
     steps: pd.DataFrame
     syncs: pd.DataFrame
     emissions: pd.DataFrame
+    device_syncs: pd.DataFrame
 
     @property
     def report(self) -> Path:
@@ -60,14 +62,16 @@ def run(
             raise ScenarioError(f"{run_dir}: was started from a different scenario; resume it with the same one")
     else:
         run_dir = results.new_run_dir(Path(out), scenario)
-    results.write_meta(run_dir, scenario, device="sim (virtual time, cost model)")
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
+    hil = _Hil(todo) if any(p.scenario.engine.backend == "torch" for p in todo) else None
+    device = hil.describe() if hil else "sim (virtual time, cost model)"
+    results.write_meta(run_dir, scenario, device=device)
     if progress is not None:
         progress(run_dir, len(points) - len(todo), len(points), "")
     workloads: dict[str, object] = {}
     for n, point in enumerate(todo):
-        _run_point(run_dir, point, scenario, workloads)
+        _run_point(run_dir, point, workloads, hil)
         if progress is not None:
             progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
     summary, tables = results.combine(run_dir)
@@ -75,16 +79,61 @@ def run(
     return RunResult(run_dir, summary, **tables)
 
 
-def _run_point(run_dir: Path, point: Point, scenario: Scenario, cache: dict) -> None:
-    sc = point.scenario
+def _workload(sc: Scenario, cache: dict):
     key = sc.workload.model_dump_json() + str(sc.seed)
     if key not in cache:
         cache.clear()  # keep one workload in memory: sweeps usually vary the workload last
         cache[key] = build_requests(sc.workload, sc.seed)
-    requests = cache[key]
-    acceptance = make_acceptance(sc.engine.speculation, requests)
-    sim = Simulation(sc, requests, acceptance)
-    records, duration = sim.run()
+    return cache[key]
+
+
+class _Hil:
+    """The hardware-in-the-loop side of a run: one target model, sized for every torch point, shared by them."""
+
+    def __init__(self, points: list[Point]):
+        from simharness.engine import torch_backend
+
+        self.tb = torch_backend
+        torch_points = [p.scenario for p in points if p.scenario.engine.backend == "torch"]
+        engines = {(sc.engine.model, sc.engine.device, sc.engine.cuda_graphs) for sc in torch_points}
+        if len(engines) > 1:
+            raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a torch run uses one model on "
+                                "one device; do not sweep them")
+        slots = positions = vocab = 0
+        cache: dict[str, object] = {}
+        for sc in torch_points:
+            requests = _workload(sc, cache)
+            mode = resolve_mode(sc)
+            s, n = torch_backend.capacity(sc, requests, mode.depth, mode.k)
+            slots, positions, vocab = max(slots, s), max(positions, n), max(vocab, requests.vocab_size)
+        self.model = torch_backend.build_model(torch_points[0].engine, vocab, slots, positions)
+
+    def describe(self) -> str:
+        import torch
+
+        device = self.model.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        return f"hil: {name}, torch {torch.__version__}, model {self.model.config.n_layers} layers"
+
+    def simulate(self, sc: Scenario, requests) -> tuple[Simulation, Records, float, pd.DataFrame]:
+        """Run one point on the real decode loop, recording its synchronizing CUDA operations."""
+        backend = self.tb.TorchBackend(sc, requests, self.model, resolve_mode(sc))
+        sim = Simulation(sc, requests, None, backend=backend)
+        with backend.syncs:
+            records, duration = sim.run()
+        return sim, records, duration, backend.syncs.frame()
+
+
+def _run_point(run_dir: Path, point: Point, cache: dict, hil: _Hil | None) -> None:
+    sc = point.scenario
+    requests = _workload(sc, cache)
+    if sc.engine.backend == "torch":
+        sim, records, duration, device_syncs = hil.simulate(sc, requests)
+        level = "hil"
+    else:
+        sim = Simulation(sc, requests, make_acceptance(sc.engine.speculation, requests))
+        records, duration = sim.run()
+        device_syncs, level = device_syncs_frame([]), "sim"
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(
         records.requests,
@@ -96,18 +145,21 @@ def _run_point(run_dir: Path, point: Point, scenario: Scenario, cache: dict) -> 
         goodput=sc.report.goodput,
         k=sim.mode.k,
     )
-    summary = {"point": point.id, "index": point.index, "level": "sim"}
+    summary = {"point": point.id, "index": point.index, "level": level}
     summary.update(point.values)
-    summary.update(effective_depth=sim.mode.depth, note=sim.mode.note)
+    note = sim.mode.note
+    if level == "hil" and sim.backend.starved_steps:
+        note = "; ".join(filter(None, [note, f"{sim.backend.starved_steps} steps' enqueue outlasted the GPU hold "
+                                            "(their device times may include launch gaps)"]))
+    summary.update(effective_depth=sim.mode.depth, note=note)
     summary.update(metrics)
     trace_dir = run_dir / "traces"
     trace_dir.mkdir(exist_ok=True)
     events = trace_events(steps, syncs, max_steps=sc.report.trace_steps)
     write_trace(trace_dir / f"{point.index:04d}_{_slug(point.id)}.json", events, {"point": point.id})
-    results.write_point(
-        run_dir, point.index, summary, {"requests": records.requests, "steps": steps, "syncs": syncs,
-                                        "emissions": emissions}
-    )
+    tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
+              "device_syncs": device_syncs}
+    results.write_point(run_dir, point.index, summary, tables)
 
 
 def _slug(point_id: str) -> str:

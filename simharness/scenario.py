@@ -158,12 +158,16 @@ class GcPauses(Strict):
 
 
 class Engine(Strict):
-    """What executes a step. Only the cost model (`model`) so far; the real decode loop (`torch`,
-    hardware in the loop) joins later."""
+    """What executes a step: the cost model (`model`, the sim level) or the real decode loop (`torch`,
+    hardware in the loop: target verify, rejection sampler and n-gram proposer really run)."""
 
-    backend: Literal["model"] = "model"
+    backend: Literal["model", "torch"] = "model"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the decode loop runs")
+    cuda_graphs: bool = Field(True, description="torch backend on CUDA: replay the verify forward as CUDA graphs")
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
-    model: str = Field("llama-3-8b", description="model shape: llama-3.2-1b, llama-3-8b, qwen3-1.7b")
+    model: str = Field(
+        "llama-3-8b", description="model shape: llama-3.2-1b, llama-3-8b, qwen3-1.7b, tiny (torch: random weights)"
+    )
     speculation: Speculation = Speculation()
     gpu_costs: GpuCosts = GpuCosts()
     host_costs: HostCosts = HostCosts()

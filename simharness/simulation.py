@@ -25,6 +25,7 @@ import simpy
 
 from simharness.costmodel import CostModel
 from simharness.engine.backend import ModelBackend
+from simharness.instrument import phase
 from simharness.policy import Batch, BatchScheduler
 from simharness.records import REQUEST_COLUMNS, Records
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
@@ -43,6 +44,7 @@ KNOWN_SYNC_POINTS: dict[str, SyncPoint] = {
 OUTPUT_READBACK = "output_readback"
 PHASES = ("schedule", "prep", "launch", "update")
 _total = np.add.reduce  # an array's sum without ndarray.sum's dispatch (per-step totals)
+NO_DEVICE_PHASES = (float("nan"),) * 5
 
 
 @dataclass
@@ -130,6 +132,11 @@ class Step:
     update_end: float = 0.0
     propose_start: float = 0.0
     propose_end: float = 0.0
+    # measured by a hardware backend (engine.backend: torch)
+    readback_s: float = 0.0
+    device_phases: tuple[float, ...] = NO_DEVICE_PHASES  # prefill, verify, sample, commit, propose
+    device_syncs: int = 0
+    harness_s: float = float("nan")
 
 
 class Simulation:
@@ -166,6 +173,9 @@ class Simulation:
         acc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
         self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 2]))
         self.backend = backend or ModelBackend(requests, acceptance, self.cost, self.mode.k, acc_rng)
+        # a hardware backend measures prep, launch, the device step, the readback and the CPU proposer
+        self.measured = self.backend.measured
+        self.measured_phases = "prep,launch,gpu,readback" + (",propose" if self.mode.ngram_cpu else "")
         self.records = Records(k=self.mode.k)
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
@@ -280,7 +290,11 @@ class Simulation:
                     if gc.distribution == "exponential":
                         gc_pause = self.gc_rng.exponential(gc.mean_ms * 1e-3)
                     yield env.timeout(gc_pause)
-                batch = sched.schedule(draft_slots)
+                if not self.measured:
+                    batch = sched.schedule(draft_slots)
+                else:
+                    with phase("schedule"):
+                        batch = sched.schedule(draft_slots)
                 if batch.size:
                     step = Step(id=next_step, batch=batch, done=env.event(), gc_pause=gc_pause)
                     next_step += 1
@@ -325,13 +339,13 @@ class Simulation:
             step.valid = slots
             n_tokens += int((slots - b.draft_slots).sum())  # a decode computes 1 + its slots
         step.verified_slots = slots
-        step.prep_end = step.prep_start + cost.prep(b.size, n_tokens)
+        step.prep_end = step.prep_start + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
         if syncs["launch"]:
             yield self._until(step.prep_end)
             yield from self._syncs(step, syncs["launch"], in_flight)
-            step.launch_end = env.now + cost.launch()
+            step.launch_end = env.now + (self.backend.launch(step) if self.measured else cost.launch())
         else:
-            step.launch_end = step.prep_end + cost.launch()
+            step.launch_end = step.prep_end + (self.backend.launch(step) if self.measured else cost.launch())
         yield self._until(step.launch_end)
         in_flight.append(step)
         step.in_flight = len(in_flight)
@@ -351,7 +365,7 @@ class Simulation:
         if not step.done.triggered:
             yield step.done
         # the readback and the update are one event unless a sync point sits between them
-        sync_end = env.now + self.cost.sync()
+        sync_end = env.now + (step.readback_s if self.measured else self.cost.sync())
         if self.phase_syncs["update"]:
             yield self._until(sync_end)
         step.sync_wait += sync_end - start
@@ -362,20 +376,30 @@ class Simulation:
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
         emitted = step.emitted
-        done = self.sched.settle(b, emitted)
+        if not self.measured:
+            done = self.sched.settle(b, emitted)
+        else:
+            with phase("update"):
+                done = self.sched.settle(b, emitted)
+            self.backend.release(done)
         if np.count_nonzero(emitted) == len(emitted):
-            self.records.add_emissions(step.id, now, b.req, emitted)
+            got, tokens = b.req, emitted
         else:
             out = np.flatnonzero(emitted)
-            self.records.add_emissions(step.id, now, b.req[out], emitted[out])
+            got, tokens = b.req[out], emitted[out]
+        self.records.add_emissions(step.id, now, got, tokens)
         rd = b.req[b.decode] if b.n_prefill else b.req
         self.decode_tallies.append((rd, step.drafts_valid, step.accepted, step.wasted))
         step.propose_start = step.propose_end = now
         if self.mode.ngram_cpu and self.mode.k:
-            # the CPU proposer drafts for the requests still running, over their whole history
-            live = rd[self.sched.committed[rd] < self.req.output_len[rd]]
-            hist = int((self.req.prompt_len[live] + self.sched.committed[live]).sum())
-            yield env.timeout(self.cost.ngram_cpu(len(live), hist))
+            # the CPU proposer drafts for the requests still running that got tokens (a prefill's first
+            # token included), over their whole history
+            live = got[self.sched.committed[got] < self.req.output_len[got]]
+            if self.measured:
+                yield env.timeout(self.backend.propose(live))
+            else:
+                hist = int((self.req.prompt_len[live] + self.sched.committed[live]).sum())
+                yield env.timeout(self.cost.ngram_cpu(len(live), hist))
             step.propose_end = env.now
         self._record_step(step)
         for rid in done:
@@ -416,6 +440,10 @@ class Simulation:
                 s.sync_wait,
                 s.n_syncs,
                 s.bubble,
+                self.measured_phases if self.measured else "",
+                *s.device_phases,
+                s.device_syncs,
+                s.harness_s,
             ),
             s.accepted,
         )

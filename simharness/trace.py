@@ -2,7 +2,9 @@
 
 Layout: pid 1 is the host (engine loop thread: schedule, sync waits, prep, launch, update,
 propose, GC pauses), pid 2 the GPU stream (one slice per step); a counter tracks in-flight steps
-and flow arrows link each launch to its GPU step. Times are virtual time in microseconds.
+and flow arrows link each launch to its GPU step. Hardware-in-the-loop steps add pid 3, their
+measured device phases laid out back to back from each step's GPU start, with a second arrow
+from each launch to its first phase. Times are virtual time in microseconds.
 Perfetto needs the slices of one (pid, tid) lane to nest strictly; `check_trace` enforces that.
 """
 
@@ -22,8 +24,12 @@ import pandas as pd
 from simharness.metrics import host_intervals
 
 US = 1e6
-HOST_PID, GPU_PID = 1, 2
-ENGINE_TID, STREAM_TID = 1, 1
+HOST_PID, GPU_PID, MEASURED_PID = 1, 2, 3
+ENGINE_TID, STREAM_TID, DEVICE_PHASES_TID = 1, 1, 1
+# Device phases of a hardware-in-the-loop step, in launch order, and their step columns.
+DEVICE_PHASES = ("prefill", "verify", "sample", "commit", "propose")
+DEVICE_PHASE_COLUMNS = [f"gpu_{p}_s" for p in DEVICE_PHASES]
+MEASURED_FLOW_ID = 1 << 40  # added to the step id: launch -> measured-phase flows never share an id
 TOLERANCE_US = 1e-3  # float rounding allowed when comparing slice edges
 
 
@@ -95,7 +101,18 @@ def trace_events(steps: pd.DataFrame, syncs: pd.DataFrame, *, max_steps: int) ->
     events += _gpu_slices(steps)
     events += _in_flight_counter(steps)
     events += _launch_flows(steps)
+    if has_measured_phases(steps):
+        events += [
+            *process_metadata(MEASURED_PID, "hil: measured phases", 2),
+            *thread_metadata(MEASURED_PID, DEVICE_PHASES_TID, "device phases"),
+        ]
+        events += _measured_slices_and_flows(steps)
     return events
+
+
+def has_measured_phases(steps: pd.DataFrame) -> bool:
+    """Whether steps carry device phases measured on hardware (not so at the sim level or in old runs)."""
+    return "gpu_verify_s" in steps.columns and bool(steps["gpu_verify_s"].notna().any())
 
 
 def write_trace(path: Path | str, events: list[dict], metadata: Mapping[str, Any]) -> None:
@@ -165,6 +182,28 @@ def _launch_flows(steps: pd.DataFrame) -> list[dict]:
         events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": sum(launch_us) / 2})
         events.append({**common, "ph": "f", "bp": "e", "pid": GPU_PID, "tid": STREAM_TID,
                        "ts": sum(gpu_us) / 2})
+    return events
+
+
+def _measured_slices_and_flows(steps: pd.DataFrame) -> list[dict]:
+    """Each step's measured device phases back to back from its GPU start, and an arrow from its launch
+    slice to the first of them. A phase that did not run (0 s, or not measured) gets no slice."""
+    durations = steps[DEVICE_PHASE_COLUMNS].to_numpy(dtype=np.float64, na_value=0.0)
+    start = steps["gpu_start"].to_numpy(dtype=np.float64)
+    edges = start[:, None] + np.concatenate([np.zeros((len(steps), 1)), np.cumsum(durations, axis=1)], axis=1)
+    events = []
+    for r, step_edges in zip(steps.itertuples(), edges, strict=True):
+        args = [{"step": int(r.step)} for _ in DEVICE_PHASES]
+        slices = complete_slices(MEASURED_PID, DEVICE_PHASES_TID, list(DEVICE_PHASES), step_edges[:-1],
+                                 step_edges[1:], cat="measured", args=args)
+        events += slices
+        launch_us = (round(r.prep_end * US, 3), round(r.launch_end * US, 3))
+        if not slices or launch_us[1] <= launch_us[0]:
+            continue
+        common = {"name": "launch", "cat": "measured", "id": MEASURED_FLOW_ID + int(r.step)}
+        events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": sum(launch_us) / 2})
+        events.append({**common, "ph": "f", "bp": "e", "pid": MEASURED_PID, "tid": DEVICE_PHASES_TID,
+                       "ts": slices[0]["ts"] + slices[0]["dur"] / 2})
     return events
 
 

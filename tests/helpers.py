@@ -8,6 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
+from simharness.workload import Requests
+
 
 def interpreted_kernels(module: ModuleType, names: tuple[str, ...]) -> Iterator[None]:
     """Interpret `module`'s kernels even when another test module imported triton (or the kernels) before
@@ -52,3 +54,32 @@ def chisquare_pvalue(observed: np.ndarray, probabilities: np.ndarray) -> float:
     merged_expected[-1] += pending_expected
     assert len(merged_expected) >= 2, "too few samples for a chi-squared test"
     return float(stats.chisquare(merged_observed, merged_expected).pvalue)
+
+
+def hil_requests(n: int, vocab: int, *, steer_all: bool = False, seed: int = 0) -> Requests:
+    """Prompts made of a repeated motif with noise, so that the n-gram proposer finds matches. The model
+    is steered to a reference that goes on repeating the motif (drafts get accepted there): to the end for
+    even requests (they finish in the middle of a step), for half the output for odd ones unless
+    `steer_all`, which then decode freely (their tokens depend on every K/V the steps wrote)."""
+    rng = np.random.default_rng(seed)
+    prompts, references, lengths = [], [], []
+    for i in range(n):
+        motif = rng.integers(0, vocab, rng.integers(4, 9))
+        n_prompt, n_out = int(rng.integers(24, 41)), int(rng.integers(14, 23))
+        tokens = np.tile(motif, 20)
+        prompt = tokens[:n_prompt].copy()
+        noise = rng.random(n_prompt) < 0.15
+        prompt[noise] = rng.integers(0, vocab, noise.sum())
+        prompts.append(prompt.astype(np.int32))
+        steered = n_out if steer_all or i % 2 == 0 else n_out // 2
+        references.append(tokens[n_prompt : n_prompt + steered].astype(np.int32))
+        lengths.append(n_out)
+    return Requests(
+        kind=np.zeros(n, dtype=np.int8),
+        prompt_len=np.array([len(p) for p in prompts], dtype=np.int64),
+        output_len=np.array(lengths, dtype=np.int64),
+        prompt_tokens=prompts,
+        output_tokens=references,  # some shorter than output_len on purpose: the rest is free decoding
+        arrival_s=None,
+        vocab_size=vocab,
+    )

@@ -1,14 +1,18 @@
-"""The report renders from a run directory for any sweep shape (none, 2 points, 2 x 2)."""
+"""The report renders from a run directory for any sweep shape (none, 2 points, 2 x 2), and adds the hil
+sections only when points were measured on hardware."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 import yaml
-from test_trace import synthetic_records
+from test_trace import as_hil, synthetic_records
 
+import simharness
 from simharness import results
 from simharness.metrics import compute_metrics
 from simharness.records import EMISSION_COLUMNS, REQUEST_COLUMNS
@@ -136,3 +140,87 @@ def test_run_without_finished_points(tmp_path) -> None:
     run_dir = results.new_run_dir(tmp_path, scenario)
     results.combine(run_dir)
     assert "No finished sweep points yet." in write_report(run_dir).read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# hardware-in-the-loop sections, from synthetic hil tables written into a real sim run
+
+
+@pytest.fixture(scope="module")
+def sim_run_dir(tmp_path_factory) -> Path:
+    """A real two-point sim run (depth 1 and 2)."""
+    scenario = scenario_from_dict({
+        "name": "tiny", "seed": 1, "sweep": {"scheduler.depth": [1, 2]},
+        "workload": {"num_requests": 6, "concurrency": 3, "output_len": {"dist": "fixed", "value": 24}},
+    })
+    return simharness.run(scenario, out=tmp_path_factory.mktemp("runs")).run_dir
+
+
+def _as_hil_run(sim_run_dir: Path, tmp_path: Path, device_syncs: pd.DataFrame | None) -> tuple[Path, pd.DataFrame]:
+    """A copy of the run whose first point (depth=1) is made a hil point; returns it and that point's steps."""
+    run_dir = Path(shutil.copytree(sim_run_dir, tmp_path / sim_run_dir.name))
+    summary = pd.read_csv(run_dir / "summary.csv")
+    hil_point = summary.loc[0, "point"]
+    summary.loc[0, "level"] = "hil"
+    summary.to_csv(run_dir / "summary.csv", index=False)
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    mine = steps["point"] == hil_point
+    hil = as_hil(steps[mine])
+    hil["harness_s"] = np.arange(mine.sum()) * 1e-6  # median: (n - 1) / 2 us
+    steps = pd.concat([hil, steps[~mine]], ignore_index=True)
+    steps.to_parquet(run_dir / "steps.parquet", index=False)
+    (run_dir / "device_syncs.parquet").unlink(missing_ok=True)
+    if device_syncs is not None:
+        device_syncs.assign(point=hil_point)[["point", "step", "phase", "site", "wait_s"]].to_parquet(
+            run_dir / "device_syncs.parquet", index=False)
+    return run_dir, hil
+
+
+def test_sim_report_has_no_hil_sections(sim_run_dir) -> None:
+    text = (sim_run_dir / "report.md").read_text()
+    assert "## Host sync points" in text
+    assert "## Device sync sites" not in text and "## Measured vs modelled" not in text
+    assert write_report(sim_run_dir).read_text() == text
+
+
+def test_hil_sections(sim_run_dir, tmp_path) -> None:
+    syncs = pd.DataFrame({
+        "step": [0, 1, 2, 2, 5],
+        "phase": ["prep", "prep", "prep", "", "readback"],
+        "site": ["simharness/engine/torch_backend.py:150"] * 3 + ["simharness/simulation.py:40", "tests/x.py:7"],
+        "wait_s": [1e-3, 2e-3, 3e-3, 0.5e-3, 0.25e-3],
+    })
+    run_dir, hil = _as_hil_run(sim_run_dir, tmp_path, syncs)
+    text = write_report(run_dir).read_text()
+    n = len(hil)
+    rows = _table_rows(text, "Device sync sites")
+    assert rows == [
+        f"| depth=1 | `simharness/engine/torch_backend.py:150` | prep | 3 | {3 / n:.2f} | 6.000 | 2.000 |",
+        f"| depth=1 | `simharness/simulation.py:40` | – | 1 | {1 / n:.2f} | 0.500 | 0.500 |",
+        f"| depth=1 | `tests/x.py:7` | readback | 1 | {1 / n:.2f} | 0.250 | 0.250 |",
+    ]
+    measured = _table_rows(text, "Measured vs modelled")
+    assert len(measured) == 1  # the depth=2 point stays a sim point
+    cells = measured[0].strip("| ").split(" | ")
+    gpu_ms = (hil["gpu_end"] - hil["gpu_start"]).median() * 1e3
+    assert cells[:3] == ["depth=1", "prep, launch, gpu, readback", f"{gpu_ms:.3f}"]
+    assert cells[3:8] == [f"{hil[f'gpu_{p}_s'].median() * 1e3:.3f}" for p in ("prefill", "verify", "sample",
+                                                                              "commit", "propose")]
+    harness_ms = (n - 1) / 2 * 1e-3
+    assert cells[8:] == [f"{harness_ms:.3f}", f"{100 * harness_ms / gpu_ms:.1f}"]
+    sim_text = (sim_run_dir / "report.md").read_text()
+    assert text.startswith(sim_text)  # the sim sections are untouched
+
+
+def test_hil_run_without_device_syncs(sim_run_dir, tmp_path) -> None:
+    empty = pd.DataFrame({"step": pd.Series(dtype="int64"), "phase": pd.Series(dtype=str),
+                          "site": pd.Series(dtype=str), "wait_s": pd.Series(dtype="float64")})
+    run_dir, hil = _as_hil_run(sim_run_dir, tmp_path, empty)
+    section = write_report(run_dir).read_text().split("## Device sync sites\n")[1].split("\n## ")[0]
+    assert section.strip() == (f"No synchronizing CUDA operation outside the by-design readback in {len(hil):,} "
+                               "steps: torch's sync debug mode caught none (the readback waits on a CUDA event, "
+                               "which that mode does not report).")
+    (run_dir / "device_syncs.parquet").unlink()
+    text = write_report(run_dir).read_text()
+    assert "Not recorded: this run directory has no `device_syncs.parquet`." in text
+    assert "## Measured vs modelled" in text

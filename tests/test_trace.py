@@ -8,10 +8,22 @@ from collections import deque
 
 import numpy as np
 import pandas as pd
+import pytest
 
+import simharness
 from simharness.metrics import host_intervals
 from simharness.records import STEP_COLUMNS, SYNC_COLUMNS
-from simharness.trace import check_trace, complete_slices, trace_events, write_trace
+from simharness.scenario import scenario_from_dict
+from simharness.trace import (
+    DEVICE_PHASE_COLUMNS,
+    DEVICE_PHASES,
+    MEASURED_FLOW_ID,
+    MEASURED_PID,
+    check_trace,
+    complete_slices,
+    trace_events,
+    write_trace,
+)
 
 
 def synthetic_records(
@@ -62,6 +74,8 @@ def synthetic_records(
         row.update(n_reqs=n_reqs, n_prefill_reqs=0, prefill_tokens=0, decode_tokens=n_reqs * (1 + k),
                    drafts_scheduled=n_reqs * k, drafts_valid=n_reqs * k, accepted=accepted,
                    emitted=n_reqs + accepted, wasted_slots=(1 + k) if row["step"] % 7 == 6 else 0)
+        # hardware-in-the-loop columns as the sim level writes them
+        row.update(measured="", device_syncs=0, harness_s=np.nan, **dict.fromkeys(DEVICE_PHASE_COLUMNS, np.nan))
     steps = pd.DataFrame(rows)[STEP_COLUMNS]
     for i in range(k):
         steps[f"acc_pos_{i}"] = (steps["accepted"] > i).astype(np.int64)
@@ -182,3 +196,90 @@ def test_host_intervals_are_sorted_and_non_empty() -> None:
     assert set(iv["kind"]) == {"gc", "schedule", "sync", "prep", "launch", "update"}
     empty = host_intervals(steps.iloc[:0], syncs.iloc[:0])
     assert list(empty.columns) == ["step", "kind", "name", "phase", "waits_for", "start_s", "end_s"]
+
+
+# --------------------------------------------------------------------------------------------
+# measured device phases (hardware in the loop)
+
+# shares of a step's GPU time per device phase (prefill only in steps with prefill requests; propose: the rest)
+SHARES = {"gpu_prefill_s": 0.3, "gpu_verify_s": 0.5, "gpu_sample_s": 0.1, "gpu_commit_s": 0.04}
+
+
+def as_hil(steps: pd.DataFrame) -> pd.DataFrame:
+    """A sim steps frame with the hardware-in-the-loop columns filled in consistently: device phases that
+    add up to each step's GPU time, no prefill phase without prefill requests, one sync every 4th step."""
+    hil = steps.copy()
+    gpu = hil["gpu_end"] - hil["gpu_start"]
+    for column, share in SHARES.items():
+        hil[column] = gpu * share
+    hil.loc[hil["n_prefill_reqs"] == 0, "gpu_prefill_s"] = 0.0
+    hil["gpu_propose_s"] = gpu - hil[list(SHARES)].sum(axis=1)
+    hil["measured"] = "prep,launch,gpu,readback"
+    hil["device_syncs"] = (hil["step"] % 4 == 0).astype(np.int64)
+    hil["harness_s"] = 20e-6
+    return hil
+
+
+@pytest.fixture(scope="module")
+def sim_run(tmp_path_factory) -> simharness.RunResult:
+    """A tiny real sim run: one point at depth 2, with chunked prefill and speculation."""
+    scenario = scenario_from_dict({
+        "name": "tiny", "seed": 1, "scheduler": {"depth": 2},
+        "workload": {"num_requests": 6, "concurrency": 3, "output_len": {"dist": "fixed", "value": 24}},
+    })
+    return simharness.run(scenario, out=tmp_path_factory.mktemp("runs"))
+
+
+def test_sim_level_steps_have_no_measured_group(sim_run) -> None:
+    events = trace_events(sim_run.steps, sim_run.syncs, max_steps=1000)
+    assert all(e["pid"] != MEASURED_PID for e in events)
+    old = sim_run.steps.drop(columns=[*DEVICE_PHASE_COLUMNS, "measured", "device_syncs", "harness_s"],
+                             errors="ignore")  # a run written before these columns existed
+    assert trace_events(old, sim_run.syncs, max_steps=1000) == events
+
+
+def test_measured_phases_group(sim_run, tmp_path) -> None:
+    steps = as_hil(sim_run.steps)
+    assert (steps["n_prefill_reqs"] > 0).any() and (steps["n_prefill_reqs"] == 0).any()
+    events = trace_events(steps, sim_run.syncs, max_steps=1000)
+    meta = {(e["pid"], e["name"]): e["args"] for e in events if e["ph"] == "M"}
+    assert meta[(MEASURED_PID, "process_name")] == {"name": "hil: measured phases"}
+    assert meta[(MEASURED_PID, "process_sort_index")]["sort_index"] > meta[(2, "process_sort_index")]["sort_index"]
+    assert meta[(MEASURED_PID, "thread_name")] == {"name": "device phases"}
+
+    # the phases tile each GPU step exactly, in launch order, zero-length ones left out
+    phases = [e for e in events if e["ph"] == "X" and e["pid"] == MEASURED_PID]
+    gpu = {e["args"]["step"]: e for e in events if e["ph"] == "X" and e["pid"] == 2}
+    assert {e["args"]["step"] for e in phases} == set(gpu) == set(steps["step"])
+    for step, row in steps.set_index("step").iterrows():
+        mine = [e for e in phases if e["args"]["step"] == step]
+        assert [e["name"] for e in mine] == [p for p in DEVICE_PHASES if row[f"gpu_{p}_s"] > 0]
+        assert mine[0]["ts"] == gpu[step]["ts"] and mine[0]["cat"] == "measured"
+        assert abs(mine[-1]["ts"] + mine[-1]["dur"] - gpu[step]["ts"] - gpu[step]["dur"]) < 2e-3
+        for a, b in zip(mine, mine[1:], strict=False):
+            assert abs(a["ts"] + a["dur"] - b["ts"]) < 2e-3
+        for e in mine:
+            assert abs(e["dur"] - row[f"gpu_{e['name']}_s"] * 1e6) < 2e-3
+
+    # each launch has an arrow to its GPU step and one to its first measured phase; all ids distinct
+    starts = {(e["cat"], e["id"]): e for e in events if e["ph"] == "s"}
+    finishes = {(e["cat"], e["id"]): e for e in events if e["ph"] == "f"}
+    assert starts.keys() == finishes.keys() and len({key[1] for key in starts}) == len(starts) == 2 * len(steps)
+    first = {e["args"]["step"]: e for e in reversed(phases)}
+    for step in steps["step"]:
+        start, finish = starts[("measured", MEASURED_FLOW_ID + step)], finishes[("measured", MEASURED_FLOW_ID + step)]
+        assert start["ts"] == starts[("launch", step)]["ts"]  # from the same launch slice
+        assert finish["pid"] == MEASURED_PID and finish["bp"] == "e"
+        assert first[step]["ts"] < finish["ts"] < first[step]["ts"] + first[step]["dur"]
+
+    path = tmp_path / "trace.json"
+    write_trace(path, events, {"point": "base"})
+    obj = json.loads(path.read_text())
+    assert obj["traceEvents"] == copy.deepcopy(events)
+    assert check_trace(obj) == []
+
+
+def test_measured_phases_with_max_steps(sim_run) -> None:
+    events = trace_events(as_hil(sim_run.steps), sim_run.syncs, max_steps=5)
+    assert {e["args"]["step"] for e in events if e["ph"] == "X" and e["pid"] == MEASURED_PID} == set(range(5))
+    assert check_trace({"traceEvents": events}) == []

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from simharness.engine.model import Transformer, steer_logits
+from simharness.instrument import phase
 from simharness.kernels.ngram import propose_ngram
 from simharness.kernels.rejection import rejection_sample
 
@@ -37,6 +38,7 @@ class StepResult:
     output: Tensor  # [B, k+1] int64: accepted drafts, then the correction or bonus token, then -1
     num_emitted: Tensor  # [B] int32: accepted + 1
     num_drafts: Tensor  # [B] int32: drafts verified (pad: the valid ones; fill: all k)
+    batch: int
     step_id: int
     ring_index: int
 
@@ -48,6 +50,7 @@ class StepOutput:
     tokens: np.ndarray  # [B, k+1] int64, -1 after the last emitted token
     num_emitted: np.ndarray  # [B]
     num_drafts: np.ndarray  # [B]
+    next_valid: np.ndarray  # [B]: valid drafts proposed for the next step (0 without a device proposer)
     phase_s: dict[str, float]
 
 
@@ -55,7 +58,7 @@ class StepOutput:
 class _Staging:
     """One readback ring entry: packed results on the device, their pinned host copy, phase marks."""
 
-    device: Tensor  # [max_slots, k+3] int64: output, num_emitted, num_drafts
+    device: Tensor  # [max_slots, k+4] int64: output, num_emitted, num_drafts, next_valid
     host: Tensor
     events: list = field(default_factory=list)  # CUDA: 5 phase marks + copy done
     times: list[float] = field(default_factory=list)  # CPU: 5 perf_counter marks
@@ -67,7 +70,9 @@ class DecodeLoop:
 
     `k = 0` is plain decoding. `invalid="pad"` verifies invalid draft slots as -1 (always rejected; the
     model sees the last token there), `"fill"` verifies the proposer's filler token as an ordinary draft.
-    A slot may be stepped while its committed length + k <= max_len.
+    With `device_proposer=False` the drafts come from the host with every step (the CPU n-gram proposer).
+    A slot may be stepped while its committed length + k <= max_len; at most `max_in_flight` steps may
+    be launched and not yet read back.
     """
 
     def __init__(
@@ -80,8 +85,11 @@ class DecodeLoop:
         tie_break: Literal["earliest", "latest"] = "earliest",
         invalid: Literal["pad", "fill"] = "pad",
         seed: int = 0,
+        device_proposer: bool = True,
+        max_in_flight: int = READBACK_RING,
     ):
         self.model, self.k, self.seed = model, k, seed
+        self.device_proposer = device_proposer and k > 0
         self.propose_args = {"min_n": min_n, "max_n": max_n, "k": k, "tie_break": tie_break, "invalid": invalid}
         self.invalid = invalid
         self.max_slots, self.max_len = model.max_slots, model.max_len
@@ -105,12 +113,12 @@ class DecodeLoop:
         self._no_drafts = (longs(1, 0), torch.zeros(1, dtype=torch.int32, device=device))
         self._steered: set[int] = set()  # host mirror of reference_lens > 0: skip steering when empty
         self._step_id = 0
-        self._ring = [self._new_staging() for _ in range(READBACK_RING)]
+        self._ring = [self._new_staging() for _ in range(max_in_flight)]
         if model.cuda_graphs:
             model.capture_graphs(k + 1)
 
     def _new_staging(self) -> _Staging:
-        packed = torch.zeros(self.max_slots, self.k + 3, dtype=torch.int64, device=self.device)
+        packed = torch.zeros(self.max_slots, self.k + 4, dtype=torch.int64, device=self.device)
         if not self.cuda:  # on the CPU the packed results already are host memory
             return _Staging(device=packed, host=packed)
         host = torch.zeros_like(packed, device="cpu").pin_memory()
@@ -133,15 +141,17 @@ class DecodeLoop:
         prompt_ids: Sequence[int] | Tensor,
         reference_ids: Sequence[int] | Tensor | None = None,
         temperature: float = 0.0,
+        cached: int = 0,
     ) -> Tensor:
-        """Prefill `prompt_ids` into `slot`, emit the first token (reference[0] if a reference is given,
-        else sampled from the last prompt position) and propose the first drafts. No host sync: returns
-        the first token as a device tensor [1] for the caller to read at its next sync."""
+        """Prefill `prompt_ids` into `slot` (all but its first `cached` tokens, which `prefill_chunk` wrote),
+        emit the first token (reference[0] if a reference is given, else sampled from the last prompt
+        position) and propose the first drafts. No host sync: returns the first token as a device tensor
+        [1] for the caller to read at its next sync."""
         prompt = self._to_device(prompt_ids)
         n_prompt = prompt.shape[0]
         if n_prompt + 1 + self.k > self.max_len:
             raise ValueError(f"prompt of {n_prompt} tokens leaves no room for a step in max_len {self.max_len}")
-        logits = self.model.prefill(slot, prompt)
+        logits = self.model.prefill(slot, prompt[cached:], start=cached)
         # fill_ takes the scalar as a kernel argument; `t[i] = x` would copy a host scalar and sync.
         self.temperature[slot].fill_(temperature)
         if reference_ids is None:
@@ -160,13 +170,17 @@ class DecodeLoop:
         self.history[slot, n_prompt : n_prompt + 1] = first.view(1)
         self.lengths[slot].fill_(n_prompt + 1)
         self.prompt_lens[slot].fill_(n_prompt)
-        if self.k > 0:
+        if self.device_proposer:
             drafts, num_valid = propose_ngram(
                 self.history[slot : slot + 1], self.lengths[slot : slot + 1], **self.propose_args
             )
             self.drafts[slot] = drafts[0]
             self.num_valid[slot] = num_valid[0]
         return first.view(1)
+
+    def prefill_chunk(self, slot: int, chunk_ids: Sequence[int] | Tensor, start: int) -> None:
+        """Write the K/V of prompt tokens start..start+len-1 of `slot` (a chunked prefill's earlier chunks)."""
+        self.model.prefill(slot, self._to_device(chunk_ids), start=start)
 
     def remove_request(self, slot: int) -> None:
         """Free a slot; its cache rows are simply overwritten by the next request's prefill."""
@@ -176,69 +190,91 @@ class DecodeLoop:
         self.drafts[slot].fill_(-1)
         self._steered.discard(slot)
 
-    def step(self, slots: Tensor) -> StepResult:
+    def step(
+        self,
+        slots: Tensor,
+        *,
+        lengths: Tensor | None = None,
+        drafts: Tensor | None = None,
+        num_drafts: Tensor | None = None,
+    ) -> StepResult:
         """Verify each slot's last token + drafts, sample, commit, propose the next drafts.
 
         `slots` is an int64 device tensor of distinct slot ids (any subset, any order, changing every
-        step). Everything is launched on the device; nothing here waits for it.
+        step). Everything is launched on the device; nothing here waits for it. By default the device
+        state is the truth: committed lengths (positions) and drafts are the device's own, which is the
+        optimistic policy's GPU-side correction (vllm-notes §4.5). A host that knows better passes them:
+        `lengths` [B] after reading the accepted counts (the `wait` policy), `drafts` [B, k] (-1 = none)
+        from the CPU proposer, `num_drafts` [B] int32 when it trimmed the drafts to the valid ones.
         """
         k, max_len = self.k, self.max_len
-        ring_index = self._step_id % READBACK_RING
+        if drafts is None and k > 0 and not self.device_proposer:
+            raise ValueError("without a device proposer every step needs the host's drafts")
+        ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
         staging.step_id = self._step_id
         self._mark(staging, 0)
-
-        lengths = self.lengths[slots]
-        start = lengths - 1
-        row_base = slots * max_len
-        last = torch.take(self.history, row_base + start)
-        drafts = self.drafts[slots]
-        if self.invalid == "pad":
-            num_drafts = self.num_valid[slots]
+        with phase("gpu_verify"):
+            if lengths is None:
+                lengths = self.lengths[slots]
+            start = lengths - 1
+            row_base = slots * max_len
+            last = torch.take(self.history, row_base + start)
+            if drafts is None:
+                drafts = self.drafts[slots]
+            if num_drafts is None:
+                if not self.device_proposer:
+                    num_drafts = (drafts >= 0).sum(dim=1, dtype=torch.int32)
+                elif self.invalid == "pad":
+                    num_drafts = self.num_valid[slots]
+                else:
+                    num_drafts = self._all_drafts[: slots.shape[0]]
             # -1 is no token id: the model sees the last token there, the sampler still sees -1 (rejected).
-            model_drafts = torch.where(drafts < 0, last[:, None], drafts)
-        else:
-            num_drafts = self._all_drafts[: slots.shape[0]]
-            model_drafts = drafts
-        logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
-        if self._steered:
-            # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
-            ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
-            ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
-            ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, -1)
-            steer_logits(logits, ref_tokens, STEER_MARGIN)
-        self._mark(staging, 1)
+            model_drafts = torch.where(drafts < 0, last[:, None], drafts) if k else drafts
+            logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
+            if self._steered:
+                # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
+                ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
+                ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
+                ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, -1)
+                steer_logits(logits, ref_tokens, STEER_MARGIN)
+            self._mark(staging, 1)
 
-        output, num_emitted = rejection_sample(
-            logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
-        )
-        self._mark(staging, 2)
+        with phase("gpu_sample"):
+            output, num_emitted = rejection_sample(
+                logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
+            )
+            self._mark(staging, 2)
 
-        # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past the
-        # emitted tokens get their old values back.
-        index = row_base[:, None] + (lengths[:, None] + self._positions).clamp(max=max_len - 1)
-        keep = self._positions < num_emitted[:, None]
-        values = torch.where(keep, output, torch.take(self.history, index))
-        self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
-        new_lengths = lengths + num_emitted
-        self.lengths.index_copy_(0, slots, new_lengths)
-        self._mark(staging, 3)
+        with phase("gpu_commit"):
+            # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past
+            # the emitted tokens get their old values back.
+            index = row_base[:, None] + (lengths[:, None] + self._positions).clamp(max=max_len - 1)
+            keep = self._positions < num_emitted[:, None]
+            values = torch.where(keep, output, torch.take(self.history, index))
+            self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
+            new_lengths = lengths + num_emitted
+            self.lengths.index_copy_(0, slots, new_lengths)
+            self._mark(staging, 3)
 
-        if k > 0:
-            new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
-            self.drafts.index_copy_(0, slots, new_drafts)
-            self.num_valid.index_copy_(0, slots, new_valid)
-        self._mark(staging, 4)
+        with phase("gpu_propose"):
+            if self.device_proposer:
+                new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
+                self.drafts.index_copy_(0, slots, new_drafts)
+                self.num_valid.index_copy_(0, slots, new_valid)
+            self._mark(staging, 4)
 
         batch = slots.shape[0]
         staging.device[:batch, : k + 1] = output
         staging.device[:batch, k + 1] = num_emitted
         staging.device[:batch, k + 2] = num_drafts
+        if self.device_proposer:
+            staging.device[:batch, k + 3] = new_valid
         if self.cuda:
             staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)
             staging.events[5].record()
         self._step_id += 1
-        return StepResult(output, num_emitted, num_drafts, staging.step_id, ring_index)
+        return StepResult(output, num_emitted, num_drafts, batch, staging.step_id, ring_index)
 
     def _mark(self, staging: _Staging, i: int) -> None:
         if self.cuda:
@@ -250,9 +286,7 @@ class DecodeLoop:
 
     def readback(self, result: StepResult) -> StepOutput:
         """Wait for the step, copy its tokens and counts to the host, read its phase times (the one sync)."""
-        staging = self._ring[result.ring_index]
-        if staging.step_id != result.step_id:
-            raise RuntimeError(f"step {result.step_id} was overwritten: read back within {READBACK_RING} steps")
+        staging = self._staging(result)
         if self.cuda:
             staging.events[5].synchronize()
             marks = staging.events
@@ -260,6 +294,12 @@ class DecodeLoop:
         else:
             marks = staging.times
             phase_s = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
-        packed = staging.host[: result.output.shape[0]].numpy().copy()
+        packed = staging.host[: result.batch].numpy().copy()
         k = self.k
-        return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], phase_s)
+        return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3], phase_s)
+
+    def _staging(self, result: StepResult) -> _Staging:
+        staging = self._ring[result.ring_index]
+        if staging.step_id != result.step_id:
+            raise RuntimeError(f"step {result.step_id} was overwritten: read back within {len(self._ring)} steps")
+        return staging

@@ -464,8 +464,11 @@ class Transformer(nn.Module):
         untied = self.tok_embeddings.numel() * self.tok_embeddings.element_size()
         return total - (0 if self.config.tie_embeddings else untied)
 
-    def _forward(self, tokens: Tensor, slots: Tensor, start_pos: Tensor, prefill_slot: int | None) -> Tensor:
-        """Final normed hidden states [B*T, dim]; writes every layer's K/V for the tokens into the cache."""
+    def _forward(
+        self, tokens: Tensor, slots: Tensor, start_pos: Tensor, prefill_slot: int | None, masked: bool = False
+    ) -> Tensor:
+        """Final normed hidden states [B*T, dim]; writes every layer's K/V for the tokens into the cache.
+        `masked` takes torch's masked attention (any T) instead of the verify kernel (built for T = 1 + k)."""
         c, ops = self.config, self.ops
         n_tokens = tokens.shape[1]
         residual = F.embedding(tokens.reshape(-1), self.tok_embeddings)
@@ -474,7 +477,9 @@ class Transformer(nn.Module):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             qkv = F.linear(x, layer.wqkv)
             q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
-            if prefill_slot is None:
+            if masked:
+                attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens)
+            elif prefill_slot is None:
                 attn = ops.verify_attention(q, k_cache, v_cache, slots, start_pos, n_tokens)
             else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
                 k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]  # [1, Hkv, T, D]
@@ -493,12 +498,16 @@ class Transformer(nn.Module):
             return torch.mm(x, self.output.t(), out_dtype=torch.float32)
         return F.linear(x, self.output).float()
 
-    def prefill(self, slot: int, tokens: Tensor) -> Tensor:
-        """Write a prompt's K/V at positions 0..len-1 of `slot`; returns the last position's logits [V]."""
-        if not 0 < tokens.shape[0] <= self.max_len:
-            raise ValueError(f"prompt length {tokens.shape[0]} not in [1, {self.max_len}]")
+    def prefill(self, slot: int, tokens: Tensor, start: int = 0) -> Tensor:
+        """Write a prompt chunk's K/V at positions start..start+len-1 of `slot` (positions below `start`
+        already cached); returns the chunk's last position's logits [V]."""
+        if not 0 < tokens.shape[0] <= self.max_len - start:
+            raise ValueError(f"prompt chunk of {tokens.shape[0]} tokens at {start} does not fit max_len {self.max_len}")
         slots = self.slot_ids[slot : slot + 1]
-        x = self._forward(tokens[None], slots, torch.zeros_like(slots), prefill_slot=slot)
+        if start == 0:
+            x = self._forward(tokens[None], slots, torch.zeros_like(slots), prefill_slot=slot)
+        else:  # a later chunk of a chunked prefill attends to the cached prefix too: the general masked path
+            x = self._forward(tokens[None], slots, torch.full_like(slots, start), prefill_slot=None, masked=True)
         return self._logits(x[-1:])[0]
 
     def verify(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
@@ -525,7 +534,10 @@ class Transformer(nn.Module):
         return g.logits[:batch]
 
     def capture_graphs(self, n_tokens: int) -> None:
-        """Capture the verify step for T = n_tokens at every batch-size bucket (largest first, one pool)."""
+        """Capture the verify step for T = n_tokens at every batch-size bucket (largest first, one pool);
+        a no-op when already captured."""
+        if (self.max_slots, n_tokens) in self._graphs:
+            return
         for size in reversed(self._graph_sizes):
             tokens = torch.zeros(size, n_tokens, dtype=torch.int64, device=self.device)
             slots = torch.full((size,), self.pad_slot, dtype=torch.int64, device=self.device)

@@ -1,0 +1,357 @@
+"""`engine.backend: torch`: the real decode loop behind the SimPy model (hardware in the loop).
+
+The engine loop calls `prep` (build the step's inputs on the host, copy them to the device) and
+`launch` (enqueue the prefills and the decode step) when it reaches those phases in virtual time;
+the GPU stream calls `run_step` when the step starts there: it waits for the real step, reads it
+back and returns the step's measured device time, which advances virtual time. Real work is
+enqueued in launch order, so the device sees exactly the order of a FIFO stream, and the emitted
+tokens and accepted counts are the rejection sampler's real output.
+
+The host keeps a mirror of the device truth (committed tokens, valid drafts) updated from each
+read-back step, as vLLM's engine does from its outputs; it is what the host may use at a sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from simharness.engine.decode import PHASES, DecodeLoop, StepResult
+from simharness.engine.model import Transformer, get_config
+from simharness.instrument import SyncRecorder, phase
+from simharness.kernels.ngram import propose_ngram_row
+from simharness.scenario import Engine, ScenarioError
+
+# Device phases of a step as named in the step records (`gpu_<phase>_s`), prefill first.
+DEVICE_PHASES = ("prefill", *PHASES)
+# Host enqueue times kept to size the GPU hold (see `TorchBackend.launch`), and the first guesses.
+LAUNCH_WINDOW = 16
+FIRST_STEP_ENQUEUE_S = 3e-3
+FIRST_PREFILL_ENQUEUE_S = 10e-3
+
+
+def resolve_device(engine: Engine) -> torch.device:
+    """`engine.device` as a torch device; `auto` is CUDA when torch sees one."""
+    if engine.device == "cuda" and not torch.cuda.is_available():
+        raise ScenarioError("engine.device: cuda was asked for but torch sees no CUDA device")
+    if engine.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(engine.device)
+
+
+def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
+    """The target model of `engine.model` with random weights, its vocabulary widened to the workload's."""
+    from simharness.engine.model import PRESETS
+
+    if engine.model not in PRESETS:
+        raise ScenarioError(f"engine.model: {engine.model!r} has no torch model; known: {', '.join(PRESETS)}")
+    config = get_config(engine.model)
+    if config.vocab_size < vocab_size:
+        config = type(config)(**{**config.__dict__, "vocab_size": vocab_size})
+    device = resolve_device(engine)
+    graphs = engine.cuda_graphs and device.type == "cuda"
+    return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
+
+
+def capacity(sc, requests, depth: int, k: int) -> tuple[int, int]:
+    """Cache slots and positions a point needs: its most concurrent requests, and its longest request
+    plus the steps a finished request may still sit in (each up to 1 + k tokens) and one spare."""
+    n = len(requests.prompt_len)
+    slots = min(sc.scheduler.max_num_seqs, n)
+    if sc.workload.arrival == "closed" or sc.workload.cap_concurrency:
+        slots = min(slots, sc.workload.concurrency)
+    longest = int((requests.prompt_len + requests.output_len).max())
+    return slots, longest + (depth + 1) * (k + 1) + 1
+
+
+@dataclass
+class _Launch:
+    """What `prep` built for a step and what `launch` enqueued."""
+
+    decode_rids: np.ndarray
+    slots: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
+    prefills: list[tuple[int, int, int, bool, torch.Tensor]] = field(default_factory=list)  # rid, start, end, last
+    result: StepResult | None = None
+    first_rids: list[int] = field(default_factory=list)
+    first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
+    first_host: torch.Tensor | None = None
+    events: list = field(default_factory=list)  # CUDA: prefill start / end, first-token copy done
+    prefill_s: float = 0.0  # CPU: measured on the host
+
+
+class TorchBackend:
+    """Runs each launched step on the real decode loop; durations and outcomes are measured."""
+
+    measured = True
+
+    def __init__(self, sc, requests, model: Transformer, mode, *, steer: bool = True):
+        spec = sc.engine.speculation
+        self.req = requests
+        self.mode = mode
+        self.k = mode.k
+        self.steer = steer
+        # synchronizing CUDA operations in the backend's calls; the runner records inside `with backend.syncs:`
+        self.syncs = SyncRecorder()
+        self.cuda = model.device.type == "cuda"
+        self.loop = DecodeLoop(
+            model,
+            k=mode.k,
+            min_n=spec.min_n,
+            max_n=spec.max_n,
+            tie_break=spec.tie_break,
+            invalid="fill" if spec.invalid_slots == "fill" and not mode.ngram_cpu else "pad",
+            seed=sc.seed,
+            device_proposer=not mode.ngram_cpu,
+            max_in_flight=mode.depth + 1,
+        )
+        self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
+        n = len(requests.prompt_len)
+        self.prompt_len = requests.prompt_len.astype(np.int64)
+        self.output_len = requests.output_len.astype(np.int64)
+        slots, positions = capacity(sc, requests, mode.depth, mode.k)
+        if slots > model.max_slots or positions > model.max_len:
+            raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
+                             f"needs ({slots} x {positions})")
+        self.free_slots = list(range(model.max_slots - 1, -1, -1))
+        self.slot = np.full(n, -1, dtype=np.int64)
+        self.prefilled = np.zeros(n, dtype=np.int64)  # prompt tokens whose prefill was launched
+        # host mirror of the device truth, as of the last read-back step that held the request
+        self.committed = np.zeros(n, dtype=np.int64)  # generated tokens on the device
+        self.next_valid = np.zeros(n, dtype=np.int64)  # valid drafts proposed for its next step
+        self.history = [np.zeros(0, dtype=np.int64)] * n  # prompt + generated tokens (host copy)
+        self.host_drafts = np.full((n, max(mode.k, 1)), -1, dtype=np.int64)  # CPU proposer's drafts
+        self.launches: dict[int, _Launch] = {}
+        self.n_launched = self.n_read = 0
+        self.step_enqueue: deque[float] = deque([FIRST_STEP_ENQUEUE_S], maxlen=LAUNCH_WINDOW)
+        self.prefill_enqueue: deque[float] = deque([FIRST_PREFILL_ENQUEUE_S], maxlen=LAUNCH_WINDOW)
+        self.starved_steps = 0  # steps whose enqueue outlasted the hold: their device time may hold gaps
+        self.sleep_cycles_per_s = _sleep_rate() if self.cuda else 0.0
+        # harness overhead accounting: wall time outside the backend's calls, per read-back step
+        self.inside = 0.0
+        self.mark = time.perf_counter()
+
+    # ---------------------------------------------------------------- host view
+
+    def valid_drafts(self, r: np.ndarray) -> np.ndarray:
+        """Valid drafts for requests `r` as the host last read them (0 for finished ones)."""
+        if not self.k:
+            return np.zeros(len(r), dtype=np.int64)
+        valid = (self.host_drafts[r] >= 0).sum(axis=1) if self.mode.ngram_cpu else self.next_valid[r]
+        return valid * (self.committed[r] < self.output_len[r])
+
+    def output_tokens(self, rid: int) -> np.ndarray:
+        """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
+        p = self.prompt_len[rid]
+        return self.history[rid][p : p + self.output_len[rid]]
+
+    # ---------------------------------------------------------------- engine-loop phases (measured)
+
+    def prep(self, step) -> float:
+        """Build the step's device inputs: slot ids, positions (wait policy), CPU drafts, prompt chunks."""
+        t0 = time.perf_counter()
+        self.syncs.start_step(step.id)
+        with phase("prep"):
+            b = step.batch
+            for i in np.flatnonzero(b.prefill):
+                rid = int(b.req[i])
+                if self.slot[rid] < 0:
+                    self.slot[rid] = self.free_slots.pop()
+                    self.history[rid] = np.zeros(
+                        self.prompt_len[rid] + self.output_len[rid] + (self.mode.depth + 1) * (self.k + 1),
+                        dtype=np.int64,
+                    )
+                    self.history[rid][: self.prompt_len[rid]] = self.req.prompt_tokens[rid]
+            launch = _Launch(decode_rids=b.req[b.decode])
+            for i in np.flatnonzero(b.prefill):
+                rid, start = int(b.req[i]), int(self.prefilled[b.req[i]])
+                end = start + int(b.tokens[i])
+                self.prefilled[rid] = end
+                last = bool(b.completes_prefill[i])
+                # the whole prompt goes along with the last chunk (add_request writes the history)
+                ids = self.req.prompt_tokens[rid] if last else self.req.prompt_tokens[rid][start:end]
+                launch.prefills.append((rid, start, end, last, self._to_device(ids)))
+            r = launch.decode_rids
+            if len(r):
+                launch.slots = self._to_device(self.slot[r])
+                if not self.mode.optimistic and self.n_read == self.n_launched:
+                    # the host has read every step's accepted counts: it sends exact positions
+                    launch.lengths = self._to_device(self.prompt_len[r] + self.committed[r])
+                if self.mode.ngram_cpu:
+                    launch.drafts = self._to_device(self.host_drafts[r, : self.k]).view(len(r), self.k)
+            self.launches[step.id] = launch
+        return self._leave(t0)
+
+    def launch(self, step) -> float:
+        """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time."""
+        t0 = time.perf_counter()
+        self.syncs.start_step(step.id)
+        launch = self.launches[step.id]
+        with phase("launch"):
+            hold = 0.0
+            if self.cuda:
+                # Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the
+                # device work alone, not gaps where the GPU waited for launches (~30 us each, eager).
+                # Medians, twice over: one slow enqueue (a kernel's first compilation) must not hold every
+                # later step; a step whose enqueue still outlasts its hold is counted in `starved_steps`.
+                enqueue = np.median(self.step_enqueue) + len(launch.prefills) * np.median(self.prefill_enqueue)
+                hold = 2.0 * enqueue + 3e-4
+                torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
+                launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                launch.events[0].record()
+            with phase("gpu_prefill"):
+                t_prefill = time.perf_counter()
+                firsts, valid = [], []
+                for rid, start, _end, last, ids in launch.prefills:
+                    slot = int(self.slot[rid])
+                    if not last:
+                        self.loop.prefill_chunk(slot, ids, start)
+                        continue
+                    reference = self.req.output_tokens[rid] if self.steer else None
+                    firsts.append(self.loop.add_request(slot, ids, reference, cached=start))
+                    valid.append(self.loop.num_valid[slot : slot + 1].to(torch.int64))
+                    launch.first_rids.append(rid)
+                if firsts:
+                    launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
+                if self.cuda:
+                    launch.events[1].record()
+                else:
+                    launch.prefill_s = time.perf_counter() - t_prefill
+            t_step = time.perf_counter()
+            if len(launch.decode_rids):
+                launch.result = self.loop.step(launch.slots, lengths=launch.lengths, drafts=launch.drafts)
+            step_s = time.perf_counter() - t_step
+            if launch.prefills:
+                self.prefill_enqueue.append((t_step - t_prefill) / len(launch.prefills))
+            if len(launch.decode_rids):
+                self.step_enqueue.append(step_s)
+            if launch.first_device is not None:
+                host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
+                launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
+            if self.cuda:
+                launch.events[2].record()
+        self.n_launched += 1
+        wall = self._leave(t0)
+        if self.cuda:
+            self.starved_steps += wall > hold
+            return wall
+        # On the CPU the device work ran synchronously inside the launch; it is timed as the device phases.
+        return max(wall - launch.prefill_s - step_s, 0.0)
+
+    def propose(self, rids: np.ndarray) -> float:
+        """The CPU n-gram proposer over each request's committed tokens (after its step was settled)."""
+        t0 = time.perf_counter()
+        with phase("propose"):
+            k = self.k
+            for rid in rids:
+                n = self.prompt_len[rid] + self.committed[rid]
+                drafts = propose_ngram_row(self.history[rid][:n], **self.ngram_args)
+                self.host_drafts[rid, :k] = -1
+                self.host_drafts[rid, : len(drafts)] = drafts
+        return self._leave(t0)
+
+    def release(self, rids: np.ndarray) -> None:
+        """Free the slots of requests the host saw finish. Every step that holds them was launched
+        before, and the next owner's prefill is launched after, so FIFO order keeps the slot safe."""
+        for rid in rids:
+            self.free_slots.append(int(self.slot[rid]))
+            self.slot[rid] = -1
+
+    # ---------------------------------------------------------------- GPU stream
+
+    def run_step(self, step) -> float:
+        """Wait for the real step, read it back, fill in its outcome; returns its device seconds."""
+        t0 = time.perf_counter()
+        self.syncs.start_step(step.id)
+        launch = self.launches.pop(step.id)
+        b = step.batch
+        with phase("readback"):
+            if self.cuda:
+                launch.events[2].synchronize()  # the step, its readback copy and the first tokens' copy
+            t_read = time.perf_counter()
+            out = self.loop.readback(launch.result) if launch.result is not None else None
+            first = launch.first_host.numpy() if launch.first_host is not None else None
+            step.readback_s = time.perf_counter() - t_read
+        phase_s = dict.fromkeys(DEVICE_PHASES, 0.0)
+        if self.cuda:
+            phase_s["prefill"] = launch.events[0].elapsed_time(launch.events[1]) / 1e3
+        else:
+            phase_s["prefill"] = launch.prefill_s
+        emitted = np.zeros(b.size, dtype=np.int64)
+        r = launch.decode_rids
+        if out is not None:
+            phase_s.update(out.phase_s)
+            before = self.committed[r]
+            remaining = self.output_len[r] - before
+            live = remaining > 0
+            slots = step.verified_slots[b.decode]
+            n_drafts = np.minimum(self.valid_launched(r, out), slots) * live
+            accepted = (out.num_emitted - 1) * live
+            emitted[b.decode] = np.clip(np.minimum(out.num_emitted, remaining), 0, None)
+            wasted = (1 + slots) * ~live
+            for i, rid in enumerate(r):
+                n = self.prompt_len[rid] + before[i]
+                self.history[rid][n : n + out.num_emitted[i]] = out.tokens[i, : out.num_emitted[i]]
+            self.committed[r] = before + out.num_emitted
+            self.next_valid[r] = out.next_valid
+        else:
+            n_drafts = accepted = wasted = np.zeros(0, dtype=np.int64)
+        if first is not None:
+            rids = np.asarray(launch.first_rids)
+            for i, rid in enumerate(rids):
+                self.history[rid][self.prompt_len[rid]] = first[0, i]
+            self.committed[rids] = 1
+            self.next_valid[rids] = first[1]
+            emitted[np.isin(b.req, rids)] = 1
+        self.n_read += 1
+        step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, accepted, n_drafts, wasted
+        step.device_phases = tuple(phase_s[p] for p in DEVICE_PHASES)
+        step.device_syncs = self.syncs.count(step.id)
+        now = time.perf_counter()
+        self.inside += now - t0
+        step.harness_s = (now - self.mark) - self.inside
+        self.mark, self.inside = now, 0.0
+        return float(sum(step.device_phases))
+
+    def valid_launched(self, r: np.ndarray, out) -> np.ndarray:
+        """Valid drafts the step verified per request: the device proposer's count from the previous
+        read-back (fill verifies k slots, of which these were real proposals), or the CPU drafts'."""
+        if self.mode.ngram_cpu or self.loop.invalid == "pad":
+            return out.num_drafts.astype(np.int64)
+        return self.next_valid[r]
+
+    # ---------------------------------------------------------------- helpers
+
+    def _to_device(self, values) -> torch.Tensor:
+        t = torch.as_tensor(np.ascontiguousarray(values), dtype=torch.int64)
+        if self.cuda:
+            return t.pin_memory().to(self.loop.device, non_blocking=True)
+        return t
+
+    def _leave(self, t0: float) -> float:
+        """Seconds since `t0`, counted as time inside the backend."""
+        dt = time.perf_counter() - t0
+        self.inside += dt
+        return dt
+
+
+_SLEEP_RATE: list[float] = []
+
+
+def _sleep_rate() -> float:
+    """GPU clock cycles per second of `torch.cuda._sleep`, measured once per process."""
+    if not _SLEEP_RATE:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # warm-up
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
+    return _SLEEP_RATE[0]

@@ -1,0 +1,95 @@
+"""Hardware in the loop on CUDA (run on the GPU machine): the 1B-shaped target in bf16 replays its steered
+reference exactly in every scheduling mode, and a planted host sync shows up in the report's sync sites."""
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from helpers import hil_requests
+
+import simharness
+from simharness.engine.model import Transformer, get_config
+from simharness.engine.torch_backend import TorchBackend, capacity
+from simharness.instrument import phase
+from simharness.scenario import scenario_from_dict
+from simharness.simulation import Simulation, resolve_mode
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N_REQUESTS = 6
+VOCAB = 512  # prompt ids; the model keeps the 1B shape's vocabulary
+
+
+def hil_scenario(depth=1, policy="optimistic", proposer="ngram_gpu", invalid="trim"):
+    return scenario_from_dict({
+        "name": "hil-cuda-test",
+        "workload": {"arrival": "closed", "concurrency": 4, "num_requests": N_REQUESTS},
+        "engine": {"backend": "torch", "device": "cuda", "model": "llama-3.2-1b",
+                   "speculation": {"proposer": proposer, "k": 4, "invalid_slots": invalid}},
+        "scheduler": {"depth": depth, "policy": policy, "max_num_batched_tokens": 64},
+    })
+
+
+@pytest.fixture(scope="module")
+def requests():
+    # steered all the way: a margin of 30 dwarfs bf16 noise, so the tokens are the reference in any batch
+    return hil_requests(N_REQUESTS, VOCAB, steer_all=True)
+
+
+@pytest.fixture(scope="module")
+def model(requests):
+    slots, positions = capacity(hil_scenario(depth=3), requests, 3, 4)
+    return Transformer(get_config("llama-3.2-1b"), max_slots=slots, max_len=positions, device="cuda", cuda_graphs=True)
+
+
+MODES = list(itertools.product([1, 2, 3], ["wait", "optimistic"], ["ngram_cpu", "ngram_gpu"], ["trim", "fill"]))
+
+
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
+def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
+    sc = hil_scenario(depth, policy, proposer, invalid)
+    backend = TorchBackend(sc, requests, model, resolve_mode(sc))
+    with backend.syncs:
+        records, _ = Simulation(sc, requests, None, backend=backend).run()
+    for rid in range(N_REQUESTS):
+        np.testing.assert_array_equal(backend.output_tokens(rid), requests.output_tokens[rid], err_msg=f"req {rid}")
+    steps = records.steps_frame()
+    assert steps["emitted"].sum() == requests.output_len.sum()
+    assert steps["accepted"].sum() > 0
+    device = steps[[f"gpu_{p}_s" for p in ("prefill", "verify", "sample", "commit", "propose")]]
+    np.testing.assert_allclose(device.sum(axis=1), steps["gpu_end"] - steps["gpu_start"], rtol=1e-9)
+    assert (steps.loc[steps["decode_tokens"] > 0, "gpu_verify_s"] > 0).all()
+
+
+def test_planted_sync_shows_up_in_the_report(tmp_path, monkeypatch):
+    planted = torch.ones(1, device="cuda")
+    prep = TorchBackend.prep
+
+    def prep_with_item(self, step):
+        seconds = prep(self, step)
+        with phase("prep"):
+            planted.sum().item()  # PLANTED SYNC
+        return seconds
+
+    monkeypatch.setattr(TorchBackend, "prep", prep_with_item)
+    sc = scenario_from_dict({
+        "name": "planted",
+        "workload": {"arrival": "closed", "concurrency": 4, "num_requests": 6,
+                     "prompt_len": {"dist": "uniform", "min": 32, "max": 64},
+                     "output_len": {"dist": "fixed", "value": 24}},
+        "engine": {"backend": "torch", "device": "cuda", "model": "llama-3.2-1b", "speculation": {"k": 4}},
+        "scheduler": {"depth": 2},
+    })
+    result = simharness.run(sc, tmp_path)
+    source = Path(__file__).read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "PLANTED SYNC" in text and "planted.sum" in text)
+    site = f"tests/test_hil_cuda.py:{line}"
+    syncs = pd.read_parquet(result.run_dir / "device_syncs.parquet")
+    planted_rows = syncs[syncs["site"] == site]
+    assert len(planted_rows) == len(result.steps), syncs["site"].value_counts()
+    assert (planted_rows["phase"] == "prep").all()
+    assert (result.steps["device_syncs"] >= 1).all()
+    assert site in result.report.read_text()
