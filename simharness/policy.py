@@ -45,12 +45,17 @@ class Batch:
         return len(self.req)
 
 
+def frozen(a: np.ndarray) -> np.ndarray:
+    """`a`, made read-only so that batches and records can share it."""
+    a.flags.writeable = False
+    return a
+
+
 def constant(cache: dict[tuple[int, int], np.ndarray], n: int, value: int, dtype: type) -> np.ndarray:
     """A read-only array of `n` copies of `value`, shared between batches."""
     a = cache.get((n, value))
     if a is None:
-        a = cache[n, value] = np.full(n, value, dtype=dtype)
-        a.flags.writeable = False
+        a = cache[n, value] = frozen(np.full(n, value, dtype=dtype))
     return a
 
 
@@ -73,7 +78,7 @@ class BatchScheduler:
         self.n_finished = 0
         self.n_running = 0
         self.n_prefilling = 0  # running requests with prompt tokens left to schedule
-        self._running = self._frozen(np.zeros(0, dtype=np.int64))  # running ids; batches share it
+        self._running = frozen(np.zeros(0, dtype=np.int64))  # running ids; batches share it
         self._ints: dict[tuple[int, int], np.ndarray] = {}
         self._flags: dict[tuple[int, int], np.ndarray] = {}
 
@@ -93,11 +98,6 @@ class BatchScheduler:
     def running(self) -> np.ndarray:
         """Running request ids in admission order."""
         return self._running
-
-    @staticmethod
-    def _frozen(a: np.ndarray) -> np.ndarray:
-        a.flags.writeable = False
-        return a
 
     def schedule(self, draft_slots: int | Callable[[np.ndarray], np.ndarray]) -> Batch:
         """Pick the next step's batch. `draft_slots` is the number of slots every decoding request
@@ -176,7 +176,7 @@ class BatchScheduler:
             used += chunk
         if new_req:
             # ids are admitted in ascending order, so appending keeps the running set sorted
-            self._running = self._frozen(np.concatenate((self._running, new_req)))
+            self._running = frozen(np.concatenate((self._running, new_req)))
             m = len(new_req)
             req = np.concatenate((req, new_req))
             tok = np.concatenate((tok, new_tok))
@@ -211,5 +211,5 @@ class BatchScheduler:
             self.n_finished += len(done)
             self.n_running -= len(done)
             running = self._running
-            self._running = self._frozen(running[self.status[running] == RUNNING])
+            self._running = frozen(running[self.status[running] == RUNNING])
         return done
