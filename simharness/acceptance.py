@@ -28,12 +28,16 @@ if TYPE_CHECKING:
 
 
 class AcceptanceModel(Protocol):
+    # drafts held at every position when they do not depend on it (positions are then not read:
+    # callers may pass None), else None
+    uniform_drafts: int | None
+
     def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
         """Drafts (0..k, int64) the proposer holds for each request at its committed length."""
         ...
 
     def accept(
-        self, req: np.ndarray, committed: np.ndarray, n_drafts: np.ndarray, rng: np.random.Generator
+        self, req: np.ndarray, committed: np.ndarray | None, n_drafts: np.ndarray, rng: np.random.Generator
     ) -> np.ndarray:
         """Accepted drafts (0..n_drafts, int64) of a step that verifies `n_drafts` valid drafts."""
         ...
@@ -51,16 +55,25 @@ class SurvivalAcceptance:
 
     survival: np.ndarray  # float64 [k], non-increasing
 
-    def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
+    @functools.cached_property
+    def _ascending(self) -> np.ndarray:
+        return self.survival[::-1].copy()
+
+    @property
+    def uniform_drafts(self) -> int:
+        return len(self.survival)
+
+    def valid_drafts(self, req: np.ndarray, committed: np.ndarray | None) -> np.ndarray:
         return np.full(len(req), len(self.survival), dtype=np.int64)
 
     def accept(
-        self, req: np.ndarray, committed: np.ndarray, n_drafts: np.ndarray, rng: np.random.Generator
+        self, req: np.ndarray, committed: np.ndarray | None, n_drafts: np.ndarray, rng: np.random.Generator
     ) -> np.ndarray:
         # Inverse CDF with one uniform per request: accepted >= j iff u < survival[j - 1], which has
-        # probability survival[j - 1] because survival is non-increasing.
+        # probability survival[j - 1] because survival is non-increasing. The count of such j is k
+        # minus the count of survival values <= u.
         u = rng.random(len(req))
-        reached = (u[:, None] < self.survival[None, :]).sum(axis=1)
+        reached = len(self.survival) - self._ascending.searchsorted(u, side="right")
         return np.minimum(reached, n_drafts)
 
     @property
@@ -77,6 +90,7 @@ class ReplayAcceptance:
     offset: np.ndarray  # int64 [N]
     valid: np.ndarray  # int64 [sum(output_len)]: drafts proposed from prompt + output[:j]
     accepted: np.ndarray  # int64 [sum(output_len)]: leading drafts equal to output[j:]
+    uniform_drafts = None
 
     def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
         return self.valid[self.offset[req] + committed]

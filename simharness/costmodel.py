@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
 
@@ -111,19 +109,27 @@ class CostModel:
             + (g.ngram_gpu_us * 1e-6 if self.ngram_gpu else 0.0)
             + (g.correction_us * 1e-6 if self.correction else 0.0)
         )
-
-    def gpu_step(self, query_tokens: np.ndarray, context: np.ndarray, history: np.ndarray) -> float:
-        """GPU time of one step. Per request: `query_tokens` computed now, `context` tokens already
-        in the KV cache, `history` tokens the n-gram proposer scans."""
+        # the shape's derived sizes, computed once (gpu_time runs every step)
         s = self.shape
-        tokens = int(query_tokens.sum())
-        kv_tokens = int((context + query_tokens).sum())
-        pairs = float((query_tokens * (context + (query_tokens + 1) / 2)).sum())
-        mem = (s.weight_bytes + s.kv_bytes_per_token * kv_tokens) * self.sec_per_byte
-        compute = (s.linear_flops_per_token * tokens + s.attn_flops_per_pair * pairs) * self.sec_per_flop
+        self._weight_bytes = s.weight_bytes
+        self._kv_bytes_per_token = s.kv_bytes_per_token
+        self._linear_flops_per_token = s.linear_flops_per_token
+        self._attn_flops_per_pair = s.attn_flops_per_pair
+        self._logit_bytes = s.vocab * 4
+        self._ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9
+
+    def gpu_time(self, tokens: int, kv_tokens: int, pairs2: int, history: int) -> float:
+        """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache
+        after the step (context + query), `pairs2` twice the attention pairs (sum over requests of
+        query * (2 * context + query + 1)), `history` tokens the n-gram proposer scans."""
+        # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
+        # of query * (context + (query + 1) / 2) over the batch in any order.
+        pairs = pairs2 / 2
+        mem = (self._weight_bytes + self._kv_bytes_per_token * kv_tokens) * self.sec_per_byte
+        compute = (self._linear_flops_per_token * tokens + self._attn_flops_per_pair * pairs) * self.sec_per_flop
         # the sampler reads fp32 logits of every verified position
-        sampler = tokens * s.vocab * 4 * self.sec_per_byte
-        proposer = self.g.ngram_gpu_per_token_ns * 1e-9 * int(history.sum()) if self.ngram_gpu else 0.0
+        sampler = tokens * self._logit_bytes * self.sec_per_byte
+        proposer = self._ngram_s_per_token * history if self.ngram_gpu else 0.0
         return self.fixed_s + max(mem, compute) + sampler + proposer
 
     def schedule(self, n_reqs: int) -> float:

@@ -87,6 +87,7 @@ class Records:
     # emissions are kept per step as (step, time, request ids, token counts) to stay vectorised
     emission_batches: list[tuple[int, float, np.ndarray, np.ndarray]] = field(default_factory=list)
     requests: pd.DataFrame | None = None
+    _emission_columns: tuple[int, tuple[np.ndarray, ...]] | None = field(default=None, repr=False)
 
     def add_step(self, row: tuple, accepted: np.ndarray) -> None:
         self.steps.append(row)
@@ -111,19 +112,26 @@ class Records:
     def syncs_frame(self) -> pd.DataFrame:
         return pd.DataFrame.from_records(self.syncs, columns=SYNC_COLUMNS)
 
+    def emission_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The emissions as columns: request ids, steps, times, token counts (one entry per emission)."""
+        batches = self.emission_batches
+        if self._emission_columns is None or self._emission_columns[0] != len(batches):
+            steps, times, ids, tokens = zip(*batches, strict=True)
+            sizes = [len(x) for x in ids]
+            columns = (
+                np.concatenate(ids).astype(np.int64, copy=False),
+                np.repeat(np.array(steps, dtype=np.int64), sizes),
+                np.repeat(np.array(times, dtype=np.float64), sizes),
+                np.concatenate(tokens).astype(np.int64, copy=False),
+            )
+            self._emission_columns = (len(batches), columns)  # the simulation and the frame both need them
+        return self._emission_columns[1]
+
     def emissions_frame(self) -> pd.DataFrame:
         if not self.emission_batches:
             return pd.DataFrame({c: pd.Series(dtype="float64" if c == "time_s" else "int64")
                                  for c in EMISSION_COLUMNS})
-        sizes = [len(b[2]) for b in self.emission_batches]
-        return pd.DataFrame(
-            {
-                "request_id": np.concatenate([b[2] for b in self.emission_batches]).astype(np.int64),
-                "step": np.repeat([b[0] for b in self.emission_batches], sizes).astype(np.int64),
-                "time_s": np.repeat([b[1] for b in self.emission_batches], sizes).astype(np.float64),
-                "tokens": np.concatenate([b[3] for b in self.emission_batches]).astype(np.int64),
-            }
-        )
+        return pd.DataFrame(dict(zip(EMISSION_COLUMNS, self.emission_arrays(), strict=True)))
 
 
 def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:

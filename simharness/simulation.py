@@ -14,7 +14,9 @@ costs wasted verify slots.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,7 @@ KNOWN_SYNC_POINTS: dict[str, SyncPoint] = {
 # Not a sync point one can remove: settling a step needs its output (engine core `get_output`).
 OUTPUT_READBACK = "output_readback"
 PHASES = ("schedule", "prep", "launch", "update")
+_total = np.add.reduce  # an array's sum without ndarray.sum's dispatch (per-step totals)
 NO_DEVICE_PHASES = (float("nan"),) * 5
 
 
@@ -249,21 +252,17 @@ class Simulation:
         now = self.env.now
         delay = t - now
         while now + delay < t:
-            delay = np.nextafter(delay, np.inf)
+            delay = math.nextafter(delay, math.inf)
         while now + delay > t:
-            delay = np.nextafter(delay, -np.inf)
-        return self.env.timeout(float(delay))
+            delay = math.nextafter(delay, -math.inf)
+        return self.env.timeout(delay)
 
-    def _draft_slots(self, r: np.ndarray, decode: np.ndarray) -> np.ndarray:
-        """Draft slots the scheduler reserves: k placeholders under async, known drafts when synchronous."""
-        if not self.mode.k:
-            return np.zeros(len(r), dtype=np.int64)
-        if self.mode.depth > 1 or not self.mode.trim:
-            return decode * self.mode.k
-        # synchronous: the host holds the drafts proposed after the last step
-        slots = np.zeros(len(r), dtype=np.int64)
-        slots[decode] = self.backend.valid_drafts(r[decode])
-        return slots
+    def _draft_slots(self) -> int | Callable[[np.ndarray], np.ndarray]:
+        """Draft slots the scheduler reserves per decoding request: k placeholders under async (or
+        when every slot is verified), the drafts the host holds when synchronous and trimming."""
+        if self.mode.k and self.mode.depth == 1 and self.mode.trim:
+            return self.backend.valid_drafts
+        return self.mode.k
 
     def _sync(self, step: Step, sp: SyncPoint, in_flight: deque):
         """Block the host on a GPU event; record the wait."""
@@ -281,6 +280,7 @@ class Simulation:
         in_flight: deque[Step] = deque()
         next_step = 0
         gc = self.sc.engine.gc
+        draft_slots = self._draft_slots()
         while sched.n_finished < self.n:
             launched = False
             if len(in_flight) < mode.depth:
@@ -291,10 +291,10 @@ class Simulation:
                         gc_pause = self.gc_rng.exponential(gc.mean_ms * 1e-3)
                     yield env.timeout(gc_pause)
                 if not self.measured:
-                    batch = sched.schedule(self._draft_slots)
+                    batch = sched.schedule(draft_slots)
                 else:
                     with phase("schedule"):
-                        batch = sched.schedule(self._draft_slots)
+                        batch = sched.schedule(draft_slots)
                 if batch.size:
                     step = Step(id=next_step, batch=batch, done=env.event(), gc_pause=gc_pause)
                     next_step += 1
@@ -330,12 +330,14 @@ class Simulation:
             step.prep_start = step.schedule_end
         slots = b.draft_slots
         n_tokens = b.n_tokens
-        if mode.trim and b.decode.any():
-            dec = b.decode
-            slots = slots.copy()
-            slots[dec] = np.minimum(self.backend.valid_drafts(b.req[dec]), mode.k)
+        if mode.trim and b.n_prefill < b.size:
+            if b.n_prefill:
+                slots = slots.copy()
+                slots[b.decode] = np.minimum(self.backend.valid_drafts(b.req[b.decode]), mode.k)
+            else:
+                slots = np.minimum(self.backend.valid_drafts(b.req), mode.k)
             step.valid = slots
-            n_tokens = int(np.where(dec, 1 + slots, b.tokens).sum())
+            n_tokens += int((slots - b.draft_slots).sum())  # a decode computes 1 + its slots
         step.verified_slots = slots
         step.prep_end = step.prep_start + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
         if syncs["launch"]:
@@ -373,21 +375,25 @@ class Simulation:
         step.update_start = env.now if self.phase_syncs["update"] else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
+        emitted = step.emitted
         if not self.measured:
-            done = self.sched.settle(b, step.emitted)
+            done = self.sched.settle(b, emitted)
         else:
             with phase("update"):
-                done = self.sched.settle(b, step.emitted)
+                done = self.sched.settle(b, emitted)
             self.backend.release(done)
-        out = np.flatnonzero(step.emitted)
-        self.records.add_emissions(step.id, now, b.req[out], step.emitted[out])
-        rd = b.req[b.decode]
+        if np.count_nonzero(emitted) == len(emitted):
+            got, tokens = b.req, emitted
+        else:
+            out = np.flatnonzero(emitted)
+            got, tokens = b.req[out], emitted[out]
+        self.records.add_emissions(step.id, now, got, tokens)
+        rd = b.req[b.decode] if b.n_prefill else b.req
         self.decode_tallies.append((rd, step.drafts_valid, step.accepted, step.wasted))
         step.propose_start = step.propose_end = now
         if self.mode.ngram_cpu and self.mode.k:
             # the CPU proposer drafts for the requests still running that got tokens (a prefill's first
             # token included), over their whole history
-            got = b.req[out]
             live = got[self.sched.committed[got] < self.req.output_len[got]]
             if self.measured:
                 yield env.timeout(self.backend.propose(live))
@@ -402,18 +408,22 @@ class Simulation:
     def _record_step(self, s: Step) -> None:
         b = s.batch
         n_decode = len(s.accepted)
+        prefill_tokens = int(_total(b.tokens[b.prefill])) if b.n_prefill else 0
+        drafts = b.n_tokens - prefill_tokens - (b.size - b.n_prefill)  # a decode computes 1 + its slots
+        # totals of arrays that are the same object are summed once
+        verified = drafts if s.verified_slots is b.draft_slots else int(_total(s.verified_slots))
         self.records.add_step(
             (
                 s.id,
                 b.size,
                 b.size - n_decode,
-                int(b.tokens[b.prefill].sum()),
-                n_decode + int(s.verified_slots.sum()),
-                int(b.draft_slots.sum()),
-                int(s.drafts_valid.sum()),
-                int(s.accepted.sum()),
-                int(s.emitted.sum()),
-                int(s.wasted.sum()),
+                prefill_tokens,
+                n_decode + verified,
+                drafts,
+                verified if s.drafts_valid is s.verified_slots else int(_total(s.drafts_valid)),
+                int(_total(s.accepted)),
+                int(_total(s.emitted)),
+                int(_total(s.wasted)),
                 s.in_flight,
                 s.schedule_start,
                 s.schedule_end,
@@ -458,14 +468,13 @@ class Simulation:
     def _tally_requests(self) -> None:
         """Per-request token times and counts from the emissions and the settled steps' tallies."""
         if self.records.emission_batches:
-            em = self.records.emissions_frame()
-            ids, times = em.request_id.to_numpy(), em.time_s.to_numpy()
+            ids, _, times, _ = self.records.emission_arrays()
             np.fmin.at(self.first_token, ids, times)  # fmin/fmax skip the NaN of no token yet
             np.fmax.at(self.last_token, ids, times)
             self.chunks += np.bincount(ids, minlength=self.n)
         if self.decode_tallies:
             rd, valid, acc, wasted = (np.concatenate(x) for x in zip(*self.decode_tallies, strict=True))
-            np.add.at(self.num_drafts, rd, valid > 0)
+            np.add.at(self.num_drafts, rd, (valid > 0).astype(np.int64))  # add.at is slow with bool values
             np.add.at(self.draft_tokens, rd, valid)
             np.add.at(self.accepted_tokens, rd, acc)
             np.add.at(self.wasted_slots, rd, wasted)
