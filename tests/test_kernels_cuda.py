@@ -120,7 +120,7 @@ def test_rejection_greedy_rows_agree_at_realistic_size(dtype: torch.dtype, ties:
 )  # fmt: skip
 def test_rejection_random_rows_preserve_the_target(impl, dtype: torch.dtype) -> None:
     """Full vocabulary, mass on 8 tokens: the (accepted, token) joint at the first position matches
-    q(y) p(y) / p(y) (1 - q(y)); 300 seeds x 64 rows (several vocab splits per row)."""
+    q(y) p(y) / p(y) (1 - q(y)); 300 seeds x 64 rows (several vocab tiles per row)."""
     generator = torch.Generator().manual_seed(3)
     temperature, seeds, hot = 0.8, 300, 8
     logits = torch.full((K + 1, VOCAB), -30.0)
@@ -144,3 +144,34 @@ def test_rejection_random_rows_preserve_the_target(impl, dtype: torch.dtype) -> 
     observed = torch.bincount(torch.cat(cells), minlength=2 * VOCAB).numpy()
     probabilities = torch.cat([p * (1 - q), p * q]).numpy()
     assert chisquare_pvalue(observed, probabilities) > 1e-4
+
+
+def test_rejection_random_rows_preserve_the_target_at_every_position() -> None:
+    """200k rows of one target (hot tokens spread over several vocab tiles, the rest at -30): at every
+    draft position the (accepted, token) joint given that the position is reached is q(y) p(y) / p(y) (1 - q(y)),
+    and the bonus position emits p. Power for the compiled kernels' noise (fast log2) at every position."""
+    generator = torch.Generator().manual_seed(4)
+    rows, vocab, temperature = 200_000, 10_000, 0.8
+    hot = torch.tensor([3, 17, 2050, 4097, 4100, 6000, 8191, 9999])
+    logits = torch.full((K + 1, vocab), -30.0)
+    logits[:, hot] = torch.randn(K + 1, len(hot), generator=generator) * 1.5
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    q = torch.zeros(K, vocab, dtype=torch.float64)
+    q[:, hot] = 0.3 / len(hot)
+    q[torch.arange(K), p[:K].argmax(dim=-1)] += 0.7
+    drafts = torch.multinomial(q, rows, replacement=True, generator=generator).T.contiguous()
+    output, num_emitted = rejection_sample_triton(
+        logits.cuda().expand(rows, -1, -1), drafts.cuda(), torch.full((rows,), K, device="cuda"),
+        torch.full((rows,), temperature, device="cuda"), seed=21,
+    )  # fmt: skip
+    output, num_emitted = output.cpu(), num_emitted.cpu()
+    for i in range(K + 1):
+        reached = num_emitted > i
+        tokens = output[reached, i]
+        if i < K:
+            cells = (num_emitted[reached] > i + 1).long() * vocab + tokens
+            probabilities = torch.cat([p[i] * (1 - q[i]), p[i] * q[i]])
+        else:
+            cells, probabilities = tokens, p[K]
+        observed = torch.bincount(cells, minlength=len(probabilities)).numpy()
+        assert chisquare_pvalue(observed, probabilities.numpy()) > 1e-4, f"position {i}"

@@ -23,7 +23,7 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    yield from interpreted_kernels(rejection, ("_rejection_stats_kernel", "_rejection_walk_kernel"))
+    yield from interpreted_kernels(rejection, ("_rejection_tile_kernel", "_rejection_walk_kernel"))
 
 
 def random_batch(
@@ -67,8 +67,8 @@ def assert_well_formed(
     [
         (6, 4, 50, False),
         (6, 3, 40, True),
-        (2, 2, 3000, True),  # several vocab splits per row, merged by the walk kernel
-        (8, 1, 2500, False),  # one split, several blocks per program
+        (2, 2, 9000, True),  # several vocab tiles per row (the last one partial), merged by the walk kernel
+        (8, 1, 2500, False),  # one tile, its tail columns masked
     ],
 )
 def test_greedy_rows_agree_exactly(dtype: torch.dtype, batch: int, k: int, vocab: int, ties: bool) -> None:
@@ -82,10 +82,17 @@ def test_greedy_rows_agree_exactly(dtype: torch.dtype, batch: int, k: int, vocab
         assert_well_formed(output, num_emitted, drafts, num_drafts, vocab)
 
 
-def test_argmax_ties_across_splits_take_the_lowest_index() -> None:
-    logits = torch.zeros(2, 2, 3000)
-    logits[:, 0, [2900, 1500, 7]] = 5.0  # position 0: tied maxima in three different vocab splits
-    drafts = torch.tensor([[7], [1500]])
+def test_int32_and_int64_inputs_agree() -> None:
+    logits, drafts, num_drafts, temperature = random_batch(6, 3, 40, torch.float32, seed=3)
+    wide = rejection_sample_triton(logits, drafts, num_drafts, temperature, seed=2)
+    narrow = rejection_sample_triton(logits, drafts.int(), num_drafts.int(), temperature, seed=2)
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
+
+
+def test_argmax_ties_across_tiles_take_the_lowest_index() -> None:
+    logits = torch.zeros(2, 2, 9000)
+    logits[:, 0, [8900, 4500, 7]] = 5.0  # position 0: tied maxima in different vocab tiles
+    drafts = torch.tensor([[7], [4500]])
     for impl in IMPLEMENTATIONS:
         output, num_emitted = impl(logits, drafts, torch.tensor([1, 1]), torch.zeros(2), seed=0)
         # Row 0 accepts 7 and takes the bonus argmax of the all-equal position 1: index 0.

@@ -87,20 +87,52 @@ def rejection_sample_reference(
 
 
 # --------------------------------------------------------------------------------------------------
-# Triton. Kernel 1, grid (row, vocab split): one pass over the row's logits for all k+1 positions at
-# once ([columns, positions] tiles), keeping per position the max and argmax (greedy rows), or the max and
-# sum of 2^x (x = logit * log2(e) / T) and the winner of an exponential race over p with the draft
-# removed (random rows). Running values are kept per lane and reduced once at the end, so the loop body
-# is elementwise. The race noise is shared by a row's positions: sound because only one position per row
-# (the first rejection, or the bonus) is ever emitted, and it cuts the Philox work by k+1. Kernel 2, grid
-# (row,): merges the splits, walks the accept chain and writes the output. Randomness is counter-based
-# (Philox keyed by the seed, counters from (row, vocab column) and (row, position)), so the output is a
-# function of the inputs and the seed, with no generator state.
+# Triton. Kernel 1, grid (row, vocab tile): a program reads its BLOCK columns of the row's logits for every
+# position <= num_drafts (all loads issued first, then one position after another; no padding of the k+1
+# positions to a power of two) and leaves, per (tile, position), the target token's key
+# and column: greedy rows the max logit and its lowest column; random rows the winner of a Gumbel race
+# over p with the draft removed, plus the max and sum of 2^x (x = logit * log2(e) / T) that normalise
+# p(draft) at draft positions. The race noise is drawn once per (row, column) and shared by the row's
+# positions: sound because only one position per row (the first rejection, or the bonus) is ever
+# emitted, and it cuts the Philox work by k+1. Kernel 2, grid (row,): merges the tiles, walks the accept
+# chain and writes the output. Randomness is counter-based (Philox keyed by the seed, counters from
+# (row, vocab column) and (row, position)), so the output is a function of the inputs and the seed, with
+# no generator state.
 # --------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _open_uniform(word):
+    """A uint32 word to a float32 in the open interval (0, 1): 23 bits, so 1 - 2^-24 is exact (24 bits and
+    a half step would round the top value to 1.0, whose log is 0)."""
+    return ((word >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """log2 of positive normal floats: the MUFU approximation (absolute error 2^-22 on [0.5, 2], 2 ulp elsewhere)
+    when FAST (compiled CUDA), else tl.log2 (an accurate software routine, and what Triton's interpreter runs)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _gumbel2(word, FAST: tl.constexpr):
+    """Base-2 Gumbel noise -log2(E), E = -ln(u) ~ Exp(1), from a uint32 word. E is accurate where it is small
+    (u near 1: the columns most likely to win a race): a series in w = 1 - u there, log2(u) elsewhere."""
+    u = _open_uniform(word)
+    w = ((8388608 - (word >> 9)).to(tl.float32) - 0.5) * (1.0 / 8388608.0)  # 1 - u, exact
+    series = w * (1.0 + w * (0.5 + w * 0.3333333333333333))  # -ln(1 - w), relative error < w^3 / 4
+    exponential = tl.where(w < 0.0078125, series, -0.6931471805599453 * _log2(u, FAST))
+    return -_log2(exponential, FAST)
+
+
 @triton.jit(do_not_specialize=["seed"])
-def _rejection_stats_kernel(
+def _rejection_tile_kernel(
     logits_ptr,
     logits_stride_b,
     logits_stride_k,
@@ -112,93 +144,62 @@ def _rejection_stats_kernel(
     key_ptr,
     index_ptr,
     vocab,
-    split_size,
     noise_per_row,
     seed,
     K: tl.constexpr,
-    K_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
-    split = tl.program_id(1)
+    tile = tl.program_id(1)
     num_drafts = tl.load(num_drafts_ptr + row)
     temperature = tl.load(temperature_ptr + row)
-    positions = tl.arange(0, K_BLOCK)
-    # Positions after the bonus position are never emitted: their logits are not read.
-    live = positions <= num_drafts
-    drafts = tl.load(drafts_ptr + row * K + positions, mask=positions < num_drafts, other=-1)
-    # Tiles are [columns, positions]: the vocab axis is the contiguous one, so the compiler spreads columns
-    # over threads and keeps all positions of a column in one thread; per-column work (the race noise) is
-    # then done once per column rather than once per thread holding one of its positions.
-    ptrs = logits_ptr + row.to(tl.int64) * logits_stride_b + positions[None, :].to(tl.int64) * logits_stride_k
-    lo = split * split_size
-    hi = tl.minimum(lo + split_size, vocab)
-    # Each block of BLOCK columns is read as four quarters of Q columns (four loads in flight, and one
-    # Philox call gives four words per counter, one per quarter).
-    Q: tl.constexpr = BLOCK // 4
-    lanes = tl.arange(0, Q)
-
-    lane_max = tl.full([Q, K_BLOCK], -float("inf"), dtype=tl.float32)
-    lane_sum = tl.zeros([Q, K_BLOCK], dtype=tl.float32)
-    lane_key = tl.full([Q, K_BLOCK], -float("inf"), dtype=tl.float32)
-    lane_index = tl.zeros([Q, K_BLOCK], dtype=tl.int32)
+    start = tile * BLOCK
+    columns = start + tl.arange(0, BLOCK)
+    ptrs = logits_ptr + row.to(tl.int64) * logits_stride_b + columns
+    out = (row * tl.num_programs(1) + tile) * (K + 1)
+    # Every position's load is issued up front (the bytes in flight hide the memory latency). Positions
+    # after the bonus position (num_drafts) are never emitted: their logits are not read (a limit, not
+    # `in_vocab & live`: Triton's interpreter rejects a scalar & block mask).
+    inf: tl.constexpr = float("inf")
+    drafts = ()
+    for i in tl.static_range(K):
+        drafts = drafts + (tl.where(num_drafts > i, tl.load(drafts_ptr + row * K + i).to(tl.int32), -1),)
+    xs = ()
+    for i in tl.static_range(K + 1):
+        xs = xs + (tl.load(ptrs + i * logits_stride_k, mask=columns < tl.where(num_drafts >= i, vocab, 0), other=-inf),)
+    # Positions are processed without branches (results past num_drafts are computed but not stored), so the
+    # compiler can interleave their independent reductions.
     if temperature == 0:
-        for start in range(lo, hi, BLOCK):
-            for quarter in tl.static_range(4):
-                columns = start + quarter * Q + lanes
-                x = tl.load(ptrs + columns[:, None], mask=(columns < hi)[:, None] & live[None, :], other=-float("inf"))
-                x = x.to(tl.float32)
-                better = x > lane_max  # strict: each lane keeps its earliest column on ties
-                lane_index = tl.where(better, columns[:, None], lane_index)
-                lane_max = tl.where(better, x, lane_max)
-        lane_key = lane_max
+        for i in tl.static_range(K + 1):
+            best, index = tl.max(xs[i].to(tl.float32), axis=0, return_indices=True, return_indices_tie_break_left=True)
+            tl.store(key_ptr + out + i, best, mask=num_drafts >= i)
+            tl.store(index_ptr + out + i, start + index, mask=num_drafts >= i)
     else:
-        # Base-2 units: x = logit * log2(e) / T, so p_j = 2^(x_j - log2 sum_i 2^x_i), and exp2 is one MUFU op.
+        # Base-2 units: x = logit * log2(e) / T, so p_j = 2^(x_j - log2 sum_i 2^x_i).
         scale = 1.4426950408889634 / temperature
-        lane_max = tl.full([Q, K_BLOCK], -3.0e38, dtype=tl.float32)  # finite: no inf - inf below
-        lane_key = tl.zeros([Q, K_BLOCK], dtype=tl.float32)
-        for start in range(lo, hi, BLOCK):
-            w0, w1, w2, w3 = tl.randint4x(seed, row * noise_per_row + start // 4 + lanes)
-            for quarter in tl.static_range(4):
-                if quarter == 0:
-                    word = w0
-                elif quarter == 1:
-                    word = w1
-                elif quarter == 2:
-                    word = w2
-                else:
-                    word = w3
-                columns = start + quarter * Q + lanes
-                x = tl.load(ptrs + columns[:, None], mask=(columns < hi)[:, None] & live[None, :], other=-float("inf"))
-                x = x.to(tl.float32) * scale
-                # Online sum of 2^(x - lane_max); the race keys below share the lane's reference.
-                new_max = tl.maximum(lane_max, x)
-                rescale = tl.exp2(lane_max - new_max)
-                weight = tl.exp2(x - new_max)
-                lane_sum = lane_sum * rescale + weight
-                lane_key = lane_key * rescale
-                lane_max = new_max
-                # Exponential race: argmax_j p_j / E_j with E_j = -ln(u_j) ~ Exp(1) is a sample of p (one E per
-                # column, shared by the positions). The draft itself is excluded at draft positions.
-                uniform = ((word >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # in (0, 1)
-                key = weight * (-1.0 / tl.log(uniform))[:, None]
-                key = tl.where(columns[:, None] == drafts[None, :], 0.0, key)
-                better = key > lane_key
-                lane_index = tl.where(better, columns[:, None], lane_index)
-                lane_key = tl.where(better, key, lane_key)
-        lane_key = tl.log2(lane_key) + lane_max  # back to one scale for all lanes: log2(p_j / E_j) + const
-
-    row_max = tl.max(lane_max, axis=0)
-    safe_max = tl.where(row_max == -float("inf"), 0.0, row_max)
-    row_sum = tl.sum(lane_sum * tl.exp2(lane_max - safe_max[None, :]), axis=0)
-    # Greedy: the max logit and its lowest column. Random: the race winner.
-    best_key = tl.max(lane_key, axis=0)
-    best_index = tl.min(tl.where(lane_key == best_key[None, :], lane_index, vocab), axis=0)
-    out = (row * tl.num_programs(1) + split) * K_BLOCK + positions
-    tl.store(max_ptr + out, row_max)
-    tl.store(sum_ptr + out, row_sum)
-    tl.store(key_ptr + out, best_key)
-    tl.store(index_ptr + out, best_index)
+        # One Philox call gives four words: column c takes word c % 4 of the row's counter c // 4 (so the noise
+        # does not depend on BLOCK).
+        counters = row * noise_per_row + start // 4 + tl.arange(0, BLOCK // 4)
+        w0, w1, w2, w3 = tl.randint4x(seed, counters)
+        words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
+        # Gumbel race: argmax_j (x_j - log2 E_j), E_j ~ Exp(1), is a sample of p (= argmax_j p_j / E_j). Keys
+        # stay in logit units (logit + noise / scale: the same order), one add per element.
+        noise = _gumbel2(words, FAST_LOG) / scale
+        for i in tl.static_range(K + 1):
+            xf = xs[i].to(tl.float32)
+            if i < K:
+                # The draft is excluded from the race and from this sum (the walk kernel adds its term back).
+                xf = tl.where(columns == drafts[i], -inf, xf)
+            best, index = tl.max(xf + noise, axis=0, return_indices=True, return_indices_tie_break_left=False)
+            tl.store(key_ptr + out + i, best, mask=num_drafts >= i)
+            tl.store(index_ptr + out + i, start + index, mask=num_drafts >= i)
+            if i < K:
+                # The sum of 2^x relative to the best key (base-2 units): a column's term is at most 2^-(its noise)
+                # <= 2^4.06 (E <= -ln 2^-24), so nothing overflows, and the best key's column keeps >= 2^-24.
+                reference = tl.where(best == -inf, 0.0, best * scale)
+                tl.store(max_ptr + out + i, reference, mask=num_drafts > i)
+                tl.store(sum_ptr + out + i, tl.sum(tl.exp2(tl.fma(xf, scale, -reference)), axis=0), mask=num_drafts > i)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -216,12 +217,12 @@ def _rejection_walk_kernel(
     output_ptr,
     num_emitted_ptr,
     vocab,
-    n_splits,
+    n_tiles,
     accept_counter_base,
     seed,
     K: tl.constexpr,
     K_BLOCK: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     num_drafts = tl.load(num_drafts_ptr + row)
@@ -231,35 +232,38 @@ def _rejection_walk_kernel(
     drafts = tl.load(drafts_ptr + row * K + positions, mask=is_draft, other=-1)
     has_token = is_draft & (drafts >= 0)
 
-    # Merge the per-split partials: [K_BLOCK, SPLIT_BLOCK] tiles. The target token of a position is
+    # Merge the per-tile partials: [K_BLOCK, TILE_BLOCK] tiles. The target token of a position is
     # the index of the best key (greedy: the max logit, whose lowest column wins ties, as torch.argmax).
-    splits = tl.arange(0, SPLIT_BLOCK)
-    partial = (row * n_splits + splits[None, :]) * K_BLOCK + positions[:, None]
-    mask = (splits < n_splits)[None, :] & (positions <= num_drafts)[:, None]
-    split_key = tl.load(key_ptr + partial, mask=mask, other=-float("inf"))
-    split_index = tl.load(index_ptr + partial, mask=mask, other=0)
-    best_key = tl.max(split_key, axis=1)
-    token = tl.min(tl.where(split_key == best_key[:, None], split_index, vocab), axis=1)
+    tiles = tl.arange(0, TILE_BLOCK)
+    partial = (row * n_tiles + tiles[None, :]) * (K + 1) + positions[:, None]
+    mask = (tiles < n_tiles)[None, :] & (positions <= num_drafts)[:, None]
+    tile_key = tl.load(key_ptr + partial, mask=mask, other=-float("inf"))
+    tile_index = tl.load(index_ptr + partial, mask=mask, other=0)
+    best_key = tl.max(tile_key, axis=1)
+    token = tl.min(tl.where(tile_key == best_key[:, None], tile_index, vocab), axis=1)
 
     if temperature == 0:
         accept = has_token & (drafts == token)
     else:
         # Accept x with probability p(x) = 2^(x_x - log2 sum_j 2^x_j), x = logit * log2(e) / T as in kernel 1.
         scale = 1.4426950408889634 / temperature
-        split_max = tl.load(max_ptr + partial, mask=mask, other=-float("inf"))
-        split_sum = tl.load(sum_ptr + partial, mask=mask, other=0.0)
-        global_max = tl.max(split_max, axis=1)
-        safe_max = tl.where(global_max == -float("inf"), 0.0, global_max)
-        log_norm = safe_max + tl.log2(tl.sum(split_sum * tl.exp2(split_max - safe_max[:, None]), axis=1))
+        # Kernel 1 left, per tile and draft position, a reference and the sum of 2^(x - reference) over the
+        # tile's columns other than the draft; the draft's own term is added here.
         draft_logit = tl.load(
             logits_ptr + row.to(tl.int64) * logits_stride_b + positions.to(tl.int64) * logits_stride_k + drafts,
             mask=has_token,
             other=-float("inf"),
         ).to(tl.float32)
-        p_draft = tl.exp2(draft_logit * scale - log_norm)
+        draft_x = draft_logit * scale
+        stats_mask = mask & is_draft[:, None]
+        tile_ref = tl.load(max_ptr + partial, mask=stats_mask, other=-float("inf"))
+        tile_sum = tl.load(sum_ptr + partial, mask=stats_mask, other=0.0)
+        global_ref = tl.maximum(tl.max(tile_ref, axis=1), draft_x)
+        safe_ref = tl.where(global_ref == -float("inf"), 0.0, global_ref)
+        total = tl.sum(tile_sum * tl.exp2(tile_ref - safe_ref[:, None]), axis=1) + tl.exp2(draft_x - safe_ref)
+        p_draft = tl.exp2(draft_x - safe_ref - tl.log2(total))
         word, _, _, _ = tl.randint4x(seed, accept_counter_base + row * K_BLOCK + positions)
-        uniform = ((word >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # in (0, 1)
-        accept = has_token & (uniform < p_draft)
+        accept = has_token & (_open_uniform(word) < p_draft)
 
     num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
     output = tl.where(positions < num_accepted, drafts, tl.where(positions == num_accepted, token, -1))
@@ -267,15 +271,9 @@ def _rejection_walk_kernel(
     tl.store(num_emitted_ptr + row, num_accepted + 1)
 
 
-# Vocab columns per loop step (four quarters of 512), with 4 warps and ~2 programs per SM: the best
-# setting for greedy and random rows, fp32 and bf16, in a sweep on an H100.
-_BLOCK = 2048
-
-
-def _num_splits(batch: int, vocab: int, device: torch.device) -> int:
-    """Vocab splits per row: at small batch sizes, enough programs for ~2 per SM."""
-    target_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(vocab, _BLOCK), triton.cdiv(target_programs, batch)))
+# Kernel 1's (vocab columns per program, warps) by logits element size: the best at B=256, k=4, V=128256 in a
+# sweep on an H100.
+_CONFIGS = {4: (1024, 4), 2: (512, 1)}
 
 
 def rejection_sample_triton(
@@ -296,33 +294,35 @@ def rejection_sample_triton(
         return output, num_emitted
     if target_logits.stride(2) != 1:
         target_logits = target_logits.contiguous()
-    draft_tokens = draft_tokens.to(device=device, dtype=torch.int32).contiguous()
-    num_drafts = num_drafts.to(device=device, dtype=torch.int32)
-    temperature = temperature.to(device=device, dtype=torch.float32)
+    # Integer inputs are read in their own dtype (int32 or int64): no conversion kernels before the sampler.
+    draft_tokens = draft_tokens.to(device).contiguous()
+    num_drafts = num_drafts.to(device).contiguous()
+    temperature = temperature.to(device=device, dtype=torch.float32).contiguous()
 
-    n_splits = _num_splits(batch, vocab, device)
-    split_size = triton.cdiv(triton.cdiv(vocab, n_splits), _BLOCK) * _BLOCK
-    n_splits = triton.cdiv(vocab, split_size)
-    k_block = triton.next_power_of_2(k_plus_1)
-    partials = torch.empty((4, batch, n_splits, k_block), dtype=torch.float32, device=device)
-    row_max, row_sum, best_key = partials[0], partials[1], partials[2]
+    max_block, num_warps = _CONFIGS[target_logits.element_size()]
+    block = max(16, min(max_block, triton.next_power_of_2(vocab)))
+    n_tiles = triton.cdiv(vocab, block)
+    partials = torch.empty((4, batch, n_tiles, k_plus_1), dtype=torch.float32, device=device)
+    tile_max, tile_sum, best_key = partials[0], partials[1], partials[2]
     best_index = partials[3].view(torch.int32)
     # Philox counters: [0, batch * noise_per_row) for the race noise, then the accept uniforms.
-    noise_per_row = triton.cdiv(vocab, _BLOCK) * (_BLOCK // 4)
+    noise_per_row = triton.cdiv(vocab, 4)
+    k_block = triton.next_power_of_2(k_plus_1)
     accept_counter_base = batch * noise_per_row
     if accept_counter_base + batch * k_block >= 2**31:
         raise ValueError(f"batch {batch} x vocab {vocab} exceeds the 31-bit Philox counter space")
     seed = seed % 2**63
 
-    _rejection_stats_kernel[(batch, n_splits)](
+    _rejection_tile_kernel[(batch, n_tiles)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        row_max, row_sum, best_key, best_index, vocab, split_size, noise_per_row, seed,
-        K=k, K_BLOCK=k_block, BLOCK=_BLOCK, num_warps=4,
+        tile_max, tile_sum, best_key, best_index, vocab, noise_per_row, seed,
+        K=k, BLOCK=block, FAST_LOG=device.type == "cuda", num_warps=num_warps,
     )  # fmt: skip
+    tile_block = triton.next_power_of_2(n_tiles)
     _rejection_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        row_max, row_sum, best_key, best_index, output, num_emitted, vocab, n_splits, accept_counter_base,
+        tile_max, tile_sum, best_key, best_index, output, num_emitted, vocab, n_tiles, accept_counter_base,
         seed,
-        K=k, K_BLOCK=k_block, SPLIT_BLOCK=triton.next_power_of_2(n_splits), num_warps=1,
+        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, num_warps=min(8, max(1, tile_block // 128)),
     )  # fmt: skip
     return output, num_emitted
