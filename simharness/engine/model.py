@@ -573,13 +573,15 @@ def bench_verify_step(
     repeats: int = 50,
     *,
     bandwidth: float,
+    peak_flops: float | None = None,
     context_len: int = 512,
     n_layers: int | None = None,
     cuda_graphs: bool = True,
 ) -> list[dict]:
     """Median time of the model verify step (B rows x (1+k) tokens, each row after `context_len` cached
     tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller),
-    and the floor that also reads the rows' K/V (which grows with B x context).
+    the floor that also reads the rows' K/V (which grows with B x context), and with `peak_flops` (FLOP/s)
+    the compute floor: matmul plus attention FLOPs over that peak.
 
     Every slot is first prefilled with random tokens so attention reads real K/V. CUDA: event timing of
     back-to-back launches after warm-up (and graph capture); CPU: wall clock.
@@ -597,6 +599,8 @@ def bench_verify_step(
     floor_s = model.weight_bytes() / bandwidth
     kv_bytes_per_row = model_sizes(config, dtype=model.k_cache.dtype)["kv_bytes_per_token"] * (context_len + n_tokens)
     matmul_params = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.output.numel()
+    # Attention per token and layer: q.k and p.v over the row's positions, 2 FLOPs per multiply-add each.
+    attention_flops_per_token = 4 * config.n_layers * config.n_heads * config.head_dim * (context_len + n_tokens)
 
     rows = []
     for batch in batch_sizes:
@@ -622,6 +626,7 @@ def bench_verify_step(
                 model.verify(tokens, slots, start_pos)
                 times.append(time.perf_counter() - t0)
         median = statistics.median(times)
+        flops = (2 * matmul_params + attention_flops_per_token) * batch * n_tokens
         rows.append({
             "name": f"verify_step[{preset}{'' if n_layers is None else f',L={n_layers}'}]",
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -630,6 +635,7 @@ def bench_verify_step(
             "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
             "floor_with_kv_ms": (model.weight_bytes() + kv_bytes_per_row * batch) / bandwidth * 1e3,
             "weight_bytes": model.weight_bytes(), "kv_read_bytes": kv_bytes_per_row * batch,
-            "tflops": 2 * matmul_params * batch * n_tokens / median / 1e12,
+            "flops": flops, "tflops": flops / median / 1e12,
+            "compute_floor_ms": None if peak_flops is None else flops / peak_flops * 1e3,
         })  # fmt: skip
     return rows

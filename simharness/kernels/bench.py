@@ -1,5 +1,6 @@
 """Kernel benchmark: n-gram proposer and rejection sampler (reference / torch / Triton), with the achieved
-bandwidth of the sampler next to the device's measured copy bandwidth. Writes kernels.csv and kernels.md.
+bandwidth of the sampler next to the device's measured copy bandwidth, and the model verify step next to
+its memory and compute floors. Writes kernels.csv and kernels.md.
 
 `run_kernel_bench` = `kernel_rows` (measure) + `write_tables` (render); other benchmarks append their rows
 (same columns, their own `kernel` name) before `write_tables`, which renders one table per kernel.
@@ -7,6 +8,7 @@ bandwidth of the sampler next to the device's measured copy bandwidth. Writes ke
 
 import datetime
 import functools
+import gc
 import math
 import platform
 import statistics
@@ -18,6 +20,7 @@ import pandas as pd
 import torch
 import triton
 
+from simharness.engine.model import bench_verify_step
 from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
 from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
 
@@ -28,16 +31,27 @@ NGRAM_VOCAB = 1024  # small enough that 2- to 5-gram matches occur in random his
 REFERENCE_NGRAM_MAX_TOKENS = 16 * 2048  # B * L above this: the pure-Python reference is skipped
 L2_FLUSH_BYTES = 256 * 2**20  # written before every timed CUDA repeat, so inputs come from HBM
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host queues the whole call before it starts
+MATMUL_SIZE = 8192  # square bf16 matrix product that measures the peak dense FLOP rate
+# Verify step: (preset, batch sizes) per run; the 8B shape only in a full CUDA run.
+VERIFY_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
+VERIFY_QUICK = [("llama-3.2-1b", [1, 16])]
+VERIFY_CPU = [("tiny", [1, 8])]
+VERIFY_CONTEXT = 512
 # Rendered after the columns that describe a row.
-MEASURED_COLUMNS = ["device_ms", "wall_ms", "speedup_vs_torch", "logits_gb_per_s", "pct_of_copy_bw"]
+MEASURED_COLUMNS = [
+    "device_ms", "wall_ms", "speedup_vs_torch", "logits_gb_per_s", "pct_of_copy_bw",
+    "weights_floor_ms", "x_weights_floor", "weights_kv_floor_ms", "compute_floor_ms", "best_floor_x_weights",
+    "x_best_floor",
+]  # fmt: skip
 
 
 def run_kernel_bench(device: str, out_dir: Path, quick: bool = False) -> pd.DataFrame:
     """Measure every kernel row on `device` and write kernels.csv / kernels.md to out_dir."""
     dev = torch.device(device)
     copy_gbps = measure_copy_bandwidth(dev, quick)
-    frame = pd.DataFrame(kernel_rows(dev, quick, copy_gbps))
-    write_tables(frame, dev, Path(out_dir), copy_gbps, quick)
+    peak_tflops = measure_matmul_tflops(dev)
+    frame = pd.DataFrame(kernel_rows(dev, quick, copy_gbps) + verify_rows(dev, quick, copy_gbps, peak_tflops))
+    write_tables(frame, dev, Path(out_dir), copy_gbps, quick, peak_tflops)
     return frame
 
 
@@ -92,6 +106,15 @@ def measure_copy_bandwidth(device: torch.device, quick: bool) -> float:
     dst = torch.empty_like(src)
     device_ms, _ = time_call(lambda: dst.copy_(src), device, repeats=20)
     return 2 * size / (device_ms * 1e-3) / 1e9
+
+
+def measure_matmul_tflops(device: torch.device) -> float:
+    """TFLOP/s of a square matrix product (bf16 on CUDA, fp32 elsewhere; smaller on CPU)."""
+    size, dtype = (MATMUL_SIZE, torch.bfloat16) if device.type == "cuda" else (MATMUL_SIZE // 8, torch.float32)
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    device_ms, _ = time_call(lambda: torch.mm(a, b, out=out), device, repeats=10)
+    return 2 * size**3 / (device_ms * 1e-3) / 1e12
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,6 +197,37 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[
 
 
 # --------------------------------------------------------------------------------------------------
+# Verify step
+# --------------------------------------------------------------------------------------------------
+
+
+def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float) -> list[Row]:
+    """The model verify step (k drafts + 1 per row, after VERIFY_CONTEXT cached tokens; CUDA graphs on CUDA)
+    next to three floors: weights / copy bandwidth, (weights + K/V read) / copy bandwidth, FLOPs / peak."""
+    runs = VERIFY_CPU if device.type != "cuda" else VERIFY_QUICK if quick else VERIFY_CUDA
+    rows: list[Row] = []
+    for preset, batches in runs:
+        measured = bench_verify_step(
+            preset, batches, K, device, repeats=5 if quick or device.type != "cuda" else 50,
+            bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12, context_len=VERIFY_CONTEXT,
+        )  # fmt: skip
+        for m in measured:
+            best_floor = max(m["floor_with_kv_ms"], m["compute_floor_ms"])
+            rows.append(
+                {"kernel": "verify", "impl": "cuda_graphs" if m["cuda_graphs"] else "eager",
+                 "dtype": "bfloat16" if device.type == "cuda" else "float32", "model": preset,
+                 "batch": m["batch"], "k": K, "context": VERIFY_CONTEXT, "device_ms": m["median_ms"],
+                 "weights_floor_ms": m["floor_ms"], "x_weights_floor": m["ratio_to_floor"],
+                 "weights_kv_floor_ms": m["floor_with_kv_ms"], "compute_floor_ms": m["compute_floor_ms"],
+                 "best_floor_x_weights": best_floor / m["floor_ms"], "x_best_floor": m["median_ms"] / best_floor}
+            )  # fmt: skip
+        gc.collect()  # the model is freed before the next preset is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------
 
@@ -184,7 +238,9 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def write_tables(frame: pd.DataFrame, device: torch.device, out_dir: Path, copy_gbps: float, quick: bool) -> None:
+def write_tables(
+    frame: pd.DataFrame, device: torch.device, out_dir: Path, copy_gbps: float, quick: bool, peak_tflops: float
+) -> None:
     """kernels.csv (all rows) and kernels.md (a header with device, date and versions; a table per kernel)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out_dir / "kernels.csv", index=False)
@@ -194,6 +250,7 @@ def write_tables(frame: pd.DataFrame, device: torch.device, out_dir: Path, copy_
         if device.type == "cuda"
         else "time.perf_counter around each call (device_ms = wall_ms)"
     )
+    matmul = f"{MATMUL_SIZE} bf16" if device.type == "cuda" else f"{MATMUL_SIZE // 8} fp32"
     lines = [
         "# Kernel benchmark",
         "",
@@ -202,12 +259,23 @@ def write_tables(frame: pd.DataFrame, device: torch.device, out_dir: Path, copy_
         f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
         f"- produced by simharness.kernels.bench.run_kernel_bench(device={str(device)!r}, quick={quick})",
         f"- measured copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, bytes read + written)",
+        f"- measured matrix-product peak: {peak_tflops:.3g} TFLOP/s (torch.mm of two square {matmul} matrices)",
         f"- timing: {timing}; medians of 25 repeats (5 when quick or on CPU; 3 for the n-gram reference)",
         f"- sizes: {'quick' if quick else 'full'}; n-gram min_n={MIN_N} max_n={MAX_N} k={K}, int32 histories of "
         f"random tokens from a {NGRAM_VOCAB}-token vocabulary; the pure-Python n-gram reference runs only for "
         f"B*L <= {REFERENCE_NGRAM_MAX_TOKENS} (too slow above); Triton rows need CUDA",
         "- rejection: every row has k drafts (all k+1 positions are read); logits_gb_per_s = logits bytes / "
         "device_ms; pct_of_copy_bw compares it with the measured copy bandwidth",
+        f"- verify: one model verify step, B rows x (k+1) tokens after {VERIFY_CONTEXT} cached tokens per row, "
+        "random weights, CUDA-graph replay on CUDA; device_ms = median of CUDA events around 50 back-to-back steps "
+        "(5 when quick or on CPU, wall clock on CPU). Floors: weights_floor_ms = bytes of weights a step reads "
+        "(every matrix and norm once; an untied embedding table is only gathered) / copy bandwidth; "
+        "weights_kv_floor_ms adds the K/V cache bytes the rows read (context + k+1 positions x layers x "
+        "2 x kv_heads x head_dim x element bytes); compute_floor_ms = (2 x matmul params + attention FLOPs) x tokens / "
+        "the measured matrix-product peak; x_weights_floor = device_ms / weights_floor_ms; best floor = "
+        "max(weights_kv_floor_ms, compute_floor_ms) (memory and compute overlap at best), best_floor_x_weights = "
+        "best floor / weights_floor_ms (what no implementation can beat, in units of the weight-read floor), "
+        "x_best_floor = device_ms / best floor",
     ]
     for kernel, table in frame.groupby("kernel", sort=False):
         table = table.dropna(axis=1, how="all").drop(columns="kernel")
