@@ -21,10 +21,12 @@ from typing import TextIO
 import nvtx
 import pandas as pd
 
+from simharness.records import DEVICE_SYNC_DTYPES, device_syncs_frame
+
 DOMAIN = nvtx.get_domain("simharness")
 # The text torch's sync debug mode warns with ("... (Triggered internally at ...)" follows it).
 SYNC_WARNING = "called a synchronizing CUDA operation"
-DEVICE_SYNC_COLUMNS = ["step", "phase", "site", "wait_s"]
+DEVICE_SYNC_COLUMNS = list(DEVICE_SYNC_DTYPES)
 ROOT = Path(__file__).resolve().parents[1]  # sites are reported relative to the repository root
 
 
@@ -166,10 +168,4 @@ class SyncRecorder:
 
     def frame(self) -> pd.DataFrame:
         """The recorded syncs, one row each, with columns DEVICE_SYNC_COLUMNS."""
-        step, phase_name, site, wait = zip(*self._rows, strict=True) if self._rows else ((), (), (), ())
-        return pd.DataFrame({
-            "step": pd.Series(step, dtype="int64"),
-            "phase": pd.Series(phase_name, dtype=str),
-            "site": pd.Series(site, dtype=str),
-            "wait_s": pd.Series(wait, dtype="float64"),
-        })
+        return device_syncs_frame(self._rows)

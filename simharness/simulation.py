@@ -175,7 +175,8 @@ class Simulation:
         self.backend = backend or ModelBackend(requests, acceptance, self.cost, self.mode.k, acc_rng)
         # a hardware backend measures prep, launch, the device step, the readback and the CPU proposer
         self.measured = self.backend.measured
-        self.measured_phases = "prep,launch,gpu,readback" + (",propose" if self.mode.ngram_cpu else "")
+        self.measured_phases = ("prep,launch,gpu,readback" + (",propose" if self.mode.ngram_cpu else "")
+                                if self.measured else "")
         self.records = Records(k=self.mode.k)
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
@@ -440,7 +441,7 @@ class Simulation:
                 s.sync_wait,
                 s.n_syncs,
                 s.bubble,
-                self.measured_phases if self.measured else "",
+                self.measured_phases,
                 *s.device_phases,
                 s.device_syncs,
                 s.harness_s,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from simharness.engine.decode import PHASES, DecodeLoop, StepResult
-from simharness.engine.model import Transformer, get_config
+from simharness.engine.model import PRESETS, Transformer, get_config
 from simharness.instrument import SyncRecorder, phase
 from simharness.kernels.ngram import propose_ngram_row
 from simharness.scenario import Engine, ScenarioError
@@ -46,13 +46,11 @@ def resolve_device(engine: Engine) -> torch.device:
 
 def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
     """The target model of `engine.model` with random weights, its vocabulary widened to the workload's."""
-    from simharness.engine.model import PRESETS
-
     if engine.model not in PRESETS:
         raise ScenarioError(f"engine.model: {engine.model!r} has no torch model; known: {', '.join(PRESETS)}")
     config = get_config(engine.model)
     if config.vocab_size < vocab_size:
-        config = type(config)(**{**config.__dict__, "vocab_size": vocab_size})
+        config = dataclasses.replace(config, vocab_size=vocab_size)
     device = resolve_device(engine)
     graphs = engine.cuda_graphs and device.type == "cuda"
     return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
@@ -152,9 +150,8 @@ class TorchBackend:
         # host mirror of the device truth, as of the last read-back step that held the request
         self.committed = np.zeros(n, dtype=np.int64)  # generated tokens on the device
         self.next_valid = np.zeros(n, dtype=np.int64)  # valid drafts proposed for its next step
-        # prompt + generated tokens (host copy), with room for the steps a finished request may still sit in
-        width = int((self.prompt_len + self.output_len).max()) + (mode.depth + 1) * (mode.k + 1)
-        self.history = np.zeros((n, width), dtype=np.int64)
+        # prompt + generated tokens (host copy), as wide as the request's cache positions
+        self.history = np.zeros((n, positions), dtype=np.int64)
         self.host_drafts = np.full((n, max(mode.k, 1)), -1, dtype=np.int64)  # CPU proposer's drafts
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
@@ -189,14 +186,12 @@ class TorchBackend:
         self.syncs.start_step(step.id)
         with phase("prep"):
             b = step.batch
-            for i in np.flatnonzero(b.prefill):
-                rid = int(b.req[i])
-                if self.slot[rid] < 0:
-                    self.slot[rid] = self.free_slots.pop()
-                    self.history[rid, : self.prompt_len[rid]] = self.req.prompt_tokens[rid]
             launch = _Launch(decode_rids=b.req[b.decode])
             for i in np.flatnonzero(b.prefill):
                 rid, start = int(b.req[i]), int(self.prefilled[b.req[i]])
+                if self.slot[rid] < 0:  # its first chunk
+                    self.slot[rid] = self.free_slots.pop()
+                    self.history[rid, : self.prompt_len[rid]] = self.req.prompt_tokens[rid]
                 end = start + int(b.tokens[i])
                 self.prefilled[rid] = end
                 last = bool(b.completes_prefill[i])
