@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 import torch
 
@@ -280,9 +281,8 @@ class TorchBackend:
     def release(self, rids: np.ndarray) -> None:
         """Free the slots of requests the host saw finish. Every step that holds them was launched
         before, and the next owner's prefill is launched after, so FIFO order keeps the slot safe."""
-        for rid in rids:
-            self.free_slots.append(int(self.slot[rid]))
-            self.slot[rid] = -1
+        self.free_slots.extend(self.slot[rids].tolist())
+        self.slot[rids] = -1
 
     # ---------------------------------------------------------------- GPU stream
 
@@ -298,46 +298,40 @@ class TorchBackend:
             t_read = time.perf_counter()
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy() if launch.first_host is not None else None
+            prefill_s = launch.events[0].elapsed_time(launch.events[1]) / 1e3 if self.cuda else launch.prefill_s
             step.readback_s = self._leave(t0) - (t_read - t0)
-        phase_s = dict.fromkeys(DEVICE_PHASES, 0.0)
-        if self.cuda:
-            phase_s["prefill"] = launch.events[0].elapsed_time(launch.events[1]) / 1e3
-        else:
-            phase_s["prefill"] = launch.prefill_s
-        emitted = np.zeros(b.size, dtype=np.int64)
+        # The host's mirror and the step's outcome are the harness's own work, like the SimPy model's: one
+        # compiled pass over the rows, since a few dozen small array operations cost more than the step's
+        # own host phases on a slow host.
+        emitted = b.completes_prefill.astype(np.int64)  # a prefill emits its first token with its last chunk
         r = launch.decode_rids
         if out is not None:
-            phase_s.update(out.phase_s)
-            before = self.committed[r]
-            remaining = self.output_len[r] - before
-            live = remaining > 0
-            slots = step.verified_slots[b.decode]
-            n_drafts = np.minimum(self.valid_launched(r, out), slots) * live
-            accepted = (out.num_emitted - 1) * live
-            emitted[b.decode] = np.clip(np.minimum(out.num_emitted, remaining), 0, None)
-            wasted = (1 + slots) * ~live
-            columns = (self.prompt_len[r] + before)[:, None] + np.arange(self.k + 1)
-            keep = np.arange(self.k + 1) < out.num_emitted[:, None]
-            self.history[np.broadcast_to(r[:, None], keep.shape)[keep], columns[keep]] = out.tokens[keep]
-            self.committed[r] = before + out.num_emitted
-            self.next_valid[r] = out.next_valid
+            slots = step.verified_slots[b.decode] if b.n_prefill else step.verified_slots
+            emits, accepted, n_drafts, wasted = read_back_rows(
+                r, slots, self.valid_launched(r, out), out.num_emitted, out.tokens, out.next_valid,
+                self.committed, self.next_valid, self.output_len, self.prompt_len, self.history,
+            )  # fmt: skip
+            if b.n_prefill:
+                emitted[b.decode] = emits
+            else:
+                emitted = emits
+            device_phases = (prefill_s, *out.phase_s.values())
         else:
             n_drafts = accepted = wasted = np.zeros(0, dtype=np.int64)
+            device_phases = (prefill_s, 0.0, 0.0, 0.0, 0.0)
         if first is not None:
             rids = np.asarray(launch.first_rids)
             self.history[rids, self.prompt_len[rids]] = first[0]
             self.committed[rids] = 1
             self.next_valid[rids] = first[1]
-            emitted[np.isin(b.req, rids)] = 1
         self.n_read += 1
         step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, accepted, n_drafts, wasted
-        step.device_phases = tuple(phase_s[p] for p in DEVICE_PHASES)
+        step.device_phases = device_phases
         step.device_syncs = self.syncs.count(step.id)
-        # The bookkeeping above (the host's mirror, this step's outcome) is the harness's, like the SimPy model.
         now = time.perf_counter()
         step.harness_s = (now - self.mark) - self.inside
         self.mark, self.inside = now, 0.0
-        return float(sum(step.device_phases))
+        return float(sum(device_phases))
 
     def valid_launched(self, r: np.ndarray, out) -> np.ndarray:
         """Valid drafts the step verified per request: the device proposer's count from the previous
@@ -376,3 +370,47 @@ def _sleep_rate() -> float:
         end.synchronize()
         _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
     return _SLEEP_RATE[0]
+
+
+@numba.njit(cache=True)
+def read_back_rows(
+    rids: np.ndarray,
+    verified: np.ndarray,
+    valid: np.ndarray,
+    num_emitted: np.ndarray,
+    tokens: np.ndarray,
+    new_valid: np.ndarray,
+    committed: np.ndarray,
+    next_valid: np.ndarray,
+    output_len: np.ndarray,
+    prompt_len: np.ndarray,
+    history: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Apply a read-back step's decoding rows to the host's mirror (tokens, committed counts, valid drafts)
+    and return per row the tokens it emits, drafts accepted, valid drafts verified and slots wasted.
+
+    Row i is request rids[i], which verified `verified[i]` draft slots holding `valid[i]` real drafts and
+    emitted `num_emitted[i]` tokens on the device (`tokens[i]`). A request that finished in an earlier step
+    but sat in this one (no tokens left) emits and accepts nothing and wastes its 1 + slots positions."""
+    n = len(rids)
+    emitted = np.zeros(n, dtype=np.int64)
+    accepted = np.zeros(n, dtype=np.int64)
+    drafts = np.zeros(n, dtype=np.int64)
+    wasted = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        rid = rids[i]
+        before = committed[rid]
+        remaining = output_len[rid] - before
+        e = num_emitted[i]
+        if remaining > 0:
+            emitted[i] = min(e, remaining)
+            accepted[i] = e - 1
+            drafts[i] = min(valid[i], verified[i])
+        else:
+            wasted[i] = 1 + verified[i]
+        start = prompt_len[rid] + before
+        for j in range(e):
+            history[rid, start + j] = tokens[i, j]
+        committed[rid] = before + e
+        next_valid[rid] = new_valid[i]
+    return emitted, accepted, drafts, wasted
