@@ -103,9 +103,9 @@ def rejection_sample_reference(
 
 @triton.jit
 def _open_uniform(word):
-    """A uint32 word to a float32 in the open interval (0, 1): 23 bits, so 1 - 2^-24 is exact (24 bits and
-    a half step would round the top value to 1.0, whose log is 0)."""
-    return ((word >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    """A uint32 word to a float32 in the open interval (0, 1): (m + 1/2) / 2^23 with m its top 23 bits, exact (24 bits
+    and a half step would round the top value to 1.0, whose log is 0)."""
+    return tl.fma((word >> 9).to(tl.float32), 1.0 / 8388608.0, 1.0 / 16777216.0)
 
 
 @triton.jit
@@ -122,13 +122,36 @@ def _log2(x, FAST: tl.constexpr):
 
 @triton.jit
 def _gumbel2(word, FAST: tl.constexpr):
-    """Base-2 Gumbel noise -log2(E), E = -ln(u) ~ Exp(1), from a uint32 word. E is accurate where it is small
-    (u near 1: the columns most likely to win a race): a series in w = 1 - u there, log2(u) elsewhere."""
+    """Base-2 Gumbel noise up to a constant, -log2(-log2 u) = -log2(E) + log2(ln 2) with E = -ln(u) ~ Exp(1), from
+    a uint32 word (the constant shifts every key of a race alike). -log2(u) is accurate where it is small (u near 1:
+    the columns most likely to win a race): a series in w = 1 - u there, log2(u) elsewhere."""
     u = _open_uniform(word)
-    w = ((8388608 - (word >> 9)).to(tl.float32) - 0.5) * (1.0 / 8388608.0)  # 1 - u, exact
-    series = w * (1.0 + w * (0.5 + w * 0.3333333333333333))  # -ln(1 - w), relative error < w^3 / 4
-    exponential = tl.where(w < 0.0078125, series, -0.6931471805599453 * _log2(u, FAST))
-    return -_log2(exponential, FAST)
+    w = 1.0 - u  # exact: u is a multiple of 2^-24
+    # -log2(1 - w) = (w + w^2 / 2 + w^3 / 3 + ...) / ln 2, truncated: relative error < w^3 / 4
+    series = w * (1.4426950408889634 + w * (0.7213475204444817 + w * 0.48089834696298783))
+    return -_log2(tl.where(w < 0.0078125, series, -_log2(u, FAST)), FAST)
+
+
+@triton.jit
+def _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, sum_ptr, key_ptr, index_ptr,
+          K: tl.constexpr, EXCLUDE_DRAFTS: tl.constexpr):  # fmt: skip
+    """Random rows' per-position results for one tile (see _rejection_tile_kernel). EXCLUDE_DRAFTS removes draft i
+    from position i's race and sum; a tile that holds none of the row's drafts skips that per-element work."""
+    inf: tl.constexpr = float("inf")
+    for i in tl.static_range(K + 1):
+        xf = xs[i].to(tl.float32)
+        if EXCLUDE_DRAFTS and i < K:
+            # The draft is excluded from the race and from this sum (the walk kernel adds its term back).
+            xf = tl.where(columns == drafts[i], -inf, xf)
+        best, index = tl.max(xf + noise, axis=0, return_indices=True, return_indices_tie_break_left=False)
+        tl.store(key_ptr + out + i, best, mask=num_drafts >= i)
+        tl.store(index_ptr + out + i, start + index, mask=num_drafts >= i)
+        if i < K:
+            # The sum of 2^x relative to the best key (base-2 units): a column's term is at most 2^-(its noise)
+            # <= 24 (-log2 u <= 24), so nothing overflows, and the best key's column keeps >= 2^-24.
+            reference = tl.where(best == -inf, 0.0, best * scale)
+            tl.store(max_ptr + out + i, reference, mask=num_drafts > i)
+            tl.store(sum_ptr + out + i, tl.sum(tl.exp2(tl.fma(xf, scale, -reference)), axis=0), mask=num_drafts > i)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -163,8 +186,11 @@ def _rejection_tile_kernel(
     # `in_vocab & live`: Triton's interpreter rejects a scalar & block mask).
     inf: tl.constexpr = float("inf")
     drafts = ()
+    holds_draft = False
     for i in tl.static_range(K):
-        drafts = drafts + (tl.where(num_drafts > i, tl.load(drafts_ptr + row * K + i).to(tl.int32), -1),)
+        draft = tl.where(num_drafts > i, tl.load(drafts_ptr + row * K + i).to(tl.int32), -1)
+        drafts = drafts + (draft,)
+        holds_draft = holds_draft | ((draft >= start) & (draft < start + BLOCK))
     xs = ()
     for i in tl.static_range(K + 1):
         xs = xs + (tl.load(ptrs + i * logits_stride_k, mask=columns < tl.where(num_drafts >= i, vocab, 0), other=-inf),)
@@ -183,23 +209,16 @@ def _rejection_tile_kernel(
         counters = row * noise_per_row + start // 4 + tl.arange(0, BLOCK // 4)
         w0, w1, w2, w3 = tl.randint4x(seed, counters)
         words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
-        # Gumbel race: argmax_j (x_j - log2 E_j), E_j ~ Exp(1), is a sample of p (= argmax_j p_j / E_j). Keys
-        # stay in logit units (logit + noise / scale: the same order), one add per element.
-        noise = _gumbel2(words, FAST_LOG) / scale
-        for i in tl.static_range(K + 1):
-            xf = xs[i].to(tl.float32)
-            if i < K:
-                # The draft is excluded from the race and from this sum (the walk kernel adds its term back).
-                xf = tl.where(columns == drafts[i], -inf, xf)
-            best, index = tl.max(xf + noise, axis=0, return_indices=True, return_indices_tie_break_left=False)
-            tl.store(key_ptr + out + i, best, mask=num_drafts >= i)
-            tl.store(index_ptr + out + i, start + index, mask=num_drafts >= i)
-            if i < K:
-                # The sum of 2^x relative to the best key (base-2 units): a column's term is at most 2^-(its noise)
-                # <= 2^4.06 (E <= -ln 2^-24), so nothing overflows, and the best key's column keeps >= 2^-24.
-                reference = tl.where(best == -inf, 0.0, best * scale)
-                tl.store(max_ptr + out + i, reference, mask=num_drafts > i)
-                tl.store(sum_ptr + out + i, tl.sum(tl.exp2(tl.fma(xf, scale, -reference)), axis=0), mask=num_drafts > i)
+        # Gumbel race: argmax_j (x_j + g_j), g_j base-2 Gumbel noise, is a sample of p. Keys stay in logit units
+        # (logit + g / scale = logit + g T ln 2: the same order), one add per element.
+        noise = _gumbel2(words, FAST_LOG) * (temperature * 0.6931471805599453)
+        # At most K of a row's tiles hold a draft; the others run the race without the per-element exclusion.
+        if holds_draft:
+            _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, sum_ptr, key_ptr, index_ptr,
+                  K=K, EXCLUDE_DRAFTS=True)  # fmt: skip
+        else:
+            _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, sum_ptr, key_ptr, index_ptr,
+                  K=K, EXCLUDE_DRAFTS=False)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])
