@@ -290,9 +290,10 @@ def _rejection_walk_kernel(
     tl.store(num_emitted_ptr + row, num_accepted + 1)
 
 
-# Kernel 1's (vocab columns per program, warps) by logits element size: the best at B=256, k=4, V=128256 in a
-# sweep on an H100.
-_CONFIGS = {4: (1024, 4), 2: (512, 1)}
+# Kernel 1's (vocab columns per program, warps, register cap) by logits element size: the best at B=256, k=4,
+# V=128256 in a sweep on an H100. One-warp programs reduce with shuffles alone (no shared-memory round trips); a
+# register cap that spills nothing raises the resident warps per SM.
+_CONFIGS = {4: (2048, 4, 128), 2: (512, 1, 128)}
 
 
 def rejection_sample_triton(
@@ -318,7 +319,7 @@ def rejection_sample_triton(
     num_drafts = num_drafts.to(device).contiguous()
     temperature = temperature.to(device=device, dtype=torch.float32).contiguous()
 
-    max_block, num_warps = _CONFIGS[target_logits.element_size()]
+    max_block, num_warps, maxnreg = _CONFIGS[target_logits.element_size()]
     block = max(16, min(max_block, triton.next_power_of_2(vocab)))
     n_tiles = triton.cdiv(vocab, block)
     partials = torch.empty((4, batch, n_tiles, k_plus_1), dtype=torch.float32, device=device)
@@ -335,7 +336,7 @@ def rejection_sample_triton(
     _rejection_tile_kernel[(batch, n_tiles)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
         tile_max, tile_sum, best_key, best_index, vocab, noise_per_row, seed,
-        K=k, BLOCK=block, FAST_LOG=device.type == "cuda", num_warps=num_warps,
+        K=k, BLOCK=block, FAST_LOG=device.type == "cuda", num_warps=num_warps, maxnreg=maxnreg,
     )  # fmt: skip
     tile_block = triton.next_power_of_2(n_tiles)
     _rejection_walk_kernel[(batch,)](
