@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from simharness.engine.decode import DecodeLoop
-from simharness.engine.model import Transformer, get_config
+from simharness.engine.model import Transformer, get_config, rope_attention_torch, rope_attention_triton
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -53,6 +53,24 @@ def test_triton_ops_match_torch_ops() -> None:
         results.append((torch.stack(firsts), *verified, model.k_cache, model.v_cache))
     for reference, fused in zip(*results, strict=True):
         assert rel_err(fused, reference) < 2e-2
+
+
+def test_rope_attention_with_many_chunks_is_deterministic() -> None:
+    """B = 1 at the 1B shape cuts a 1000-position context into chunks merged by the last program to arrive: it
+    matches torch, and 20 launches give bitwise the same output (the merge never reads a missing partial)."""
+    c, batch, n_tokens, max_len = ONE_B, 2, 5, 1024
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache = torch.randn(2, batch + 1, max_len, c.n_kv_heads, c.head_dim, generator=gen, device="cuda")
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    qkv = torch.randn(batch * n_tokens, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, generator=gen, device="cuda")
+    qkv = qkv.bfloat16()
+    angles = torch.rand(max_len, c.head_dim // 2, generator=gen, device="cuda") * 6
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+    args = (angles.cos(), angles.sin(), torch.tensor([2, 0], device="cuda"), torch.tensor([1000, 126], device="cuda"))
+    expected = rope_attention_torch(qkv, k_cache.clone(), v_cache.clone(), *args, n_tokens, c.n_heads, counters)
+    outs = [rope_attention_triton(qkv, k_cache, v_cache, *args, n_tokens, c.n_heads, counters) for _ in range(20)]
+    assert rel_err(outs[0], expected) < 2e-2
+    assert all(torch.equal(out, outs[0]) for out in outs) and not counters.any()
 
 
 def test_cuda_graph_verify_matches_eager_and_padding_rows_touch_only_scratch() -> None:

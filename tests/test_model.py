@@ -11,9 +11,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import single_thread
+from helpers import interpreted_kernels, single_thread
 
-from simharness.engine.model import PRESETS, Transformer, get_config, model_sizes, steer_logits
+from simharness.engine import model as model_module
+from simharness.engine.model import (
+    PRESETS,
+    Transformer,
+    get_config,
+    model_sizes,
+    rope_attention_torch,
+    rope_attention_triton,
+    steer_logits,
+)
 
 TINY = get_config("tiny")
 
@@ -149,17 +158,75 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
         for a, b in [*zip(p0, p1), (v0, v1), (k0, k1), (c0, c1)]:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
-        # Attention alone: 2 rows x 2 kv heads split contexts of up to 300 into chunks of 128 (combine
-        # kernel); 64 x 2 = 128 programs take the whole context in one chunk.
-        from simharness.engine.model import verify_attention_torch, verify_attention_triton
-        for batch, max_len in [(2, 300), (64, 80)]:
-            k_cache, v_cache = torch.randn(2, batch + 1, max_len, 2, 16, generator=gen)
-            q = torch.randn(batch * 3, 4, 16, generator=gen)
-            slots = torch.randperm(batch + 1, generator=gen)[:batch]
-            start = torch.randint(0, max_len - 3, (batch,), generator=gen)
-            args = (q, k_cache, v_cache, slots, start, 3)
-            torch.testing.assert_close(verify_attention_triton(*args), verify_attention_torch(*args))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture
+def interpreted() -> Iterator[None]:
+    """The attention kernel in Triton's CPU interpreter, in this process."""
+    yield from interpreted_kernels(model_module, ("_rope_attention_kernel", "_rotated"))
+
+
+def test_rope_attention_matches_torch(interpreted: None) -> None:
+    """RoPE + K/V write + attention against the torch ops: contexts cut into several chunks (merged by the last
+    program to arrive) or one, a row at position 0, a step that straddles a chunk boundary, one-token steps; a
+    row whose positions run past max_len (garbage output) writes only inside its own slot."""
+    gen = torch.Generator().manual_seed(0)
+    counters = torch.zeros(256, dtype=torch.int32)
+    for batch, max_len, n_heads, n_kv_heads, head_dim, n_tokens in [
+        (3, 300, 4, 2, 16, 5),  # 6 programs: chunks of 128
+        (64, 80, 4, 2, 16, 3),  # 128 programs: one chunk per row
+        (2, 260, 4, 1, 16, 1),
+    ]:
+        k_cache, v_cache = torch.randn(2, batch + 1, max_len, n_kv_heads, head_dim, generator=gen)
+        qkv = torch.randn(batch * n_tokens, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen)
+        slots = torch.randperm(batch + 1, generator=gen)[:batch]
+        start = torch.randint(0, max_len - n_tokens + 1, (batch,), generator=gen)
+        start[0] = 0
+        if batch > 2:
+            start[-1] = max_len + 7  # past max_len
+        if max_len > 128 + n_tokens:
+            start[1 % batch] = 126  # positions 126..126+T-1 straddle the chunk boundary at 128
+        angles = torch.rand(max_len, head_dim // 2, generator=gen) * 6
+        args = (angles.cos(), angles.sin(), slots, start, n_tokens, n_heads, counters)
+        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+        expected = rope_attention_torch(qkv, *caches[0], *args)
+        got = rope_attention_triton(qkv, *caches[1], *args)
+        live = batch - 1 if batch > 2 else batch
+        torch.testing.assert_close(got[: live * n_tokens], expected[: live * n_tokens], rtol=1e-4, atol=1e-4)
+        untouched = torch.ones(batch + 1, dtype=torch.bool)
+        untouched[slots[live:]] = False  # the garbage row's slot: written at clamped positions by both
+        for triton_cache, torch_cache, original in zip(caches[1], caches[0], (k_cache, v_cache), strict=True):
+            torch.testing.assert_close(triton_cache[untouched], torch_cache[untouched])
+            below = slice(0, max_len - n_tokens)
+            assert torch.equal(triton_cache[~untouched][:, below], original[~untouched][:, below])
+        assert not counters.any()
+
+
+def test_rope_attention_does_not_depend_on_where_a_step_starts(interpreted: None) -> None:
+    """Three tokens verified in one step, or one per step (the other two slots junk), give bitwise the same
+    outputs and cache: what greedy speculative == plain greedy in bf16 rests on."""
+    gen = torch.Generator().manual_seed(1)
+    batch, max_len, n_heads, n_kv_heads, head_dim, n_tokens, start = 2, 300, 4, 2, 16, 3, 190
+    k_cache, v_cache = torch.randn(2, batch + 1, max_len, n_kv_heads, head_dim, generator=gen)
+    qkv = torch.randn(batch, n_tokens, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(max_len, head_dim // 2, generator=gen) * 6
+    slots, counters = torch.tensor([2, 0]), torch.zeros(8, dtype=torch.int32)
+    args = (angles.cos(), angles.sin(), slots)
+    whole = (k_cache.clone(), v_cache.clone())
+    together = rope_attention_triton(
+        qkv.flatten(0, 1), *whole, *args, torch.full((batch,), start), n_tokens, n_heads, counters
+    ).view(batch, n_tokens, -1)
+    apart = (k_cache.clone(), v_cache.clone())
+    for i in range(n_tokens):
+        step = torch.randn(batch, n_tokens, qkv.shape[-1], generator=gen)  # junk after the real token
+        step[:, 0] = qkv[:, i]
+        out = rope_attention_triton(
+            step.flatten(0, 1), *apart, *args, torch.full((batch,), start + i), n_tokens, n_heads, counters
+        ).view(batch, n_tokens, -1)
+        assert torch.equal(out[:, 0], together[:, i])
+    for a, b in zip(apart, whole, strict=True):
+        assert torch.equal(a[:, : start + n_tokens], b[:, : start + n_tokens])

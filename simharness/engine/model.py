@@ -6,8 +6,9 @@ kv_heads, head_dim]`; the extra slot is scratch for the padding rows of a CUDA-g
 
 `verify` runs T = 1 + k tokens per batch row, each row at its own slot and start position (tensors, so
 nothing is read on the host). On CUDA the per-token ops are small Triton kernels (fused residual add +
-RMSNorm, RoPE + KV write, cached attention, SiLU-mul) so that a layer is nine launches and a captured
-CUDA graph stays close to the weight-read floor; elsewhere the same ops run as plain torch.
+RMSNorm; RoPE + KV write + cached attention, its context chunks merged in the same kernel; SiLU-mul) between
+cuBLAS GEMMs, so that a layer is eight launches and a captured CUDA graph stays close to the weight-read
+floor; elsewhere the same ops run as plain torch.
 """
 
 import dataclasses
@@ -127,6 +128,15 @@ def verify_attention_torch(
     return out.transpose(1, 2).reshape(batch * n_tokens, n_heads * head_dim)
 
 
+def rope_attention_torch(
+    qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor, start_pos: Tensor, n_tokens: int, n_heads: int, counters: Tensor,
+) -> Tensor:  # fmt: skip
+    """The verify step's attention from qkv: RoPE, the step's K/V into the cache, causal attention [B*T, Hq*D]."""
+    q = rope_write_kv_torch(qkv, k_cache, v_cache, cos, sin, slots, start_pos, n_tokens, n_heads)
+    return verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens)
+
+
 def silu_mul_torch(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -215,16 +225,33 @@ def rope_write_kv_triton(
 
 
 @triton.jit
-def _verify_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, m_ptr, l_ptr, slots_ptr, start_ptr,
+def _rotated(ptr, rows, cos_ptr, sin_ptr, pos, mask, HALF: tl.constexpr):
+    """RoPE of [R, 2 HALF] head vectors at ptr + rows (row offsets) for positions pos [R] (rotate-half pairing):
+    each element takes its partner in the other half, so the result is one [R, D] block for tl.dot."""
+    d = tl.arange(0, 2 * HALF)[None, :]
+    partner = (d + HALF) % (2 * HALF)
+    x = tl.load(ptr + rows[:, None] + d, mask=mask[:, None], other=0.0).to(tl.float32)
+    x_partner = tl.load(ptr + rows[:, None] + partner, mask=mask[:, None], other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + pos[:, None] * HALF + d % HALF)
+    sin = tl.load(sin_ptr + pos[:, None] * HALF + d % HALF)
+    return x * cos + tl.where(d < HALF, -x_partner, x_partner) * sin
+
+
+@triton.jit
+def _rope_attention_kernel(
+    qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, slots_ptr, start_ptr, out_ptr,
+    acc_ptr, ml_ptr, counter_ptr,
     n_tokens, max_len, chunk_size, sm_scale, stride_slot, stride_pos,
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    # One program per (row, kv head, chunk of positions): its T x G query rows share every K/V tile (GQA).
-    # The context length is read on the device, so one launch (or graph) fits every length; chunks past
-    # it exit at once. Without SPLIT a single chunk spans the cache and the output is written directly;
-    # with SPLIT each chunk leaves an unnormalised partial (acc, max, sum) for _attention_combine_kernel.
+    # One program per (row, kv head, chunk of positions): its T x G query rows share every K/V tile (GQA). It
+    # rotates q, and rotates and writes to the cache the step's k and v whose positions fall in its chunk (so it
+    # alone reads them back). The context length is read on the device, so one launch (or graph) fits every
+    # length; chunks past it exit at once. With several chunks, each leaves an unnormalised partial (acc, max,
+    # sum), and the last to arrive merges them in position order and re-arms the counter. Tiles sit at fixed
+    # positions and masked positions add exact zeros, so a query's result does not depend on where its step starts.
+    D: tl.constexpr = 2 * HALF
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -235,14 +262,27 @@ def _verify_attention_kernel(
         return
     hi = tl.minimum(lo + chunk_size, n_ctx)
     slot = tl.load(slots_ptr + b)
+    row_width = (HQ + 2 * HKV) * D
+    kv_base = slot * stride_slot + kv_head * D
+    d = tl.arange(0, D)[None, :]
+    # Past max_len the caller's results are garbage, but writes stay inside the row's own slot.
+    tn = tl.arange(0, BLOCK_T)
+    new_pos = tl.minimum(start + tn, max_len - 1)
+    mine = (tn < n_tokens) & (new_pos >= lo) & (new_pos < hi)
+    new_rows = (b * n_tokens + tn) * row_width + (HQ + kv_head) * D
+    new_k = _rotated(qkv_ptr, new_rows, cos_ptr, sin_ptr, new_pos, mine, HALF)
+    new_v = tl.load(qkv_ptr + new_rows[:, None] + HKV * D + d, mask=mine[:, None])
+    tl.store(k_cache_ptr + kv_base + new_pos[:, None] * stride_pos + d, new_k, mask=mine[:, None])
+    tl.store(v_cache_ptr + kv_base + new_pos[:, None] * stride_pos + d, new_v, mask=mine[:, None])
+    tl.debug_barrier()  # read back below by other threads of this program
+
     r = tl.arange(0, BLOCK_M)
     t = r // G
-    row_ok = (t < n_tokens)[:, None]
-    d = tl.arange(0, D)[None, :]
-    q_off = ((b * n_tokens + t) * HQ + kv_head * G + r % G)[:, None] * D + d
-    q = tl.load(q_ptr + q_off, mask=row_ok, other=0.0)
+    row_ok = t < n_tokens
+    q_rows = (b * n_tokens + t) * row_width + (kv_head * G + r % G) * D
+    q = _rotated(qkv_ptr, q_rows, cos_ptr, sin_ptr, tl.minimum(start + t, max_len - 1), row_ok, HALF)
+    q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = (start + t)[:, None]
-    kv_base = slot * stride_slot + kv_head * D
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -262,45 +302,35 @@ def _verify_attention_kernel(
         v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if SPLIT:
-        part = (b * (HQ // G) + kv_head) * tl.num_programs(2) + chunk
-        tl.store(out_ptr + (part * BLOCK_M + r)[:, None] * D + d, acc)
-        tl.store(m_ptr + part * BLOCK_M + r, m_i)
-        tl.store(l_ptr + part * BLOCK_M + r, l_i)
-    else:
-        tl.store(out_ptr + q_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def _attention_combine_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, start_ptr, n_tokens, max_len, chunk_size, n_chunks,
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    # Merge a (row, kv head)'s chunk partials in position order. Chunks wholly past a query add exact
-    # zeros, so a query's result does not depend on how far the step's context reaches.
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    start = tl.load(start_ptr + b)
-    n_ctx = tl.minimum(start + n_tokens, max_len)
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)[None, :]
-    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_tot = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    base = (b * (HQ // G) + kv_head) * n_chunks
-    for c in range(0, (n_ctx + chunk_size - 1) // chunk_size):
-        part = base + c
-        m_c = tl.load(m_ptr + part * BLOCK_M + r)
-        m_new = tl.maximum(m_tot, m_c)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale_old = tl.exp(m_tot - m_safe)
-        scale_c = tl.exp(m_c - m_safe)
-        l_tot = l_tot * scale_old + tl.load(l_ptr + part * BLOCK_M + r) * scale_c
-        acc = acc * scale_old[:, None] + tl.load(acc_ptr + (part * BLOCK_M + r)[:, None] * D + d) * scale_c[:, None]
-        m_tot = m_new
-    t = r // G
-    out_off = ((b * n_tokens + t) * HQ + kv_head * G + r % G)[:, None] * D + d
-    tl.store(out_ptr + out_off, (acc / l_tot[:, None]).to(out_ptr.dtype.element_ty), mask=(t < n_tokens)[:, None])
+    last_chunk = (n_ctx - 1) // chunk_size
+    if last_chunk > 0:
+        head = b * HKV + kv_head
+        part = head * tl.num_programs(2) + chunk
+        tl.store(acc_ptr + (part * BLOCK_M + r)[:, None] * D + d, acc)
+        tl.store(ml_ptr + part * 2 * BLOCK_M + r, m_i)
+        tl.store(ml_ptr + part * 2 * BLOCK_M + BLOCK_M + r, l_i)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is published
+        if tl.atomic_add(counter_ptr + head, 1, sem="acq_rel") != last_chunk:
+            return
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for c in range(0, last_chunk + 1):
+            # .cg: read from L2, where the other programs' stores are (never a stale L1 line)
+            other = head * tl.num_programs(2) + c
+            m_c = tl.load(ml_ptr + other * 2 * BLOCK_M + r, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_c)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale_old = tl.exp(m_i - m_safe)
+            scale_c = tl.exp(m_c - m_safe)
+            l_c = tl.load(ml_ptr + other * 2 * BLOCK_M + BLOCK_M + r, cache_modifier=".cg")
+            l_i = l_i * scale_old + l_c * scale_c
+            acc_c = tl.load(acc_ptr + (other * BLOCK_M + r)[:, None] * D + d, cache_modifier=".cg")
+            acc = acc * scale_old[:, None] + acc_c * scale_c[:, None]
+            m_i = m_new
+        tl.store(counter_ptr + head, 0)
+    out_ptrs = out_ptr + ((b * n_tokens + t) * HQ + kv_head * G + r % G)[:, None] * D + d
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def attention_chunk_size(batch: int, n_kv_heads: int, max_len: int) -> int:
@@ -310,31 +340,28 @@ def attention_chunk_size(batch: int, n_kv_heads: int, max_len: int) -> int:
     return max_len if programs >= 128 else 128 * triton.next_power_of_2(triton.cdiv(programs, 16))
 
 
-def verify_attention_triton(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int
-) -> Tensor:
-    batch, (max_len, n_kv_heads, head_dim), n_heads = slots.shape[0], k_cache.shape[1:], q.shape[1]
+def rope_attention_triton(
+    qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor, start_pos: Tensor, n_tokens: int, n_heads: int, counters: Tensor,
+) -> Tensor:  # fmt: skip
+    batch, (max_len, n_kv_heads, head_dim) = slots.shape[0], k_cache.shape[1:]
     group = n_heads // n_kv_heads
     block_m = max(16, triton.next_power_of_2(n_tokens * group))
     chunk_size = attention_chunk_size(batch, n_kv_heads, max_len)
     n_chunks = triton.cdiv(max_len, chunk_size)
-    out = torch.empty_like(q)
-    split = n_chunks > 1
-    if split:
-        acc = torch.empty(batch * n_kv_heads * n_chunks, block_m, head_dim, dtype=torch.float32, device=q.device)
-        m, l = torch.empty(2, batch * n_kv_heads * n_chunks, block_m, dtype=torch.float32, device=q.device)
-    else:
-        acc, m, l = out, out, out  # unused
-    common = {"HQ": n_heads, "G": group, "D": head_dim, "BLOCK_M": block_m}
-    _verify_attention_kernel[(batch, n_kv_heads, n_chunks)](
-        q, k_cache, v_cache, acc, m, l, slots, start_pos, n_tokens, max_len, chunk_size, head_dim**-0.5,
-        k_cache.stride(0), k_cache.stride(1), BLOCK_N=64, SPLIT=split, **common,
+    if batch * n_kv_heads > counters.numel():
+        raise ValueError(f"{batch * n_kv_heads} (row, kv head) pairs exceed the {counters.numel()} arrival counters")
+    out = torch.empty(qkv.shape[0], n_heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    parts = batch * n_kv_heads * n_chunks if n_chunks > 1 else 1
+    acc = torch.empty(parts, block_m, head_dim, dtype=torch.float32, device=qkv.device)
+    ml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=qkv.device)
+    _rope_attention_kernel[(batch, n_kv_heads, n_chunks)](
+        qkv, k_cache, v_cache, cos, sin, slots, start_pos, out, acc, ml, counters,
+        n_tokens, max_len, chunk_size, head_dim**-0.5, k_cache.stride(0), k_cache.stride(1),
+        HQ=n_heads, HKV=n_kv_heads, G=group, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_T=triton.next_power_of_2(n_tokens),
     )  # fmt: skip
-    if split:
-        _attention_combine_kernel[(batch, n_kv_heads)](
-            acc, m, l, out, start_pos, n_tokens, max_len, chunk_size, n_chunks, **common
-        )
-    return out.view(q.shape[0], n_heads * head_dim)
+    return out
 
 
 @triton.jit
@@ -357,13 +384,13 @@ def silu_mul_triton(gate_up: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class _Ops:
     rms_norm: Callable[..., Tensor]
-    rope_write_kv: Callable[..., Tensor]
-    verify_attention: Callable[..., Tensor]
+    rope_write_kv: Callable[..., Tensor]  # prefill: the attention itself is torch's
+    rope_attention: Callable[..., Tensor]
     silu_mul: Callable[[Tensor], Tensor]
 
 
-TORCH_OPS = _Ops(rms_norm_torch, rope_write_kv_torch, verify_attention_torch, silu_mul_torch)
-TRITON_OPS = _Ops(rms_norm_triton, rope_write_kv_triton, verify_attention_triton, silu_mul_triton)
+TORCH_OPS = _Ops(rms_norm_torch, rope_write_kv_torch, rope_attention_torch, silu_mul_torch)
+TRITON_OPS = _Ops(rms_norm_triton, rope_write_kv_triton, rope_attention_triton, silu_mul_triton)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,6 +476,9 @@ class Transformer(nn.Module):
         angles = torch.arange(max_len, device=device, dtype=torch.float64)[:, None] * inv_freq
         self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [max_len, head_dim / 2]
         self.slot_ids = torch.arange(max_slots + 1, device=device)
+        # Arrival counters of the attention kernel's chunk merge (one per (row, kv head) of a launch): zero between
+        # launches, each launch leaves them zero.
+        self.counters = torch.zeros((max_slots + 1) * config.n_kv_heads, dtype=torch.int32, device=device)
         self._graph_sizes = sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -476,16 +506,21 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             qkv = F.linear(x, layer.wqkv)
-            q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
-            if masked:
-                attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens)
-            elif prefill_slot is None:
-                attn = ops.verify_attention(q, k_cache, v_cache, slots, start_pos, n_tokens)
-            else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
-                k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]  # [1, Hkv, T, D]
-                v = v_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]
-                attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True)
-                attn = attn[0].transpose(0, 1).reshape(n_tokens, -1)
+            if prefill_slot is None and not masked:
+                attn = ops.rope_attention(
+                    qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads, self.counters
+                )
+            else:
+                q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
+                if masked:
+                    attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens)
+                else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
+                    k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]  # [1, Hkv, T, D]
+                    v = v_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]
+                    attn = F.scaled_dot_product_attention(
+                        q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True
+                    )
+                    attn = attn[0].transpose(0, 1).reshape(n_tokens, -1)
             x = ops.rms_norm(F.linear(attn, layer.wo), layer.ffn_norm, c.norm_eps, residual)
             h = ops.silu_mul(F.linear(x, layer.w13))
             next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
