@@ -41,12 +41,9 @@ class Batch:
     The properties are the per-request views a hardware backend reads."""
 
     table: np.ndarray  # int64 [BATCH_ROWS, size]
+    size: int  # requests
     n_prefill: int  # prefill chunks
     n_tokens: int  # tokens scheduled (a prefill chunk, or 1 + draft slots per request)
-
-    @property
-    def size(self) -> int:
-        return self.table.shape[1]
 
     @property
     def req(self) -> np.ndarray:
@@ -126,7 +123,7 @@ class BatchScheduler:
             self.running_ids, self.counts, self.prompt_len, self.prompt_left, self.room, held, k,
             cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunked_prefill,
         )
-        return Batch(table, n_prefill, n_tokens)
+        return Batch(table, table.shape[1], n_prefill, n_tokens)
 
     def settle(self, batch: Batch) -> np.ndarray:
         """Process a step's output (its EMITTED row): advance the host's counts, return the ids that

@@ -88,7 +88,7 @@ HOST_COLUMNS = [c for c in STEP_COLUMNS if c not in COUNT_COLUMNS]
 # (rows of `request_counts`).
 ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S = range(3)
 NUM_CHUNKS, NUM_DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS, REQUEST_WASTED_SLOTS = range(5)
-CAPACITY = 1024  # steps and emissions buffered before the buffers double
+STEP_CAPACITY = 1024  # steps buffered before the buffer doubles
 
 
 class Records:
@@ -97,14 +97,18 @@ class Records:
     A settled step adds its host row and, in one compiled call, its counts, emissions and per-request
     tallies from the batch table."""
 
-    def __init__(self, k: int, n_requests: int):
+    def __init__(self, k: int, output_len: np.ndarray):
+        n_requests = len(output_len)
         self.k = k
         self.steps: list[tuple] = []  # per step, the HOST_COLUMNS
-        self.step_counts = np.zeros((CAPACITY, N_COUNTS + k), dtype=np.int64)  # per step
+        self.step_counts = np.zeros((STEP_CAPACITY, N_COUNTS + k), dtype=np.int64)  # per step
         self.syncs: list[tuple] = []
-        self.emissions = np.zeros((3, CAPACITY), dtype=np.int64)  # request id, step, tokens; one per emission
-        self.emission_times = np.zeros(CAPACITY)
-        self.n_emissions = 0
+        # Emissions: request id and tokens, compact (int32) since a run's first touch of memory costs more than
+        # filling it, and in step order: the emissions of step i end at emission_ends[i], at emission_times[i].
+        # An emission carries at least one of the output tokens, so there are at most sum(output_len).
+        self.emissions = np.zeros((2, int(output_len.sum())), dtype=np.int32)
+        self.emission_ends: list[int] = []
+        self.emission_times: list[float] = []
         self.request_times = np.full((3, n_requests), np.nan)  # ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S (NaN: none)
         self.request_counts = np.zeros((5, n_requests), dtype=np.int64)  # NUM_CHUNKS .. REQUEST_WASTED_SLOTS
         self.requests: pd.DataFrame | None = None  # set at the end of the run (`requests_frame`)
@@ -115,11 +119,10 @@ class Records:
         i = len(self.steps)
         if i == len(self.step_counts):
             self.step_counts = np.concatenate((self.step_counts, np.zeros_like(self.step_counts)))
-        if self.n_emissions + table.shape[1] > len(self.emission_times):
-            self.emissions = np.concatenate((self.emissions, np.zeros_like(self.emissions)), axis=1)
-            self.emission_times = np.concatenate((self.emission_times, np.zeros_like(self.emission_times)))
-        self.n_emissions = record_step(table, row[0], time, self.step_counts[i], self.emissions, self.emission_times,
-                                       self.n_emissions, self.request_times, self.request_counts)
+        n_emissions = self.emission_ends[-1] if i else 0
+        self.emission_ends.append(record_step(table, time, self.step_counts, i, self.emissions, n_emissions,
+                                              self.request_times, self.request_counts))
+        self.emission_times.append(time)
         self.steps.append(row)
 
     def add_sync(self, step: int, name: str, phase: str, waits_for: str, start: float, end: float) -> None:
@@ -145,25 +148,28 @@ class Records:
         return pd.DataFrame(dict(zip(REQUEST_COLUMNS, columns, strict=True)))
 
     def emissions_frame(self) -> pd.DataFrame:
-        n = self.n_emissions
-        ids, steps, tokens = self.emissions[:, :n]
-        return pd.DataFrame(dict(zip(EMISSION_COLUMNS, (ids, steps, self.emission_times[:n], tokens), strict=True)))
+        per_step = np.diff(self.emission_ends, prepend=0).astype(np.int64)
+        ids, tokens = self.emissions[:, : self.emission_ends[-1] if self.steps else 0].astype(np.int64)
+        steps = np.repeat(np.array([row[0] for row in self.steps], dtype=np.int64), per_step)
+        times = np.repeat(np.array(self.emission_times, dtype=np.float64), per_step)
+        return pd.DataFrame(dict(zip(EMISSION_COLUMNS, (ids, steps, times, tokens), strict=True)))
 
 
 @njit(cache=True)
 def record_step(
     table: np.ndarray,
-    step: int,
     time: float,
-    counts: np.ndarray,
+    step_counts: np.ndarray,
+    row: int,
     emissions: np.ndarray,
-    emission_times: np.ndarray,
     n_emissions: int,
     request_times: np.ndarray,
     request_counts: np.ndarray,
 ) -> int:
-    """Count a settled step's batch table into `counts` (COUNT_COLUMNS, then accepted drafts per position),
-    append its emissions at `time` and add to the per-request tallies; returns the number of emissions."""
+    """Count a settled step's batch table into `step_counts[row]` (COUNT_COLUMNS, then accepted drafts per
+    position), append its emissions and add them, at `time`, to the per-request tallies; returns the number of
+    emissions."""
+    counts = step_counts[row]
     k = len(counts) - N_COUNTS
     counts[N_REQS] = table.shape[1]
     for i in range(table.shape[1]):
@@ -188,9 +194,7 @@ def record_step(
         if emitted:
             counts[EMITTED] += emitted
             emissions[0, n_emissions] = rid
-            emissions[1, n_emissions] = step
-            emissions[2, n_emissions] = emitted
-            emission_times[n_emissions] = time
+            emissions[1, n_emissions] = emitted
             n_emissions += 1
             if np.isnan(request_times[FIRST_TOKEN_S, rid]) or time < request_times[FIRST_TOKEN_S, rid]:
                 request_times[FIRST_TOKEN_S, rid] = time

@@ -180,7 +180,7 @@ class Simulation:
         self.measured = self.backend.measured
         self.measured_phases = ("prep,launch,gpu,readback" + (",propose" if self.mode.ngram_cpu else "")
                                 if self.measured else "")
-        self.records = Records(self.mode.k, n)
+        self.records = Records(self.mode.k, requests.output_len)
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
         self.gpu_idle: simpy.Event | None = None  # set while the GPU waits for a launch
@@ -319,7 +319,8 @@ class Simulation:
         """The host phases from scheduling to launch; phases with no sync point between them are one event."""
         env, cost, mode, b = self.env, self.cost, self.mode, step.batch
         syncs = self.phase_syncs
-        yield from self._syncs(step, syncs["schedule"], in_flight)
+        if syncs["schedule"]:
+            yield from self._syncs(step, syncs["schedule"], in_flight)
         step.schedule_start = env.now
         step.schedule_end = env.now + cost.schedule(b.size)
         # Prep reads the device truth when trimming; with steps in flight it must be read at
@@ -356,19 +357,19 @@ class Simulation:
 
     def _settle(self, step: Step, in_flight: deque):
         """Wait for the oldest step's output, then update requests and emit tokens."""
-        env, b = self.env, step.batch
+        env, b, syncs = self.env, step.batch, self.phase_syncs["update"]
         start = env.now
         if not step.done.triggered:
             yield step.done
         # the readback and the update are one event unless a sync point sits between them
         sync_end = env.now + (step.readback_s if self.measured else self.cost.sync())
-        if self.phase_syncs["update"]:
-            yield self._until(sync_end)
         step.sync_wait += sync_end - start
         step.n_syncs += 1
         self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        yield from self._syncs(step, self.phase_syncs["update"], in_flight)
-        step.update_start = env.now if self.phase_syncs["update"] else sync_end
+        if syncs:
+            yield self._until(sync_end)
+            yield from self._syncs(step, syncs, in_flight)
+        step.update_start = env.now if syncs else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
         if not self.measured:
