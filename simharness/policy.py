@@ -86,7 +86,9 @@ class BatchScheduler:
 
     def __init__(self, cfg: SchedulerConfig, prompt_len: np.ndarray, output_len: np.ndarray):
         n = len(prompt_len)
-        self.cfg = cfg
+        self.budget = cfg.max_num_batched_tokens
+        self.max_num_seqs = cfg.max_num_seqs
+        self.chunked_prefill = cfg.chunked_prefill
         self.prompt_len = prompt_len.astype(np.int64)
         self.output_len = output_len.astype(np.int64)
         self.prompt_left = self.prompt_len.copy()  # prompt tokens not scheduled yet
@@ -118,10 +120,9 @@ class BatchScheduler:
     def schedule(self, k: int, held: np.ndarray = K_SLOTS) -> Batch:
         """Pick the next step's batch. A decoding request reserves `k` draft slots, or, when `held` is
         given (the valid drafts of each running request, in running order), as many as it holds."""
-        cfg = self.cfg
         table, n_prefill, n_tokens = _schedule(
-            self.running_ids, self.counts, self.prompt_len, self.prompt_left, self.room, held, k,
-            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunked_prefill,
+            self.running_ids, self.counts, self.prompt_len, self.prompt_left, self.room, held, k, self.budget,
+            self.max_num_seqs, self.chunked_prefill,
         )
         return Batch(table, table.shape[1], n_prefill, n_tokens)
 

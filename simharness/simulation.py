@@ -189,6 +189,7 @@ class Simulation:
         self.last_gpu_end: float | None = None
         self.last_launched: Step | None = None
         self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
+        self.slots_follow_drafts = bool(self.mode.k and self.mode.depth == 1 and self.mode.trim)
 
     # ---------------------------------------------------------------- clients
 
@@ -264,20 +265,20 @@ class Simulation:
     def _held(self) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
         synchronous and trimming (the host has them), else k placeholder slots (async, or every slot verified)."""
-        if self.mode.k and self.mode.depth == 1 and self.mode.trim:
-            return self.backend.valid_drafts(self.sched.running())
-        return K_SLOTS
+        return self.backend.valid_drafts(self.sched.running()) if self.slots_follow_drafts else K_SLOTS
 
-    def _sync(self, step: Step, sp: SyncPoint, in_flight: deque):
-        """Block the host on a GPU event; record the wait."""
-        start = self.env.now
-        target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
-        if target is not None and not target.done.triggered:
-            yield target.done
-        yield self.env.timeout(self.cost.sync())
-        step.sync_wait += self.env.now - start
-        step.n_syncs += 1
-        self.records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, self.env.now)
+    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
+        """Block the host on each point's GPU event in turn; record the waits."""
+        env = self.env
+        for sp in points:
+            start = env.now
+            target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
+            if target is not None and not target.done.triggered:
+                yield target.done
+            yield env.timeout(self.cost.sync())
+            step.sync_wait += env.now - start
+            step.n_syncs += 1
+            self.records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, env.now)
 
     def engine_loop(self):
         env, cost, mode, sched = self.env, self.cost, self.mode, self.sched
@@ -333,7 +334,9 @@ class Simulation:
         else:
             step.prep_start = step.schedule_end
         n_tokens = b.n_tokens
-        if mode.trim and b.n_prefill < b.size:
+        # Trimming at prep is for async scheduling: a synchronous scheduler already reserved the drafts the
+        # host holds, and with nothing in flight the device has not moved since.
+        if mode.trim and mode.depth > 1 and b.n_prefill < b.size:
             n_tokens += b.trim(self.backend.valid_drafts(b.req), mode.k)  # a decode computes 1 + its slots
             step.trimmed = True
         step.prep_end = step.prep_start + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
@@ -350,10 +353,6 @@ class Simulation:
         self.stream.append(step)
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
             self.gpu_idle.succeed()
-
-    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
-        for sp in points:
-            yield from self._sync(step, sp, in_flight)
 
     def _settle(self, step: Step, in_flight: deque):
         """Wait for the oldest step's output, then update requests and emit tokens."""
