@@ -109,6 +109,7 @@ class Records:
         self.emissions = np.zeros((2, int(output_len.sum())), dtype=np.int32)
         self.emission_ends: list[int] = []
         self.emission_times: list[float] = []
+        self.n_emissions = 0
         self.request_times = np.full((3, n_requests), np.nan)  # ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S (NaN: none)
         self.request_counts = np.zeros((5, n_requests), dtype=np.int64)  # NUM_CHUNKS .. REQUEST_WASTED_SLOTS
         self.requests: pd.DataFrame | None = None  # set at the end of the run (`requests_frame`)
@@ -119,9 +120,9 @@ class Records:
         i = len(self.steps)
         if i == len(self.step_counts):
             self.step_counts = np.concatenate((self.step_counts, np.zeros_like(self.step_counts)))
-        n_emissions = self.emission_ends[-1] if i else 0
-        self.emission_ends.append(record_step(table, time, self.step_counts, i, self.emissions, n_emissions,
-                                              self.request_times, self.request_counts))
+        self.n_emissions = record_step(table, time, self.step_counts, i, self.emissions, self.n_emissions,
+                                       self.request_times, self.request_counts)
+        self.emission_ends.append(self.n_emissions)
         self.emission_times.append(time)
         self.steps.append(row)
 
@@ -149,7 +150,7 @@ class Records:
 
     def emissions_frame(self) -> pd.DataFrame:
         per_step = np.diff(self.emission_ends, prepend=0).astype(np.int64)
-        ids, tokens = self.emissions[:, : self.emission_ends[-1] if self.steps else 0].astype(np.int64)
+        ids, tokens = self.emissions[:, : self.n_emissions].astype(np.int64)
         steps = np.repeat(np.array([row[0] for row in self.steps], dtype=np.int64), per_step)
         times = np.repeat(np.array(self.emission_times, dtype=np.float64), per_step)
         return pd.DataFrame(dict(zip(EMISSION_COLUMNS, (ids, steps, times, tokens), strict=True)))

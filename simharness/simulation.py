@@ -229,21 +229,22 @@ class Simulation:
 
     def gpu_stream(self):
         """Runs launched steps in order; the step's outcome is decided by the device truth now."""
+        env, stream = self.env, self.stream
         while True:
-            if self.stream:
+            if stream:
                 # what a satisfied `Store.get` costs: one pass through the event queue, which keeps
                 # the order of events at equal times
-                yield self.env.timeout(0)
+                yield env.timeout(0)
             else:
-                self.gpu_idle = self.env.event()
+                self.gpu_idle = env.event()
                 yield self.gpu_idle
-            step = self.stream.popleft()
-            start = self.env.now
+            step = stream.popleft()
+            start = env.now
             duration = self.backend.run_step(step)
             step.gpu_start = start
             step.bubble = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
-            yield self.env.timeout(duration)
-            step.gpu_end = self.last_gpu_end = self.env.now
+            yield env.timeout(duration)
+            step.gpu_end = self.last_gpu_end = env.now
             step.done.succeed()
 
     # ---------------------------------------------------------------- engine loop

@@ -72,7 +72,7 @@ class ModelBackend:
             b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
             self.uniforms, self.next_uniform,
         )
-        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history if self.cost.ngram_gpu else 0)
+        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history)
 
 
 @njit(cache=True)
