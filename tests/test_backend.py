@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from simharness.acceptance import SurvivalAcceptance
-from simharness.costmodel import CostModel
+from simharness.costmodel import CostModel, gpu_seconds
 from simharness.engine.backend import ModelBackend
 from simharness.policy import (
     ACCEPTED,
@@ -86,12 +86,12 @@ def test_a_request_that_finished_before_its_step_ran_wastes_its_slots():
 
 def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     model = backend([5, 7], [50, 50])
-    cost = model.cost
+    sizes, rates = model.cost.sizes, model.cost.rates
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
-    assert model.run_step(step([0], prefill=5)) == cost.gpu_time(5, 5, 30, 6)
+    assert model.run_step(step([0], prefill=5)) == gpu_seconds(sizes, rates, 5, 5, 30, 6)
     model.run_step(step([1], prefill=7))
     # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
     decode = step([0, 1], slots=2)
     seconds = model.run_step(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
-    assert seconds == cost.gpu_time(6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted)
+    assert seconds == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted)

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts
-from simharness.costmodel import CostModel
+from simharness.costmodel import CostModel, gpu_seconds
 from simharness.policy import (
     ACCEPTED,
     COMPLETES,
@@ -68,11 +68,11 @@ class ModelBackend:
             self.uniforms = np.concatenate((self.uniforms[self.next_uniform :], fresh))
             self.next_uniform = 0
         acc = self.acc
-        tokens, kv_tokens, pairs2, history, self.next_uniform = _run_step(
+        seconds, self.next_uniform = _run_step(
             b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
-            self.uniforms, self.next_uniform,
+            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates,
         )
-        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history)
+        return seconds
 
 
 @njit(cache=True)
@@ -96,10 +96,12 @@ def _run_step(
     accepted: np.ndarray,
     uniforms: np.ndarray,
     next_uniform: int,
-) -> tuple[int, int, int, int, int]:
-    """One step on the device truth: fills the batch's outcome rows, returns the GPU-time totals (query
-    tokens, KV tokens after the step, twice the attention pairs, history the proposer scans) and the
-    next unread uniform.
+    sizes: np.ndarray,
+    rates: np.ndarray,
+) -> tuple[float, int]:
+    """One step on the device truth: fills the batch's outcome rows, returns its GPU seconds (from its query
+    tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans) and
+    the next unread uniform.
 
     Twice the pairs of a row with query q over context c is q * (2 * c + q + 1): an integer, so the
     totals do not depend on the order of the rows. Acceptance and the drafts held are separate passes:
@@ -146,7 +148,7 @@ def _run_step(
             truth[CONTEXT, rid] = c + emitted
             history += emitted
     _hold(table, truth, k, survival, offset, valid)
-    return tokens, kv_tokens, pairs2, history, next_uniform
+    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history), next_uniform
 
 
 @njit(cache=True)
