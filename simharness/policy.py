@@ -26,6 +26,7 @@ from simharness.scenario import Scheduler as SchedulerConfig
 
 # Rows of a batch table. The scheduler fills REQ to VERIFIED (VERIFIED = SLOTS until prep trims); the
 # outcome rows are filled when the step runs, per request, 0 where they do not apply (a prefill's drafts).
+# The compiled functions of other modules (engine.backend, records) bake these in (see README: numba's cache).
 REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALID, WASTED = range(10)
 BATCH_ROWS = 10
 # The host's request counters, one array that the compiled functions update in place.
