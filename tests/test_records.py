@@ -2,29 +2,15 @@
 
 import numpy as np
 
-from simharness.policy import (
-    ACCEPTED,
-    BATCH_ROWS,
-    COMPLETES,
-    DRAFTS_VALID,
-    EMITTED,
-    PREFILL,
-    REQ,
-    SLOTS,
-    TOKENS,
-    VERIFIED,
-    WASTED,
-)
+from simharness import policy
 from simharness.records import ARRIVAL_S, HOST_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, Records
 
 
 def table(**rows: list[int]) -> np.ndarray:
-    names = {"req": REQ, "tokens": TOKENS, "prefill": PREFILL, "completes": COMPLETES, "slots": SLOTS,
-             "verified": VERIFIED, "emitted": EMITTED, "accepted": ACCEPTED, "drafts_valid": DRAFTS_VALID,
-             "wasted": WASTED}
-    t = np.zeros((BATCH_ROWS, len(rows["req"])), dtype=np.int64)
+    """A batch table from rows named as policy's row constants, in lower case."""
+    t = np.zeros((policy.BATCH_ROWS, len(rows["req"])), dtype=np.int64)
     for name, values in rows.items():
-        t[names[name]] = values
+        t[getattr(policy, name.upper())] = values
     return t
 
 
