@@ -1,7 +1,8 @@
 """What a simulated (or hardware-in-the-loop) run records: steps, syncs, emissions, requests.
 
-The SimPy model appends plain rows while it runs (cheap: no pandas in the hot path); `Records`
-turns them into pandas DataFrames with fixed columns, which metrics, report and trace consume.
+The SimPy model appends each settled step's host row, and a compiled function counts its batch table
+into step counts, emissions and per-request tallies (no pandas, no per-step arrays kept); `Records` turns
+them into pandas DataFrames with fixed columns, which metrics, report and trace consume.
 All times are seconds of virtual time since the start of the run.
 """
 

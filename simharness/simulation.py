@@ -189,7 +189,6 @@ class Simulation:
         self.last_gpu_end: float | None = None
         self.last_launched: Step | None = None
         self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
-        self.slots_follow_drafts = bool(self.mode.k and self.mode.depth == 1 and self.mode.trim)
 
     # ---------------------------------------------------------------- clients
 
@@ -266,7 +265,9 @@ class Simulation:
     def _held(self) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
         synchronous and trimming (the host has them), else k placeholder slots (async, or every slot verified)."""
-        return self.backend.valid_drafts(self.sched.running()) if self.slots_follow_drafts else K_SLOTS
+        if self.mode.k and self.mode.depth == 1 and self.mode.trim:
+            return self.backend.valid_drafts(self.sched.running())
+        return K_SLOTS
 
     def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
         """Block the host on each point's GPU event in turn; record the waits."""
