@@ -71,6 +71,8 @@ class ReplayAcceptance:
     survival = NO_SURVIVAL
 
 
+# The lookups are inlined into the model backend's per-row loops: a call that passes arrays costs numba
+# reference counting per row, several times the lookup itself.
 @njit(cache=True, inline="always")
 def held_drafts(survival: np.ndarray, offset: np.ndarray, valid: np.ndarray, r: int, j: int) -> int:
     """Drafts (0..k) the proposer holds for request r at committed length j."""
