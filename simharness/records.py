@@ -194,6 +194,8 @@ def record_step(
         request_counts[REQUEST_WASTED_SLOTS, rid] += wasted
         emitted = table[policy.EMITTED, i]
         if emitted:
+            if n_emissions == emissions.shape[1]:  # compiled code does not check bounds
+                raise IndexError("more emissions than output tokens")
             counts[EMITTED] += emitted
             emissions[0, n_emissions] = rid
             emissions[1, n_emissions] = emitted
