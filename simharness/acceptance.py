@@ -1,15 +1,18 @@
 """Acceptance models: how many drafts a request has and how many of them the target accepts.
 
-All lookups are vectorised over a batch: `req[i]` is a request id and `committed[i]` the number of
-its output tokens already committed (>= 1 while decoding: the prefill step emits the first token).
+Lookups are per request `r` at committed length `j` (the number of its output tokens already
+committed, >= 1 while decoding: the prefill step emits the first token).
 - `iid(alpha)` and `positional(rates)`: k drafts every step; the accepted count is drawn so that
   P(accepted >= j) is alpha^j, or the product of the first j conditional rates (vLLM's synthetic
   rejection sampler, vllm-notes §3.1 item 9).
 - `replay`: greedy decoding of the request's reference output with the real n-gram proposer. Under
   greedy sampling a draft is accepted iff it equals the next reference token, so the drafts and the
   accepted count at each committed length depend only on the token stream, not on scheduling: they
-  are computed once per request at build time and looked up by fancy indexing.
+  are computed once per request at build time and looked up.
 With proposer `none` or k = 0 there are no drafts.
+
+The simulator's compiled step reads a model as four arrays (`AcceptanceModel`) through `held_drafts`
+and `accepted_drafts`: `survival` for the drawn models, the replay tables for replay, the rest empty.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from numba import njit
 
 from simharness.scenario import Speculation
 from simharness.workload import Requests
@@ -26,21 +30,15 @@ from simharness.workload import Requests
 if TYPE_CHECKING:
     from simharness.kernels.ngram import TieBreak
 
+NO_SURVIVAL = np.zeros(0, dtype=np.float64)
+NO_TABLE = np.zeros(0, dtype=np.int64)
+
 
 class AcceptanceModel(Protocol):
-    # drafts held at every position when they do not depend on it (positions are then not read:
-    # callers may pass None), else None
-    uniform_drafts: int | None
-
-    def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
-        """Drafts (0..k, int64) the proposer holds for each request at its committed length."""
-        ...
-
-    def accept(
-        self, req: np.ndarray, committed: np.ndarray | None, n_drafts: np.ndarray, rng: np.random.Generator
-    ) -> np.ndarray:
-        """Accepted drafts (0..n_drafts, int64) of a step that verifies `n_drafts` valid drafts."""
-        ...
+    survival: np.ndarray  # float64 [k]: drawn models (P(accepted >= j) = survival[j - 1]); empty for replay
+    offset: np.ndarray  # int64 [N]: replay, where request r's entries start; empty for the drawn models
+    valid: np.ndarray  # int64: replay, drafts held at entry offset[r] + j
+    accepted: np.ndarray  # int64: replay, drafts accepted at entry offset[r] + j
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,27 +52,7 @@ class SurvivalAcceptance:
     """
 
     survival: np.ndarray  # float64 [k], non-increasing
-
-    @functools.cached_property
-    def _ascending(self) -> np.ndarray:
-        return self.survival[::-1].copy()
-
-    @property
-    def uniform_drafts(self) -> int:
-        return len(self.survival)
-
-    def valid_drafts(self, req: np.ndarray, committed: np.ndarray | None) -> np.ndarray:
-        return np.full(len(req), len(self.survival), dtype=np.int64)
-
-    def accept(
-        self, req: np.ndarray, committed: np.ndarray | None, n_drafts: np.ndarray, rng: np.random.Generator
-    ) -> np.ndarray:
-        # Inverse CDF with one uniform per request: accepted >= j iff u < survival[j - 1], which has
-        # probability survival[j - 1] because survival is non-increasing. The count of such j is k
-        # minus the count of survival values <= u.
-        u = rng.random(len(req))
-        reached = len(self.survival) - self._ascending.searchsorted(u, side="right")
-        return np.minimum(reached, n_drafts)
+    offset = valid = accepted = NO_TABLE
 
     @property
     def mean_emitted(self) -> float:
@@ -90,30 +68,48 @@ class ReplayAcceptance:
     offset: np.ndarray  # int64 [N]
     valid: np.ndarray  # int64 [sum(output_len)]: drafts proposed from prompt + output[:j]
     accepted: np.ndarray  # int64 [sum(output_len)]: leading drafts equal to output[j:]
-    uniform_drafts = None
+    survival = NO_SURVIVAL
 
-    def valid_drafts(self, req: np.ndarray, committed: np.ndarray) -> np.ndarray:
-        return self.valid[self.offset[req] + committed]
 
-    def accept(
-        self, req: np.ndarray, committed: np.ndarray, n_drafts: np.ndarray, rng: np.random.Generator
-    ) -> np.ndarray:
-        # Greedy verification is deterministic: `rng` is not used.
-        return np.minimum(self.accepted[self.offset[req] + committed], n_drafts)
+# The lookups are inlined into the model backend's per-row loops: a call that passes arrays costs numba
+# reference counting per row, several times the lookup itself.
+@njit(cache=True, inline="always")
+def held_drafts(survival: np.ndarray, offset: np.ndarray, valid: np.ndarray, r: int, j: int) -> int:
+    """Drafts (0..k) the proposer holds for request r at committed length j."""
+    if len(survival):
+        return len(survival)
+    return valid[offset[r] + j]
+
+
+@njit(cache=True, inline="always")
+def accepted_drafts(
+    survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray, r: int, j: int, n_drafts: int, u: float
+) -> int:
+    """Accepted drafts (0..n_drafts) of a step that verifies `n_drafts` valid drafts of request r at
+    committed length j; `u` is a uniform draw in [0, 1), read by the drawn models only."""
+    if len(survival):
+        # Inverse CDF: accepted >= i iff u < survival[i - 1], which has probability survival[i - 1]
+        # because survival is non-increasing.
+        n = 0
+        while n < n_drafts and u < survival[n]:
+            n += 1
+        return n
+    # Greedy verification is deterministic.
+    return min(accepted[offset[r] + j], n_drafts)
 
 
 def make_acceptance(cfg: Speculation, requests: Requests) -> AcceptanceModel:
     """The acceptance model of one sweep point."""
     k = 0 if cfg.proposer == "none" else cfg.k
     model = cfg.acceptance
+    if k == 0 or model.model == "replay":  # replay, or no drafts at all (all-zero tables)
+        return build_replay(requests, k=k, min_n=cfg.min_n, max_n=cfg.max_n, tie_break=cfg.tie_break)
     if model.model == "iid":
         return SurvivalAcceptance(model.alpha ** np.arange(1, k + 1, dtype=np.float64))
-    if model.model == "positional":
-        rates = np.zeros(k)
-        given = np.asarray(model.rates[:k], dtype=np.float64)
-        rates[: len(given)] = given
-        return SurvivalAcceptance(np.cumprod(rates))
-    return build_replay(requests, k=k, min_n=cfg.min_n, max_n=cfg.max_n, tie_break=cfg.tie_break)
+    rates = np.zeros(k)  # positional
+    given = np.asarray(model.rates[:k], dtype=np.float64)
+    rates[: len(given)] = given
+    return SurvivalAcceptance(np.cumprod(rates))
 
 
 # Tables are built for the largest k the schema allows and clipped to each point's k: the proposer's

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from numba import njit
+
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
 
@@ -109,28 +112,12 @@ class CostModel:
             + (g.ngram_gpu_us * 1e-6 if self.ngram_gpu else 0.0)
             + (g.correction_us * 1e-6 if self.correction else 0.0)
         )
-        # the shape's derived sizes, computed once (gpu_time runs every step)
+        # the roofline's coefficients, read by the compiled step (`gpu_seconds`): the shape's sizes, then rates
         s = self.shape
-        self._weight_bytes = s.weight_bytes
-        self._kv_bytes_per_token = s.kv_bytes_per_token
-        self._linear_flops_per_token = s.linear_flops_per_token
-        self._attn_flops_per_pair = s.attn_flops_per_pair
-        self._logit_bytes = s.vocab * 4
-        self._ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9
-
-    def gpu_time(self, tokens: int, kv_tokens: int, pairs2: int, history: int) -> float:
-        """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache
-        after the step (context + query), `pairs2` twice the attention pairs (sum over requests of
-        query * (2 * context + query + 1)), `history` tokens the n-gram proposer scans."""
-        # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
-        # of query * (context + (query + 1) / 2) over the batch in any order.
-        pairs = pairs2 / 2
-        mem = (self._weight_bytes + self._kv_bytes_per_token * kv_tokens) * self.sec_per_byte
-        compute = (self._linear_flops_per_token * tokens + self._attn_flops_per_pair * pairs) * self.sec_per_flop
-        # the sampler reads fp32 logits of every verified position
-        sampler = tokens * self._logit_bytes * self.sec_per_byte
-        proposer = self._ngram_s_per_token * history if self.ngram_gpu else 0.0
-        return self.fixed_s + max(mem, compute) + sampler + proposer
+        self.sizes = np.array([s.weight_bytes, s.kv_bytes_per_token, s.linear_flops_per_token, s.attn_flops_per_pair,
+                               s.vocab * 4], dtype=np.int64)
+        ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9 if self.ngram_gpu else 0.0
+        self.rates = np.array([self.fixed_s, self.sec_per_byte, self.sec_per_flop, ngram_s_per_token])
 
     def schedule(self, n_reqs: int) -> float:
         return (self.h.schedule_us + self.h.schedule_per_req_us * n_reqs) * 1e-6
@@ -152,3 +139,25 @@ class CostModel:
 
     def sync(self) -> float:
         return self.h.sync_us * 1e-6
+
+
+# Coefficients of `gpu_seconds`: CostModel.sizes and CostModel.rates.
+WEIGHT_BYTES, KV_BYTES_PER_TOKEN, LINEAR_FLOPS_PER_TOKEN, ATTN_FLOPS_PER_PAIR, LOGIT_BYTES = range(5)
+FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN = range(4)
+
+
+@njit(cache=True)
+def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int) -> float:
+    """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache after the
+    step (context + query), `pairs2` twice the attention pairs (sum over requests of query * (2 * context +
+    query + 1)), `history` tokens the GPU n-gram proposer scans (its rate is 0 without it)."""
+    # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
+    # of query * (context + (query + 1) / 2) over the batch in any order. Sizes times token counts are exact
+    # integers, rounded once when scaled by a rate.
+    pairs = pairs2 / 2
+    mem = (sizes[WEIGHT_BYTES] + sizes[KV_BYTES_PER_TOKEN] * kv_tokens) * rates[SEC_PER_BYTE]
+    compute = (sizes[LINEAR_FLOPS_PER_TOKEN] * tokens + sizes[ATTN_FLOPS_PER_PAIR] * pairs) * rates[SEC_PER_FLOP]
+    # the sampler reads fp32 logits of every verified position
+    sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE]
+    proposer = rates[NGRAM_S_PER_TOKEN] * history
+    return rates[FIXED_S] + max(mem, compute) + sampler + proposer

@@ -9,54 +9,77 @@ progress is advanced optimistically and settled when the step's output is proces
 token, would already complete it (vLLM skips such requests the same way).
 
 Request ids are assigned in arrival order and admission is FCFS, so "admission order" is simply
-ascending id: the running set is `flatnonzero(status == RUNNING)`.
+ascending id: the running set is kept as an id list, appended on admission, filtered on finish.
+
+A step's batch is one int64 table, a row per field and a column per request, that compiled
+functions (numba) fill and read: scheduling and settling a step are one call each, whatever the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from simharness.scenario import Scheduler as SchedulerConfig
 
-NOT_ARRIVED, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
+# Rows of a batch table. The scheduler fills REQ to VERIFIED (VERIFIED = SLOTS until prep trims); the
+# outcome rows are filled when the step runs, per request, 0 where they do not apply (a prefill's drafts).
+# The compiled functions of other modules (engine.backend, records) bake these in (see README: numba's cache).
+REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALID, WASTED = range(10)
+BATCH_ROWS = 10
+# The host's request counters, one array that the compiled functions update in place.
+N_ARRIVED, N_ADMITTED, N_RUNNING, N_PREFILLING = range(4)
+# `held` when every decoding request reserves k slots (no per-request valid drafts)
+K_SLOTS = np.zeros(0, dtype=np.int64)
 
 
-@dataclass
+@dataclass(eq=False)
 class Batch:
-    """One scheduled step: per request, the tokens it computes and the draft slots it reserves.
+    """One scheduled step: its table (rows REQ..WASTED above, a column per request) and two totals.
 
-    Arrays may be shared, read-only constants (an all-decode batch's flags): treat them as immutable."""
+    The properties are the per-request views a hardware backend reads."""
 
-    req: np.ndarray  # request ids
-    tokens: np.ndarray  # tokens scheduled (prefill chunk, or 1 + draft slots)
-    prefill: np.ndarray  # bool: a prefill chunk
-    completes_prefill: np.ndarray  # bool: the chunk ends the prompt, so the step emits a first token
-    draft_slots: np.ndarray  # draft slots reserved (placeholders under async), 0 for prefill
-    n_tokens: int  # tokens.sum()
-    decode: np.ndarray  # bool: ~prefill
-    emits: np.ndarray  # bool: the step emits a token for the request (decode or last prefill chunk)
-    n_prefill: int  # prefill.sum()
+    table: np.ndarray  # int64 [BATCH_ROWS, size]
+    size: int  # requests
+    n_prefill: int  # prefill chunks
+    n_tokens: int  # tokens scheduled (a prefill chunk, or 1 + draft slots per request)
 
     @property
-    def size(self) -> int:
-        return len(self.req)
+    def req(self) -> np.ndarray:
+        return self.table[REQ]
 
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.table[TOKENS]
 
-def frozen(a: np.ndarray) -> np.ndarray:
-    """`a`, made read-only so that batches and records can share it."""
-    a.flags.writeable = False
-    return a
+    @property
+    def draft_slots(self) -> np.ndarray:
+        """Draft slots reserved (placeholders under async), 0 for prefill."""
+        return self.table[SLOTS]
 
+    @property
+    def prefill(self) -> np.ndarray:
+        return self.table[PREFILL] == 1
 
-def constant(cache: dict[tuple[int, int], np.ndarray], n: int, value: int, dtype: type) -> np.ndarray:
-    """A read-only array of `n` copies of `value`, shared between batches."""
-    a = cache.get((n, value))
-    if a is None:
-        a = cache[n, value] = frozen(np.full(n, value, dtype=dtype))
-    return a
+    @property
+    def completes_prefill(self) -> np.ndarray:
+        """The chunk ends the prompt, so the step emits the request's first token."""
+        return self.table[COMPLETES] == 1
+
+    @property
+    def decode(self) -> np.ndarray:
+        return self.table[PREFILL] == 0
+
+    @property
+    def emits(self) -> np.ndarray:
+        return self.decode | self.completes_prefill
+
+    def trim(self, held: np.ndarray, k: int) -> int:
+        """Cut each decoding request's verified slots to the valid drafts `held` per request (read at a sync);
+        returns the change in tokens computed."""
+        return _trim(self.table, held, k)
 
 
 class BatchScheduler:
@@ -64,28 +87,24 @@ class BatchScheduler:
 
     def __init__(self, cfg: SchedulerConfig, prompt_len: np.ndarray, output_len: np.ndarray):
         n = len(prompt_len)
-        self.cfg = cfg
+        self.budget = cfg.max_num_batched_tokens
+        self.max_num_seqs = cfg.max_num_seqs
+        self.chunked_prefill = cfg.chunked_prefill
         self.prompt_len = prompt_len.astype(np.int64)
         self.output_len = output_len.astype(np.int64)
-        self.status = np.full(n, NOT_ARRIVED, dtype=np.int8)
         self.prompt_left = self.prompt_len.copy()  # prompt tokens not scheduled yet
         self.left = self.output_len.copy()  # output tokens the host has not processed yet
         # left - (in-flight steps that will emit for the request): a decoding request is a
         # candidate while this is positive
         self.room = self.output_len.copy()
-        self.n_arrived = 0
-        self.n_admitted = 0
+        self.counts = np.zeros(4, dtype=np.int64)  # N_ARRIVED, N_ADMITTED, N_RUNNING, N_PREFILLING
+        self.running_ids = np.zeros(n, dtype=np.int64)  # the first counts[N_RUNNING] are the running set
+        self.finished = np.zeros(n, dtype=np.int64)  # ids that finished in the last settled step
         self.n_finished = 0
-        self.n_running = 0
-        self.n_prefilling = 0  # running requests with prompt tokens left to schedule
-        self._running = frozen(np.zeros(0, dtype=np.int64))  # running ids; batches share it
-        self._ints: dict[tuple[int, int], np.ndarray] = {}
-        self._flags: dict[tuple[int, int], np.ndarray] = {}
 
     def arrive(self, rid: int) -> None:
-        assert rid == self.n_arrived, "requests arrive in id order"
-        self.status[rid] = WAITING
-        self.n_arrived += 1
+        assert rid == self.counts[N_ARRIVED], "requests arrive in id order"
+        self.counts[N_ARRIVED] += 1
 
     @property
     def committed(self) -> np.ndarray:
@@ -93,123 +112,139 @@ class BatchScheduler:
         return self.output_len - self.left
 
     def has_waiting(self) -> bool:
-        return self.n_admitted < self.n_arrived
+        return self.counts[N_ADMITTED] < self.counts[N_ARRIVED]
 
     def running(self) -> np.ndarray:
         """Running request ids in admission order."""
-        return self._running
+        return self.running_ids[: self.counts[N_RUNNING]]
 
-    def schedule(self, draft_slots: int | Callable[[np.ndarray], np.ndarray]) -> Batch:
-        """Pick the next step's batch. `draft_slots` is the number of slots every decoding request
-        reserves, or a function giving them for an array of decoding requests."""
-        budget = self.cfg.max_num_batched_tokens
-        running = self.running()
-        room = self.room[running]
-        if not self.n_prefilling:
-            # every running request decodes: candidates are those with room, in order
-            cand = running if not len(running) or np.minimum.reduce(room) > 0 else running[room > 0]
-            n_cand = len(cand)
-            if isinstance(draft_slots, int):
-                # constant tokens per request: the cumulative sum fits the budget for the first n
-                n_fit = min(n_cand, budget // (1 + draft_slots))
-                slots = constant(self._ints, n_fit, draft_slots, np.int64)
-                tok = constant(self._ints, n_fit, 1 + draft_slots, np.int64)
-                used = n_fit * (1 + draft_slots)
-            else:
-                slots = draft_slots(cand)
-                cum = np.cumsum(slots + 1)
-                n_fit = int(cum.searchsorted(budget, side="right"))
-                used = int(cum[n_fit - 1]) if n_fit else 0
-                slots = slots[:n_fit]
-                tok = slots + 1
-            req = cand if n_fit == n_cand else cand[:n_fit]
-            n_prefill = 0
-            pre = completes = constant(self._flags, n_fit, False, bool)
+    def schedule(self, k: int, held: np.ndarray = K_SLOTS) -> Batch:
+        """Pick the next step's batch. A decoding request reserves `k` draft slots, or, when `held` is
+        given (the valid drafts of each running request, in running order), as many as it holds."""
+        table, n_prefill, n_tokens = _schedule(
+            self.running_ids, self.counts, self.prompt_len, self.prompt_left, self.room, held, k, self.budget,
+            self.max_num_seqs, self.chunked_prefill,
+        )
+        return Batch(table, table.shape[1], n_prefill, n_tokens)
+
+    def settle(self, batch: Batch) -> np.ndarray:
+        """Process a step's output (its EMITTED row): advance the host's counts, return the ids that
+        finished now (a view, valid until the next call)."""
+        n_done = _settle(batch.table, self.left, self.room, self.running_ids, self.counts, self.finished)
+        self.n_finished += n_done
+        return self.finished[:n_done]
+
+
+@njit(cache=True)
+def _schedule(
+    running: np.ndarray,
+    counts: np.ndarray,
+    prompt_len: np.ndarray,
+    prompt_left: np.ndarray,
+    room: np.ndarray,
+    held: np.ndarray,
+    k: int,
+    budget: int,
+    max_num_seqs: int,
+    chunked: bool,
+) -> tuple[np.ndarray, int, int]:
+    """The next batch as a table, its prefill chunks and its tokens; updates the host's state."""
+    n_running = counts[N_RUNNING]
+    # at most every running request and the waiting ones max_num_seqs admits, each at least one token
+    n_admissible = min(counts[N_ARRIVED] - counts[N_ADMITTED], max(max_num_seqs - n_running, 0))
+    table = np.zeros((BATCH_ROWS, min(n_running + n_admissible, budget)), dtype=np.int64)
+    size = used = n_prefill = 0
+    # running requests in admission order while the budget lasts; a prefill may be cut to the budget left
+    for j in range(n_running):
+        rid = running[j]
+        prefill = prompt_left[rid] > 0
+        if prefill:
+            tokens, slots = prompt_left[rid], 0
+        elif room[rid] > 0:
+            slots = k if len(held) == 0 else held[j]
+            tokens = 1 + slots
         else:
-            left = self.prompt_left[running]
-            prefill = left > 0
-            keep = prefill | (room > 0)
-            cand, cand_prefill, left = running[keep], prefill[keep], left[keep]
-            cand_decode = ~cand_prefill
-            slots = np.zeros(len(cand), dtype=np.int64)
-            if isinstance(draft_slots, int):
-                slots[cand_decode] = draft_slots
-            else:
-                slots[cand_decode] = draft_slots(cand[cand_decode])
-            tokens = np.where(cand_prefill, left, 1 + slots)
-            # take requests in order while the budget lasts (tokens >= 1, so the cumsum is increasing);
-            # a prefill may be cut to the budget left
-            cum = np.cumsum(tokens)
-            n_fit = int(cum.searchsorted(budget, side="right"))
-            req, tok, pre, slots = cand[:n_fit], tokens[:n_fit], cand_prefill[:n_fit], slots[:n_fit]
-            used = int(cum[n_fit - 1]) if n_fit else 0
-            if n_fit < len(cand) and cand_prefill[n_fit] and self.cfg.chunked_prefill and used < budget:
-                req = np.append(req, cand[n_fit])
-                tok = np.append(tok, budget - used)
-                pre = np.append(pre, True)
-                slots = np.append(slots, 0)
-                used = budget
-            completes = np.zeros(len(req), dtype=bool)
-            rp = req[pre]
-            n_prefill = len(rp)
-            if n_prefill:
-                left = self.prompt_left[rp] - tok[pre]
-                self.prompt_left[rp] = left
-                completes[pre] = left == 0
-                self.n_prefilling -= int(np.count_nonzero(completes))
-        # admit waiting requests FCFS
-        new_req, new_tok, new_completes = [], [], []
-        while self.has_waiting() and self.n_running < self.cfg.max_num_seqs and used < budget:
-            rid = self.n_admitted
-            need = int(self.prompt_len[rid])
-            chunk = min(need, budget - used)
-            if chunk < need and not self.cfg.chunked_prefill:
+            continue
+        if used + tokens > budget:
+            if not (prefill and chunked and used < budget):
                 break
-            self.status[rid] = RUNNING
-            self.n_admitted += 1
-            self.n_running += 1
-            self.prompt_left[rid] = need - chunk
-            self.n_prefilling += chunk < need
-            new_req.append(rid)
-            new_tok.append(chunk)
-            new_completes.append(chunk == need)
-            used += chunk
-        if new_req:
-            # ids are admitted in ascending order, so appending keeps the running set sorted
-            self._running = frozen(np.concatenate((self._running, new_req)))
-            m = len(new_req)
-            req = np.concatenate((req, new_req))
-            tok = np.concatenate((tok, new_tok))
-            pre = np.concatenate((pre, [True] * m))
-            slots = np.concatenate((slots, [0] * m))
-            completes = np.concatenate((completes, new_completes))
-            n_prefill += m
-        if n_prefill:
-            decode = ~pre
-            emits = decode | completes
-            self.room[req] -= emits  # request ids are unique within a batch
-        else:
-            decode = emits = constant(self._flags, len(req), True, bool)
-            self.room[req] -= 1
-        return Batch(req, tok, pre, completes, slots, used, decode, emits, n_prefill)
+            tokens = budget - used
+        table[REQ, size] = rid
+        table[TOKENS, size] = tokens
+        table[SLOTS, size] = table[VERIFIED, size] = slots
+        used += tokens
+        if prefill:
+            table[PREFILL, size] = 1
+            prompt_left[rid] -= tokens
+            n_prefill += 1
+            if prompt_left[rid] == 0:
+                table[COMPLETES, size] = 1
+                counts[N_PREFILLING] -= 1
+        size += 1
+    # admit waiting requests FCFS
+    while counts[N_ADMITTED] < counts[N_ARRIVED] and counts[N_RUNNING] < max_num_seqs and used < budget:
+        rid = counts[N_ADMITTED]
+        need = prompt_len[rid]
+        chunk = min(need, budget - used)
+        if chunk < need and not chunked:
+            break
+        # ids are admitted in ascending order, so appending keeps the running set in admission order
+        running[counts[N_RUNNING]] = rid
+        counts[N_ADMITTED] += 1
+        counts[N_RUNNING] += 1
+        prompt_left[rid] = need - chunk
+        if chunk < need:
+            counts[N_PREFILLING] += 1
+        table[REQ, size] = rid
+        table[TOKENS, size] = chunk
+        table[PREFILL, size] = 1
+        table[COMPLETES, size] = chunk == need
+        used += chunk
+        n_prefill += 1
+        size += 1
+    # every decode and every last prefill chunk will emit at least one token
+    for i in range(size):
+        if table[PREFILL, i] == 0 or table[COMPLETES, i] == 1:
+            room[table[REQ, i]] -= 1
+    return table[:, :size].copy(), n_prefill, used
 
-    def settle(self, batch: Batch, emitted: np.ndarray) -> np.ndarray:
-        """Process a step's output (`emitted` is 0 where the batch does not emit): advance the host's
-        counts, return the ids that finished now."""
-        req = batch.req
-        self.room[req] += batch.emits - emitted
-        left = self.left[req] - emitted
-        self.left[req] = left
-        if np.minimum.reduce(left) > 0:
-            return left[:0]
-        # finished now: no tokens left after this step's (one that finished earlier and sat in
-        # this step emits nothing)
-        at_end = (left == 0).nonzero()[0]
-        done = req[at_end[emitted[at_end] > 0]]
-        if len(done):
-            self.status[done] = FINISHED
-            self.n_finished += len(done)
-            self.n_running -= len(done)
-            running = self._running
-            self._running = frozen(running[self.status[running] == RUNNING])
-        return done
+
+@njit(cache=True)
+def _trim(table: np.ndarray, held: np.ndarray, k: int) -> int:
+    """Verified slots of decoding requests cut to min(held, k); returns the change in tokens."""
+    change = 0
+    for i in range(table.shape[1]):
+        if table[PREFILL, i] == 0:
+            slots = min(held[i], k)
+            change += slots - table[SLOTS, i]
+            table[VERIFIED, i] = slots
+    return change
+
+
+@njit(cache=True)
+def _settle(
+    table: np.ndarray, left: np.ndarray, room: np.ndarray, running: np.ndarray, counts: np.ndarray,
+    finished: np.ndarray,
+) -> int:
+    """Advance the host's counts by a step's output; write the ids that finished now to `finished`
+    (in batch order), return how many there are."""
+    n_done = 0
+    for i in range(table.shape[1]):
+        rid, emitted = table[REQ, i], table[EMITTED, i]
+        emits = int(table[PREFILL, i] == 0 or table[COMPLETES, i] == 1)
+        room[rid] += emits - emitted
+        left[rid] -= emitted
+        # finished now: no tokens left after this step's (one that finished earlier and sat in this
+        # step emits nothing)
+        if left[rid] == 0 and emitted > 0:
+            finished[n_done] = rid
+            n_done += 1
+    if n_done:
+        # a running request is one with output left: drop the finished ones, keeping the order
+        n_running = 0
+        for j in range(counts[N_RUNNING]):
+            if left[running[j]] > 0:
+                running[n_running] = running[j]
+                n_running += 1
+        counts[N_RUNNING] = n_running
+    return n_done

@@ -1,16 +1,18 @@
 """What a simulated (or hardware-in-the-loop) run records: steps, syncs, emissions, requests.
 
-The SimPy model appends plain rows while it runs (cheap: no pandas in the hot path); `Records`
-turns them into pandas DataFrames with fixed columns, which metrics, report and trace consume.
+The SimPy model appends each settled step's host row, and a compiled function counts its batch table
+into step counts, emissions and per-request tallies (no pandas, no per-step arrays kept); `Records` turns
+them into pandas DataFrames with fixed columns, which metrics, report and trace consume.
 All times are seconds of virtual time since the start of the run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pandas as pd
+from numba import njit
+
+from simharness import policy
 
 # One row per engine step. Host phases are [start, end) intervals on the engine thread; a phase
 # that did not happen has start == end. `bubble_s` is GPU idle time between the previous step's
@@ -75,63 +77,135 @@ REQUEST_COLUMNS = [
 ]
 
 
-@dataclass
+# Step columns counted from the batch table (`record_step`), then one `acc_pos_<i>` per draft position; the
+# others come from the host's row.
+COUNT_COLUMNS = ["n_reqs", "n_prefill_reqs", "prefill_tokens", "decode_tokens", "drafts_scheduled", "drafts_valid",
+                 "accepted", "emitted", "wasted_slots"]
+N_COUNTS = len(COUNT_COLUMNS)
+HOST_COLUMNS = [c for c in STEP_COLUMNS if c not in COUNT_COLUMNS]
+(N_REQS, N_PREFILL_REQS, PREFILL_TOKENS, DECODE_TOKENS, DRAFTS_SCHEDULED, DRAFTS_VALID, ACCEPTED, EMITTED,
+ WASTED_SLOTS) = range(N_COUNTS)
+# Per-request tallies: the time columns of REQUEST_COLUMNS (rows of `request_times`), then its counts
+# (rows of `request_counts`).
+ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S = range(3)
+NUM_CHUNKS, NUM_DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS, REQUEST_WASTED_SLOTS = range(5)
+STEP_CAPACITY = 1024  # steps buffered before the buffer doubles
+
+
 class Records:
-    """Row buffers filled by the SimPy model; `frames()` returns the DataFrames."""
+    """Buffers filled by the SimPy model; the `*_frame()` methods return the DataFrames.
 
-    k: int
-    steps: list[tuple] = field(default_factory=list)
-    # accepted drafts per decoding request of each step; `acc_pos_<i>` is computed from them at the end
-    accepted: list[np.ndarray] = field(default_factory=list)
-    syncs: list[tuple] = field(default_factory=list)
-    # emissions are kept per step as (step, time, request ids, token counts) to stay vectorised
-    emission_batches: list[tuple[int, float, np.ndarray, np.ndarray]] = field(default_factory=list)
-    requests: pd.DataFrame | None = None
-    _emission_columns: tuple[int, tuple[np.ndarray, ...]] | None = field(default=None, repr=False)
+    A settled step adds its host row and, in one compiled call, its counts, emissions and per-request
+    tallies from the batch table."""
 
-    def add_step(self, row: tuple, accepted: np.ndarray) -> None:
+    def __init__(self, k: int, output_len: np.ndarray):
+        n_requests = len(output_len)
+        self.k = k
+        self.steps: list[tuple] = []  # per step, the HOST_COLUMNS
+        self.step_counts = np.zeros((STEP_CAPACITY, N_COUNTS + k), dtype=np.int64)  # per step
+        self.syncs: list[tuple] = []
+        # Emissions: request id and tokens, compact (int32) since a run's first touch of memory costs more than
+        # filling it, and in step order: the emissions of step i end at emission_ends[i], at emission_times[i].
+        # An emission carries at least one of the output tokens, so there are at most sum(output_len).
+        self.emissions = np.zeros((2, int(output_len.sum())), dtype=np.int32)
+        self.emission_ends: list[int] = []
+        self.emission_times: list[float] = []
+        self.n_emissions = 0
+        self.request_times = np.full((3, n_requests), np.nan)  # ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S (NaN: none)
+        self.request_counts = np.zeros((5, n_requests), dtype=np.int64)  # NUM_CHUNKS .. REQUEST_WASTED_SLOTS
+        self.requests: pd.DataFrame | None = None  # set at the end of the run (`requests_frame`)
+
+    def add_step(self, table: np.ndarray, time: float, row: tuple) -> None:
+        """A settled step: its batch table (with the outcome rows), the time its tokens reached the clients, and
+        its host row (HOST_COLUMNS, the step id first)."""
+        i = len(self.steps)
+        if i == len(self.step_counts):
+            self.step_counts = np.concatenate((self.step_counts, np.zeros_like(self.step_counts)))
+        self.n_emissions = record_step(table, time, self.step_counts, i, self.emissions, self.n_emissions,
+                                       self.request_times, self.request_counts)
+        self.emission_ends.append(self.n_emissions)
+        self.emission_times.append(time)
         self.steps.append(row)
-        self.accepted.append(accepted)
 
     def add_sync(self, step: int, name: str, phase: str, waits_for: str, start: float, end: float) -> None:
         self.syncs.append((step, name, phase, waits_for, start, end))
 
-    def add_emissions(self, step: int, time: float, request_ids: np.ndarray, tokens: np.ndarray) -> None:
-        if len(request_ids):
-            self.emission_batches.append((step, time, request_ids, tokens))
-
     def steps_frame(self) -> pd.DataFrame:
-        df = pd.DataFrame.from_records(self.steps, columns=STEP_COLUMNS)
-        n = len(self.steps)
-        acc = np.concatenate(self.accepted) if n else np.zeros(0, dtype=np.int64)
-        step = np.repeat(np.arange(n), [len(a) for a in self.accepted])
+        host = pd.DataFrame.from_records(self.steps, columns=HOST_COLUMNS)
+        counts = self.step_counts[: len(self.steps)]
+        columns = {c: counts[:, i] for i, c in enumerate(COUNT_COLUMNS)}
+        df = pd.DataFrame({c: columns[c] if c in columns else host[c] for c in STEP_COLUMNS})
         for i in range(self.k):
-            df[f"acc_pos_{i}"] = np.bincount(step[acc > i], minlength=n).astype(np.int64)
+            df[f"acc_pos_{i}"] = counts[:, N_COUNTS + i]
         return df
 
     def syncs_frame(self) -> pd.DataFrame:
         return pd.DataFrame.from_records(self.syncs, columns=SYNC_COLUMNS)
 
-    def emission_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The emissions as columns: request ids, steps, times, token counts (one entry per emission)."""
-        batches = self.emission_batches
-        if self._emission_columns is None or self._emission_columns[0] != len(batches):
-            steps, times, ids, tokens = zip(*batches, strict=True)
-            sizes = [len(x) for x in ids]
-            columns = (
-                np.concatenate(ids).astype(np.int64, copy=False),
-                np.repeat(np.array(steps, dtype=np.int64), sizes),
-                np.repeat(np.array(times, dtype=np.float64), sizes),
-                np.concatenate(tokens).astype(np.int64, copy=False),
-            )
-            self._emission_columns = (len(batches), columns)  # the simulation and the frame both need them
-        return self._emission_columns[1]
+    def requests_frame(self, kind: np.ndarray, prompt_len: np.ndarray, output_len: np.ndarray) -> pd.DataFrame:
+        """The per-request table, given each request's kind name and lengths."""
+        t = self.request_times
+        columns = [np.arange(len(kind)), kind, t[ARRIVAL_S], prompt_len, output_len, t[FIRST_TOKEN_S],
+                   t[LAST_TOKEN_S], *self.request_counts]
+        return pd.DataFrame(dict(zip(REQUEST_COLUMNS, columns, strict=True)))
 
     def emissions_frame(self) -> pd.DataFrame:
-        if not self.emission_batches:
-            return pd.DataFrame({c: pd.Series(dtype="float64" if c == "time_s" else "int64")
-                                 for c in EMISSION_COLUMNS})
-        return pd.DataFrame(dict(zip(EMISSION_COLUMNS, self.emission_arrays(), strict=True)))
+        per_step = np.diff(self.emission_ends, prepend=0).astype(np.int64)
+        ids, tokens = self.emissions[:, : self.n_emissions].astype(np.int64)
+        steps = np.repeat(np.array([row[0] for row in self.steps], dtype=np.int64), per_step)
+        times = np.repeat(np.array(self.emission_times, dtype=np.float64), per_step)
+        return pd.DataFrame(dict(zip(EMISSION_COLUMNS, (ids, steps, times, tokens), strict=True)))
+
+
+@njit(cache=True)
+def record_step(
+    table: np.ndarray,
+    time: float,
+    step_counts: np.ndarray,
+    row: int,
+    emissions: np.ndarray,
+    n_emissions: int,
+    request_times: np.ndarray,
+    request_counts: np.ndarray,
+) -> int:
+    """Count a settled step's batch table into `step_counts[row]` (COUNT_COLUMNS, then accepted drafts per
+    position), append its emissions and add them, at `time`, to the per-request tallies; returns the number of
+    emissions."""
+    counts = step_counts[row]
+    k = len(counts) - N_COUNTS
+    counts[N_REQS] = table.shape[1]
+    for i in range(table.shape[1]):
+        rid = table[policy.REQ, i]
+        if table[policy.PREFILL, i]:
+            counts[N_PREFILL_REQS] += 1
+            counts[PREFILL_TOKENS] += table[policy.TOKENS, i]
+        else:
+            counts[DECODE_TOKENS] += 1 + table[policy.VERIFIED, i]  # a decode computes 1 + its verified slots
+            counts[DRAFTS_SCHEDULED] += table[policy.SLOTS, i]
+        drafts, accepted, wasted = table[policy.DRAFTS_VALID, i], table[policy.ACCEPTED, i], table[policy.WASTED, i]
+        counts[DRAFTS_VALID] += drafts
+        counts[ACCEPTED] += accepted
+        counts[WASTED_SLOTS] += wasted
+        for position in range(min(accepted, k)):
+            counts[N_COUNTS + position] += 1
+        request_counts[NUM_DRAFTS, rid] += int(drafts > 0)  # vLLM counts a request-step with a draft
+        request_counts[DRAFT_TOKENS, rid] += drafts
+        request_counts[ACCEPTED_TOKENS, rid] += accepted
+        request_counts[REQUEST_WASTED_SLOTS, rid] += wasted
+        emitted = table[policy.EMITTED, i]
+        if emitted:
+            if n_emissions == emissions.shape[1]:  # compiled code does not check bounds
+                raise IndexError("more emissions than output tokens")
+            counts[EMITTED] += emitted
+            emissions[0, n_emissions] = rid
+            emissions[1, n_emissions] = emitted
+            n_emissions += 1
+            if np.isnan(request_times[FIRST_TOKEN_S, rid]) or time < request_times[FIRST_TOKEN_S, rid]:
+                request_times[FIRST_TOKEN_S, rid] = time
+            if np.isnan(request_times[LAST_TOKEN_S, rid]) or time > request_times[LAST_TOKEN_S, rid]:
+                request_times[LAST_TOKEN_S, rid] = time
+            request_counts[NUM_CHUNKS, rid] += 1
+    return n_emissions
 
 
 def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:

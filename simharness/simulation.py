@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import simpy
 
 from simharness.costmodel import CostModel
 from simharness.engine.backend import ModelBackend
 from simharness.instrument import phase
-from simharness.policy import Batch, BatchScheduler
-from simharness.records import REQUEST_COLUMNS, Records
+from simharness.policy import ACCEPTED, DRAFTS_VALID, EMITTED, K_SLOTS, VERIFIED, WASTED, Batch, BatchScheduler
+from simharness.records import ARRIVAL_S, LAST_TOKEN_S, Records
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 
 # The sync points the harness knows, with the mode in which each is present (vllm-notes §5).
@@ -43,7 +41,6 @@ KNOWN_SYNC_POINTS: dict[str, SyncPoint] = {
 # Not a sync point one can remove: settling a step needs its output (engine core `get_output`).
 OUTPUT_READBACK = "output_readback"
 PHASES = ("schedule", "prep", "launch", "update")
-_total = np.add.reduce  # an array's sum without ndarray.sum's dispatch (per-step totals)
 NO_DEVICE_PHASES = (float("nan"),) * 5
 
 
@@ -103,40 +100,57 @@ def resolve_mode(sc: Scenario) -> Mode:
     return Mode(depth, k, optimistic, trim, spec.proposer == "ngram_cpu", syncs, note)
 
 
-@dataclass(eq=False)
-class Step:
-    """One launched step: its batch, what the GPU did with it, and its host timeline (seconds)."""
+def _outcome(row: int, per_decode: bool, doc: str) -> property:
+    """A row of the batch table as a step attribute: per request of the batch, or per decoding request
+    (the order of vLLM's sampler output, in which a hardware backend reports it)."""
 
-    id: int
-    batch: Batch
-    done: simpy.Event
-    verified_slots: np.ndarray | None = None  # draft slots the GPU verifies per request
-    valid: np.ndarray | None = None  # valid drafts, when known at prep (trim)
-    emitted: np.ndarray | None = None  # per request of the batch
-    accepted: np.ndarray | None = None  # per decoding request, as drafts_valid and wasted
-    drafts_valid: np.ndarray | None = None
-    wasted: np.ndarray | None = None
-    in_flight: int = 0
-    gc_pause: float = 0.0
+    def get(step: Step) -> np.ndarray:
+        return step.batch.table[row, step.batch.decode] if per_decode else step.batch.table[row]
+
+    def put(step: Step, values: np.ndarray) -> None:
+        step.batch.table[row, step.batch.decode if per_decode else slice(None)] = values
+
+    return property(get, put, doc=doc)
+
+
+class Step:
+    """One launched step: its batch, what the GPU did with it, and its host timeline (seconds).
+
+    The outcome lives in the batch table; the properties below are its per-request views. Attributes a
+    step may not set keep their class defaults."""
+
+    verified_slots = _outcome(VERIFIED, False, "draft slots the GPU verifies")
+    emitted = _outcome(EMITTED, False, "tokens emitted (0 for a prefill chunk that does not end its prompt)")
+    accepted = _outcome(ACCEPTED, True, "drafts accepted")
+    drafts_valid = _outcome(DRAFTS_VALID, True, "valid drafts verified")
+    wasted = _outcome(WASTED, True, "slots of a request that had finished before the step ran")
+    trimmed: bool = False  # prep cut the verified slots to the valid drafts (known at a sync)
     sync_wait: float = 0.0
     n_syncs: int = 0
-    schedule_start: float = 0.0
-    schedule_end: float = 0.0
-    prep_start: float = 0.0
-    prep_end: float = 0.0
-    launch_end: float = 0.0
-    gpu_start: float = 0.0
-    gpu_end: float = 0.0
-    bubble: float = 0.0
-    update_start: float = 0.0
-    update_end: float = 0.0
-    propose_start: float = 0.0
-    propose_end: float = 0.0
+    in_flight: int
+    schedule_start: float
+    schedule_end: float
+    prep_start: float
+    prep_end: float
+    launch_end: float
+    gpu_start: float
+    gpu_end: float
+    bubble: float
+    update_start: float
+    update_end: float
+    propose_start: float
+    propose_end: float
     # measured by a hardware backend (engine.backend: torch)
     readback_s: float = 0.0
     device_phases: tuple[float, ...] = NO_DEVICE_PHASES  # prefill, verify, sample, commit, propose
     device_syncs: int = 0
     harness_s: float = float("nan")
+
+    def __init__(self, id: int, batch: Batch, done: simpy.Event, gc_pause: float):
+        self.id = id
+        self.batch = batch
+        self.done = done
+        self.gc_pause = gc_pause
 
 
 class Simulation:
@@ -158,17 +172,6 @@ class Simulation:
                 f"({int(requests.prompt_len.max())}) and chunked_prefill is off"
             )
         self.sched = BatchScheduler(sc.scheduler, requests.prompt_len, requests.output_len)
-        # per-request tallies, filled from the records at the end of the run
-        self.arrival = np.full(n, np.nan)
-        self.first_token = np.full(n, np.nan)
-        self.last_token = np.full(n, np.nan)
-        self.chunks = np.zeros(n, dtype=np.int64)
-        self.num_drafts = np.zeros(n, dtype=np.int64)
-        self.draft_tokens = np.zeros(n, dtype=np.int64)
-        self.accepted_tokens = np.zeros(n, dtype=np.int64)
-        self.wasted_slots = np.zeros(n, dtype=np.int64)
-        # per settled step: (decoding request ids, valid drafts, accepted, wasted slots)
-        self.decode_tallies: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         # Common random numbers across points: streams depend on the seed only, not on the point.
         acc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
         self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 2]))
@@ -177,7 +180,7 @@ class Simulation:
         self.measured = self.backend.measured
         self.measured_phases = ("prep,launch,gpu,readback" + (",propose" if self.mode.ngram_cpu else "")
                                 if self.measured else "")
-        self.records = Records(k=self.mode.k)
+        self.records = Records(self.mode.k, requests.output_len)
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
         self.gpu_idle: simpy.Event | None = None  # set while the GPU waits for a launch
@@ -190,7 +193,7 @@ class Simulation:
     # ---------------------------------------------------------------- clients
 
     def _arrive(self, rid: int) -> simpy.Event:
-        self.arrival[rid] = self.env.now
+        self.records.request_times[ARRIVAL_S, rid] = self.env.now
         self.sched.arrive(rid)
         ev = self.done_events[rid] = self.env.event()
         if not self.work.triggered:
@@ -225,21 +228,22 @@ class Simulation:
 
     def gpu_stream(self):
         """Runs launched steps in order; the step's outcome is decided by the device truth now."""
+        env, stream = self.env, self.stream
         while True:
-            if self.stream:
+            if stream:
                 # what a satisfied `Store.get` costs: one pass through the event queue, which keeps
                 # the order of events at equal times
-                yield self.env.timeout(0)
+                yield env.timeout(0)
             else:
-                self.gpu_idle = self.env.event()
+                self.gpu_idle = env.event()
                 yield self.gpu_idle
-            step = self.stream.popleft()
-            start = self.env.now
+            step = stream.popleft()
+            start = env.now
             duration = self.backend.run_step(step)
             step.gpu_start = start
             step.bubble = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
-            yield self.env.timeout(duration)
-            step.gpu_end = self.last_gpu_end = self.env.now
+            yield env.timeout(duration)
+            step.gpu_end = self.last_gpu_end = env.now
             step.done.succeed()
 
     # ---------------------------------------------------------------- engine loop
@@ -258,30 +262,31 @@ class Simulation:
             delay = math.nextafter(delay, -math.inf)
         return self.env.timeout(delay)
 
-    def _draft_slots(self) -> int | Callable[[np.ndarray], np.ndarray]:
-        """Draft slots the scheduler reserves per decoding request: k placeholders under async (or
-        when every slot is verified), the drafts the host holds when synchronous and trimming."""
+    def _held(self) -> np.ndarray:
+        """What the scheduler reserves per decoding request: the drafts each running request holds when
+        synchronous and trimming (the host has them), else k placeholder slots (async, or every slot verified)."""
         if self.mode.k and self.mode.depth == 1 and self.mode.trim:
-            return self.backend.valid_drafts
-        return self.mode.k
+            return self.backend.valid_drafts(self.sched.running())
+        return K_SLOTS
 
-    def _sync(self, step: Step, sp: SyncPoint, in_flight: deque):
-        """Block the host on a GPU event; record the wait."""
-        start = self.env.now
-        target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
-        if target is not None and not target.done.triggered:
-            yield target.done
-        yield self.env.timeout(self.cost.sync())
-        step.sync_wait += self.env.now - start
-        step.n_syncs += 1
-        self.records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, self.env.now)
+    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
+        """Block the host on each point's GPU event in turn; record the waits."""
+        env = self.env
+        for sp in points:
+            start = env.now
+            target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
+            if target is not None and not target.done.triggered:
+                yield target.done
+            yield env.timeout(self.cost.sync())
+            step.sync_wait += env.now - start
+            step.n_syncs += 1
+            self.records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, env.now)
 
     def engine_loop(self):
         env, cost, mode, sched = self.env, self.cost, self.mode, self.sched
         in_flight: deque[Step] = deque()
         next_step = 0
         gc = self.sc.engine.gc
-        draft_slots = self._draft_slots()
         while sched.n_finished < self.n:
             launched = False
             if len(in_flight) < mode.depth:
@@ -292,12 +297,12 @@ class Simulation:
                         gc_pause = self.gc_rng.exponential(gc.mean_ms * 1e-3)
                     yield env.timeout(gc_pause)
                 if not self.measured:
-                    batch = sched.schedule(draft_slots)
+                    batch = sched.schedule(mode.k, self._held())
                 else:
                     with phase("schedule"):
-                        batch = sched.schedule(draft_slots)
+                        batch = sched.schedule(mode.k, self._held())
                 if batch.size:
-                    step = Step(id=next_step, batch=batch, done=env.event(), gc_pause=gc_pause)
+                    step = Step(next_step, batch, env.event(), gc_pause)
                     next_step += 1
                     yield from self._schedule_prep_launch(step, in_flight)
                     launched = True
@@ -317,7 +322,8 @@ class Simulation:
         """The host phases from scheduling to launch; phases with no sync point between them are one event."""
         env, cost, mode, b = self.env, self.cost, self.mode, step.batch
         syncs = self.phase_syncs
-        yield from self._syncs(step, syncs["schedule"], in_flight)
+        if syncs["schedule"]:
+            yield from self._syncs(step, syncs["schedule"], in_flight)
         step.schedule_start = env.now
         step.schedule_end = env.now + cost.schedule(b.size)
         # Prep reads the device truth when trimming; with steps in flight it must be read at
@@ -329,17 +335,12 @@ class Simulation:
             step.prep_start = env.now
         else:
             step.prep_start = step.schedule_end
-        slots = b.draft_slots
         n_tokens = b.n_tokens
-        if mode.trim and b.n_prefill < b.size:
-            if b.n_prefill:
-                slots = slots.copy()
-                slots[b.decode] = np.minimum(self.backend.valid_drafts(b.req[b.decode]), mode.k)
-            else:
-                slots = np.minimum(self.backend.valid_drafts(b.req), mode.k)
-            step.valid = slots
-            n_tokens += int((slots - b.draft_slots).sum())  # a decode computes 1 + its slots
-        step.verified_slots = slots
+        # Trimming at prep is for async scheduling: a synchronous scheduler already reserved the drafts the
+        # host holds, and with nothing in flight the device has not moved since.
+        if mode.trim and mode.depth > 1 and b.n_prefill < b.size:
+            n_tokens += b.trim(self.backend.valid_drafts(b.req), mode.k)  # a decode computes 1 + its slots
+            step.trimmed = True
         step.prep_end = step.prep_start + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
         if syncs["launch"]:
             yield self._until(step.prep_end)
@@ -355,46 +356,34 @@ class Simulation:
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
             self.gpu_idle.succeed()
 
-    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
-        for sp in points:
-            yield from self._sync(step, sp, in_flight)
-
     def _settle(self, step: Step, in_flight: deque):
         """Wait for the oldest step's output, then update requests and emit tokens."""
-        env, b = self.env, step.batch
+        env, b, syncs = self.env, step.batch, self.phase_syncs["update"]
         start = env.now
         if not step.done.triggered:
             yield step.done
         # the readback and the update are one event unless a sync point sits between them
         sync_end = env.now + (step.readback_s if self.measured else self.cost.sync())
-        if self.phase_syncs["update"]:
-            yield self._until(sync_end)
         step.sync_wait += sync_end - start
         step.n_syncs += 1
         self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        yield from self._syncs(step, self.phase_syncs["update"], in_flight)
-        step.update_start = env.now if self.phase_syncs["update"] else sync_end
+        if syncs:
+            yield self._until(sync_end)
+            yield from self._syncs(step, syncs, in_flight)
+        step.update_start = env.now if syncs else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
-        emitted = step.emitted
         if not self.measured:
-            done = self.sched.settle(b, emitted)
+            done = self.sched.settle(b)
         else:
             with phase("update"):
-                done = self.sched.settle(b, emitted)
+                done = self.sched.settle(b)
             self.backend.release(done)
-        if np.count_nonzero(emitted) == len(emitted):
-            got, tokens = b.req, emitted
-        else:
-            out = np.flatnonzero(emitted)
-            got, tokens = b.req[out], emitted[out]
-        self.records.add_emissions(step.id, now, got, tokens)
-        rd = b.req[b.decode] if b.n_prefill else b.req
-        self.decode_tallies.append((rd, step.drafts_valid, step.accepted, step.wasted))
         step.propose_start = step.propose_end = now
         if self.mode.ngram_cpu and self.mode.k:
             # the CPU proposer drafts for the requests still running that got tokens (a prefill's first
             # token included), over their whole history
+            got = b.req[step.emitted > 0]
             live = got[self.sched.committed[got] < self.req.output_len[got]]
             if self.measured:
                 yield env.timeout(self.backend.propose(live))
@@ -402,52 +391,13 @@ class Simulation:
                 hist = int((self.req.prompt_len[live] + self.sched.committed[live]).sum())
                 yield env.timeout(self.cost.ngram_cpu(len(live), hist))
             step.propose_end = env.now
-        self._record_step(step)
-        for rid in done:
-            self.done_events.pop(int(rid)).succeed()
-
-    def _record_step(self, s: Step) -> None:
-        b = s.batch
-        n_decode = len(s.accepted)
-        prefill_tokens = int(_total(b.tokens[b.prefill])) if b.n_prefill else 0
-        drafts = b.n_tokens - prefill_tokens - (b.size - b.n_prefill)  # a decode computes 1 + its slots
-        # totals of arrays that are the same object are summed once
-        verified = drafts if s.verified_slots is b.draft_slots else int(_total(s.verified_slots))
-        self.records.add_step(
-            (
-                s.id,
-                b.size,
-                b.size - n_decode,
-                prefill_tokens,
-                n_decode + verified,
-                drafts,
-                verified if s.drafts_valid is s.verified_slots else int(_total(s.drafts_valid)),
-                int(_total(s.accepted)),
-                int(_total(s.emitted)),
-                int(_total(s.wasted)),
-                s.in_flight,
-                s.schedule_start,
-                s.schedule_end,
-                s.prep_start,
-                s.prep_end,
-                s.launch_end,
-                s.gpu_start,
-                s.gpu_end,
-                s.update_start,
-                s.update_end,
-                s.propose_start,
-                s.propose_end,
-                s.gc_pause,
-                s.sync_wait,
-                s.n_syncs,
-                s.bubble,
-                self.measured_phases,
-                *s.device_phases,
-                s.device_syncs,
-                s.harness_s,
-            ),
-            s.accepted,
-        )
+        s = step
+        row = (s.id, s.in_flight, s.schedule_start, s.schedule_end, s.prep_start, s.prep_end, s.launch_end,
+               s.gpu_start, s.gpu_end, s.update_start, s.update_end, s.propose_start, s.propose_end, s.gc_pause,
+               s.sync_wait, s.n_syncs, s.bubble, self.measured_phases, *s.device_phases, s.device_syncs, s.harness_s)
+        self.records.add_step(b.table, now, row)  # its tokens reached the clients at `now`
+        for rid in done.tolist():
+            self.done_events.pop(rid).succeed()
 
     # ---------------------------------------------------------------- run
 
@@ -462,38 +412,7 @@ class Simulation:
         env.process(self.gpu_stream())
         loop = env.process(self.engine_loop())
         env.run(until=loop)
-        self._tally_requests()
-        self.records.requests = self.requests_frame()
-        return self.records, float(np.nanmax(self.last_token))
-
-    def _tally_requests(self) -> None:
-        """Per-request token times and counts from the emissions and the settled steps' tallies."""
-        if self.records.emission_batches:
-            ids, _, times, _ = self.records.emission_arrays()
-            np.fmin.at(self.first_token, ids, times)  # fmin/fmax skip the NaN of no token yet
-            np.fmax.at(self.last_token, ids, times)
-            self.chunks += np.bincount(ids, minlength=self.n)
-        if self.decode_tallies:
-            rd, valid, acc, wasted = (np.concatenate(x) for x in zip(*self.decode_tallies, strict=True))
-            np.add.at(self.num_drafts, rd, (valid > 0).astype(np.int64))  # add.at is slow with bool values
-            np.add.at(self.draft_tokens, rd, valid)
-            np.add.at(self.accepted_tokens, rd, acc)
-            np.add.at(self.wasted_slots, rd, wasted)
-
-    def requests_frame(self) -> pd.DataFrame:
         r = self.req
-        cols = [
-            np.arange(self.n),
-            np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind),
-            self.arrival,
-            r.prompt_len,
-            r.output_len,
-            self.first_token,
-            self.last_token,
-            self.chunks,
-            self.num_drafts,
-            self.draft_tokens,
-            self.accepted_tokens,
-            self.wasted_slots,
-        ]
-        return pd.DataFrame(dict(zip(REQUEST_COLUMNS, cols, strict=True)))
+        kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
+        self.records.requests = self.records.requests_frame(kind, r.prompt_len, r.output_len)
+        return self.records, float(np.nanmax(self.records.request_times[LAST_TOKEN_S]))

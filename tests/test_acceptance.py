@@ -2,14 +2,14 @@
 
 import numpy as np
 import pytest
+from numba import njit
 
-from simharness.acceptance import build_replay, make_acceptance
+from simharness.acceptance import accepted_drafts, build_replay, held_drafts, make_acceptance
 from simharness.kernels.ngram import propose_ngram_row
 from simharness.scenario import LengthDist, Speculation, Workload
 from simharness.workload import KINDS, build_requests
 
 N_DRAWS = 400_000
-RNG = np.random.default_rng(0)  # replay ignores it
 
 
 def speculation(**kw) -> Speculation:
@@ -24,11 +24,30 @@ def requests():
     return build_requests(cfg, seed=11)
 
 
+@njit(cache=True)
+def _accepted_per_draw(survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray, n_drafts: int,
+                       u: np.ndarray) -> np.ndarray:
+    out = np.empty(len(u), dtype=np.int64)
+    for i in range(len(u)):
+        out[i] = accepted_drafts(survival, offset, accepted, 0, 1, n_drafts, u[i])
+    return out
+
+
 def draw(model, k: int, n_drafts: int | None = None, seed: int = 0) -> np.ndarray:
-    req = np.zeros(N_DRAWS, dtype=np.int64)
-    committed = np.ones(N_DRAWS, dtype=np.int64)
-    n = np.full(N_DRAWS, k if n_drafts is None else n_drafts, dtype=np.int64)
-    return model.accept(req, committed, n, np.random.default_rng(seed))
+    """Accepted drafts of N_DRAWS steps of request 0 at committed length 1, each verifying n_drafts (k) drafts."""
+    u = np.random.default_rng(seed).random(N_DRAWS)
+    return _accepted_per_draw(model.survival, model.offset, model.accepted, k if n_drafts is None else n_drafts, u)
+
+
+def held(model, req, committed) -> np.ndarray:
+    return np.array([held_drafts(model.survival, model.offset, model.valid, r, j)
+                     for r, j in zip(req, committed, strict=True)])
+
+
+def accepted(model, req, committed, n_drafts) -> np.ndarray:
+    """Accepted drafts of deterministic (replay) lookups."""
+    return np.array([accepted_drafts(model.survival, model.offset, model.accepted, r, j, n, 0.0)
+                     for r, j, n in zip(req, committed, n_drafts, strict=True)])
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.6, 0.9])
@@ -37,7 +56,7 @@ def test_iid_mean_emitted_tokens(requests, alpha, k):
     model = make_acceptance(speculation(k=k, acceptance={"model": "iid", "alpha": alpha}), requests)
     expected = (1 - alpha ** (k + 1)) / (1 - alpha)
     assert model.mean_emitted == pytest.approx(expected)
-    np.testing.assert_array_equal(model.valid_drafts(np.arange(5), np.ones(5, dtype=np.int64)), k)
+    np.testing.assert_array_equal(held(model, np.arange(5), np.ones(5, dtype=np.int64)), k)
     accepted = draw(model, k, seed=k)
     assert accepted.min() >= 0 and accepted.max() <= k
     assert (accepted + 1).mean() == pytest.approx(expected, rel=0.01)
@@ -68,18 +87,18 @@ def test_no_drafts_without_a_proposer(requests, model):
         acc = make_acceptance(cfg, requests)
         req = np.arange(len(requests))
         committed = np.ones(len(requests), dtype=np.int64)
-        assert not acc.valid_drafts(req, committed).any()
-        assert not acc.accept(req, committed, np.zeros_like(req), np.random.default_rng(0)).any()
+        assert not held(acc, req, committed).any()
+        assert not accepted(acc, req, committed, np.full(len(req), 4)).any()
 
 
 def test_replay_valid_drafts_and_accept_are_table_lookups(requests):
     acc = make_acceptance(speculation(k=4), requests)
     req = np.array([0, 5, 5, 17])
     committed = np.array([1, 2, 30, 63])
-    np.testing.assert_array_equal(acc.valid_drafts(req, committed), acc.valid[acc.offset[req] + committed])
-    full = acc.accept(req, committed, acc.valid_drafts(req, committed), np.random.default_rng(0))
+    np.testing.assert_array_equal(held(acc, req, committed), acc.valid[acc.offset[req] + committed])
+    full = accepted(acc, req, committed, held(acc, req, committed))
     np.testing.assert_array_equal(full, acc.accepted[acc.offset[req] + committed])
-    np.testing.assert_array_equal(acc.accept(req, committed, np.ones(4, dtype=np.int64), RNG), np.minimum(full, 1))
+    np.testing.assert_array_equal(accepted(acc, req, committed, [1] * 4), np.minimum(full, 1))
 
 
 def walk(acc, requests, r: int, k: int, cfg: Speculation) -> tuple[int, list[int]]:
@@ -94,8 +113,8 @@ def walk(acc, requests, r: int, k: int, cfg: Speculation) -> tuple[int, list[int
         drafts = propose_ngram_row(
             history[: len(prompt) + j], min_n=cfg.min_n, max_n=cfg.max_n, k=k, tie_break=cfg.tie_break
         )
-        a = int(acc.accept(np.array([r]), np.array([j]), np.array([drafts.size]), RNG)[0])
-        assert acc.valid_drafts(np.array([r]), np.array([j]))[0] == drafts.size
+        a = accepted_drafts(acc.survival, acc.offset, acc.accepted, r, j, drafts.size, 0.0)
+        assert held_drafts(acc.survival, acc.offset, acc.valid, r, j) == drafts.size
         # greedy verification: the target emits its argmax (the reference token) at the first mismatch
         step = [*drafts[:a].tolist(), *output[j + a : j + a + 1].tolist()]
         assert step == output[j : j + a + 1].tolist()

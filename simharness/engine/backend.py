@@ -10,11 +10,29 @@ takes on the GPU.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from simharness.costmodel import CostModel
-from simharness.policy import constant
+from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts
+from simharness.costmodel import CostModel, gpu_seconds
+from simharness.policy import (
+    ACCEPTED,
+    COMPLETES,
+    DRAFTS_VALID,
+    EMITTED,
+    PREFILL,
+    REQ,
+    TOKENS,
+    VERIFIED,
+    WASTED,
+)
 
-_sum, _min, _max = np.add.reduce, np.minimum.reduce, np.maximum.reduce  # without ndarray method dispatch
+# Rows of the device truth, a column per request: prompt tokens, prompt tokens in the KV cache, context
+# (prompt + committed output tokens, which ends at END = prompt + output) and the valid drafts the
+# proposer holds at that context (0 once finished).
+PROMPT, PREFILLED, CONTEXT, END, HELD = range(5)
+# Uniform draws of the acceptance stream taken at a time: one block is a prefix of the stream, so the
+# draws are those of one call per step.
+UNIFORM_BLOCK = 4096
 
 
 class ModelBackend:
@@ -22,129 +40,147 @@ class ModelBackend:
 
     measured = False
 
-    def __init__(self, requests, acceptance, cost: CostModel, k: int, rng: np.random.Generator):
+    def __init__(self, requests, acceptance: AcceptanceModel, cost: CostModel, k: int, rng: np.random.Generator):
         n = len(requests.prompt_len)
-        self.prompt_len = requests.prompt_len
-        self.output_len = requests.output_len
-        self.max_position = np.maximum(self.output_len - 1, 1)  # last entry of a request in the tables
         self.acc = acceptance
-        self.uniform_drafts = acceptance.uniform_drafts if k else 0
         self.cost = cost
         self.k = k
         self.rng = rng
-        self.prefilled = np.zeros(n, dtype=np.int64)
-        # the device truth: committed output tokens, kept as a decoding request's context
-        # (prompt_len + committed), which ends at prompt_len + output_len
-        self.context = self.prompt_len.astype(np.int64)
-        self.end = self.context + self.output_len
-        self._zeros: dict[tuple[int, int], np.ndarray] = {}
+        self.truth = np.zeros((5, n), dtype=np.int64)
+        self.truth[PROMPT] = self.truth[CONTEXT] = requests.prompt_len
+        self.truth[END] = self.truth[PROMPT] + requests.output_len
+        _hold_initial(self.truth, k, acceptance.survival, acceptance.offset, acceptance.valid)
+        self.held = self.truth[HELD]  # a view: indexing one row is several times cheaper than the table
+        # only the drawn models read uniforms
+        self.draws = k > 0 and len(acceptance.survival) > 0
+        self.uniforms = np.zeros(0, dtype=np.float64)
+        self.next_uniform = 0
 
     def valid_drafts(self, r: np.ndarray) -> np.ndarray:
         """Valid drafts the proposer holds for requests `r` (0 for finished ones)."""
-        if not self.k:
-            return np.zeros(len(r), dtype=np.int64)
-        ctx = self.context[r]
-        live = ctx < self.end[r]
-        if self.uniform_drafts is not None:
-            return self.uniform_drafts * live
-        return self.acc.valid_drafts(r, self._position(r, ctx - self.prompt_len[r])) * live
-
-    def _position(self, r: np.ndarray, committed: np.ndarray) -> np.ndarray:
-        # committed length, clamped into the acceptance tables (finished requests are masked)
-        return np.minimum(np.maximum(committed, 1), self.max_position[r])
+        return self.held[r]
 
     def run_step(self, step) -> float:
-        """Advance the device truth by one step, fill in its outcome, return its GPU seconds.
-
-        `step.accepted`, `step.drafts_valid` and `step.wasted` are per decoding request
-        (`batch.req[batch.decode]`); `step.emitted` is per request of the batch."""
+        """Advance the device truth by one step, write its outcome into the batch table, return its GPU seconds."""
         b = step.batch
-        req = b.req
-        # GPU time needs batch totals, all integers: query tokens, KV tokens after the step, twice the
-        # attention pairs (query * (2 * context + query + 1)) and the history the proposer scans.
-        tokens = kv_tokens = pairs2 = history = 0
-        if b.n_prefill:
-            # prefill rows are few (the requests admitted this step): one at a time
-            rows = b.prefill.nonzero()[0]
-            for i in rows.tolist():
-                rid, t = int(req[i]), int(b.tokens[i])
-                c = int(self.prefilled[rid])  # a chunk's context is the prompt prefilled before it
-                self.prefilled[rid] = c + t
-                tokens += t
-                kv_tokens += c + t
-                pairs2 += t * (2 * c + t + 1)
-                if b.completes_prefill[i]:  # the last prefill chunk samples the first token
-                    self.context[rid] += 1
-                history += int(self.context[rid])
-            emitted = b.completes_prefill.astype(np.int64)
-            n_decode = len(req) - b.n_prefill
-            # admitted requests come last: then the decode rows are a prefix
-            dec = slice(0, n_decode) if not n_decode or rows[0] == n_decode else b.decode
-            r = req[dec]
-            slots = step.verified_slots[dec]
-            n_slots = int(_sum(slots))
-        else:
-            r = req
-            slots = step.verified_slots
-            # untrimmed, a decode's tokens are 1 + its scheduled slots
-            n_slots = b.n_tokens - len(r) if slots is b.draft_slots else int(_sum(slots))
-        if len(r):
-            # decode rows: query 1 + slots over context prompt + committed
-            ctx = self.context[r]
-            remaining = self.end[r] - ctx
-            acc, n_drafts, wasted = self._decode(step, r, slots, n_slots, ctx, remaining)
-            em = np.minimum(acc + 1, remaining)
-            self.context[r] = ctx + em
-            n, ctx_sum = len(r), int(_sum(ctx))
-            tokens += n + n_slots
-            kv_tokens += ctx_sum + n + n_slots
-            # sum of (1 + s) * (2 * c + 2 + s) = 2 * sum(c) + 2 * (s . c) + 2n + 3 * sum(s) + s . s, where
-            # slots never exceed k: if they sum to n * k, every one is k
-            if n_slots == n * self.k:
-                sc, ss = self.k * ctx_sum, n_slots * self.k
-            else:
-                sc, ss = int(np.dot(slots, ctx)), int(np.dot(slots, slots))
-            pairs2 += 2 * (ctx_sum + sc) + 2 * n + 3 * n_slots + ss
-            if self.cost.ngram_gpu:
-                history += ctx_sum + int(_sum(em))
-            if b.n_prefill:
-                emitted[dec] = em
-            else:
-                emitted = em
-        else:
-            acc = wasted = n_drafts = np.zeros(0, dtype=np.int64)
-        step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, acc, n_drafts, wasted
-        return self.cost.gpu_time(tokens, kv_tokens, pairs2, history if self.cost.ngram_gpu else 0)
+        if self.draws and self.next_uniform + b.size > len(self.uniforms):
+            fresh = self.rng.random(max(UNIFORM_BLOCK, b.size))
+            self.uniforms = np.concatenate((self.uniforms[self.next_uniform :], fresh))
+            self.next_uniform = 0
+        acc = self.acc
+        seconds, self.next_uniform = _run_step(
+            b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
+            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates,
+        )
+        return seconds
 
-    def _decode(
-        self, step, r: np.ndarray, slots: np.ndarray, n_slots: int, ctx: np.ndarray, remaining: np.ndarray
-    ) -> tuple[np.ndarray, ...]:
-        """Accepted drafts, verified valid drafts and wasted slots of decoding requests `r`."""
-        if _min(remaining) > 0:
-            live = None
-            wasted = constant(self._zeros, len(r), 0, np.int64)
+
+@njit(cache=True)
+def _hold_initial(truth: np.ndarray, k: int, survival: np.ndarray, offset: np.ndarray, valid: np.ndarray) -> None:
+    """Drafts held before the first token, read only by a trimming host whose sync did not wait for the
+    prefill: the proposer's at committed length 1, the first a decode reads."""
+    for rid in range(truth.shape[1]):
+        output_len = truth[END, rid] - truth[PROMPT, rid]
+        truth[HELD, rid] = held_drafts(survival, offset, valid, rid, min(1, output_len - 1)) if k else 0
+
+
+@njit(cache=True)
+def _run_step(
+    table: np.ndarray,
+    trimmed: bool,
+    k: int,
+    truth: np.ndarray,
+    survival: np.ndarray,
+    offset: np.ndarray,
+    valid: np.ndarray,
+    accepted: np.ndarray,
+    uniforms: np.ndarray,
+    next_uniform: int,
+    sizes: np.ndarray,
+    rates: np.ndarray,
+) -> tuple[float, int]:
+    """One step on the device truth: fills the batch's outcome rows, returns its GPU seconds (from its query
+    tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans) and
+    the next unread uniform.
+
+    Twice the pairs of a row with query q over context c is q * (2 * c + q + 1): an integer, so the
+    totals do not depend on the order of the rows. Acceptance and the drafts held are separate passes:
+    numba keeps their calls cheap only in short loops."""
+    size = table.shape[1]
+    tokens = kv_tokens = pairs2 = history = 0
+    any_drafts = False
+    for i in range(size):
+        rid = table[REQ, i]
+        if table[PREFILL, i]:
+            t = table[TOKENS, i]
+            c = truth[PREFILLED, rid]  # a chunk's context is the prompt prefilled before it
+            truth[PREFILLED, rid] = c + t
+            tokens += t
+            kv_tokens += c + t
+            pairs2 += t * (2 * c + t + 1)
+            if table[COMPLETES, i]:  # the last prefill chunk samples the first token
+                truth[CONTEXT, rid] += 1
+                table[EMITTED, i] = 1
+            history += truth[CONTEXT, rid]
+            continue
+        # a decode: query 1 + slots over the context
+        slots, c = table[VERIFIED, i], truth[CONTEXT, rid]
+        tokens += 1 + slots
+        kv_tokens += c + 1 + slots
+        pairs2 += (1 + slots) * (2 * c + 2 + slots)
+        history += c
+        if c < truth[END, rid]:
+            # trimmed slots carry valid drafts only; otherwise the proposer's drafts fill the first slots
+            n_drafts = slots if trimmed else min(truth[HELD, rid], slots)
+            table[DRAFTS_VALID, i] = n_drafts
+            any_drafts |= n_drafts > 0
         else:
             # a request that finished in an earlier step but sits in this one wastes its slots
-            live = remaining > 0
-            wasted = (1 + slots) * ~live
-        position = None
-        if self.uniform_drafts is None:
-            # a decoding request has committed its first token; a live one is inside its table row
-            committed = ctx - self.prompt_len[r]
-            position = committed if live is None else self._position(r, committed)
-        if step.valid is not None:
-            valid = step.valid[step.batch.decode] if step.batch.n_prefill else step.valid
-        elif self.uniform_drafts is not None:
-            valid = self.uniform_drafts
-        else:
-            valid = self.acc.valid_drafts(r, position)
-        if live is None:
-            # slots never exceed k, so with k drafts held every slot carries a valid draft
-            n_drafts = slots if isinstance(valid, int) and valid >= self.k else np.minimum(valid, slots)
-        else:
-            n_drafts = np.minimum(valid, slots) * live
-        if self.k and (n_slots if n_drafts is slots else _max(n_drafts)) > 0:
-            acc = self.acc.accept(r, position, n_drafts, self.rng)
-        else:
-            acc = np.zeros(len(r), dtype=np.int64)
-        return acc, n_drafts, wasted
+            table[WASTED, i] = 1 + slots
+    if k and any_drafts:
+        next_uniform = _accept(table, truth, survival, offset, accepted, uniforms, next_uniform)
+    for i in range(size):
+        if not table[PREFILL, i]:
+            rid = table[REQ, i]
+            c = truth[CONTEXT, rid]
+            emitted = min(table[ACCEPTED, i] + 1, truth[END, rid] - c)  # 0 for a finished request
+            table[EMITTED, i] = emitted
+            truth[CONTEXT, rid] = c + emitted
+            history += emitted
+    _hold(table, truth, k, survival, offset, valid)
+    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history), next_uniform
+
+
+@njit(cache=True)
+def _accept(
+    table: np.ndarray, truth: np.ndarray, survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray,
+    uniforms: np.ndarray, next_uniform: int,
+) -> int:
+    """Accepted drafts of the batch's live decoding requests (its ACCEPTED row); a drawn model reads one
+    uniform per decoding request. Returns the next unread uniform."""
+    draws = len(survival) > 0
+    for i in range(table.shape[1]):
+        if table[PREFILL, i]:
+            continue
+        rid = table[REQ, i]
+        c = truth[CONTEXT, rid]
+        if c < truth[END, rid]:
+            u = uniforms[next_uniform] if draws else 0.0
+            table[ACCEPTED, i] = accepted_drafts(survival, offset, accepted, rid, c - truth[PROMPT, rid],
+                                                 table[DRAFTS_VALID, i], u)
+        if draws:
+            next_uniform += 1
+    return next_uniform
+
+
+@njit(cache=True)
+def _hold(table: np.ndarray, truth: np.ndarray, k: int, survival: np.ndarray, offset: np.ndarray,
+          valid: np.ndarray) -> None:
+    """The drafts held by the batch's requests whose context moved: the proposer's at the new committed
+    length, 0 once finished."""
+    for i in range(table.shape[1]):
+        if table[EMITTED, i]:
+            rid = table[REQ, i]
+            c = truth[CONTEXT, rid]
+            live = c < truth[END, rid]
+            truth[HELD, rid] = held_drafts(survival, offset, valid, rid, c - truth[PROMPT, rid]) if k and live else 0

@@ -1,0 +1,97 @@
+"""The model backend's compiled step: the device truth, the acceptance stream, GPU-time totals."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from simharness.acceptance import SurvivalAcceptance
+from simharness.costmodel import CostModel, gpu_seconds
+from simharness.engine.backend import ModelBackend
+from simharness.policy import (
+    ACCEPTED,
+    BATCH_ROWS,
+    COMPLETES,
+    DRAFTS_VALID,
+    EMITTED,
+    PREFILL,
+    REQ,
+    SLOTS,
+    TOKENS,
+    VERIFIED,
+    WASTED,
+    Batch,
+)
+from simharness.scenario import Engine
+
+K = 4
+ALPHA = 0.7
+
+
+def backend(prompt: list[int], output: list[int], seed: int = 0) -> ModelBackend:
+    requests = SimpleNamespace(prompt_len=np.array(prompt), output_len=np.array(output))
+    cost = CostModel(Engine(), optimistic_correction=False)
+    acceptance = SurvivalAcceptance(ALPHA ** np.arange(1, K + 1, dtype=np.float64))
+    return ModelBackend(requests, acceptance, cost, K, np.random.default_rng(seed))
+
+
+def step(req: list[int], *, prefill: int = 0, slots: int = K) -> SimpleNamespace:
+    """A step of whole prompts (prefill > 0: the prompt length) or of decodes with `slots` draft slots each."""
+    table = np.zeros((BATCH_ROWS, len(req)), dtype=np.int64)
+    table[REQ] = req
+    if prefill:
+        table[PREFILL] = table[COMPLETES] = 1
+        table[TOKENS] = prefill
+    else:
+        table[TOKENS] = 1 + slots
+        table[SLOTS] = table[VERIFIED] = slots
+    return SimpleNamespace(batch=Batch(table, len(req), len(req) * int(prefill > 0), int(table[TOKENS].sum())),
+                           trimmed=False)
+
+
+def leading_accepted(u: np.ndarray) -> np.ndarray:
+    return (u[:, None] < ALPHA ** np.arange(1, K + 1)).cumprod(axis=1).sum(axis=1)
+
+
+def test_drawn_acceptance_reads_one_uniform_per_decode_of_a_step_that_verifies_drafts():
+    """The uniforms are drawn in blocks, yet each step sees the draws a per-step call would have made."""
+    model = backend([4, 4, 4], [10_000] * 3, seed=7)
+    reference = np.random.default_rng(7)
+    model.run_step(step([0, 1, 2], prefill=4))
+    for size in [3, 2, 3, 1] * 800:  # several blocks of uniforms
+        decode = step(list(range(size)))
+        model.run_step(decode)
+        expected = leading_accepted(reference.random(size))
+        np.testing.assert_array_equal(decode.batch.table[ACCEPTED], expected)
+        np.testing.assert_array_equal(decode.batch.table[EMITTED], expected + 1)
+    model.run_step(step([0, 1], slots=0))  # nothing to verify: no draw
+    decode = step([2])
+    model.run_step(decode)
+    np.testing.assert_array_equal(decode.batch.table[ACCEPTED], leading_accepted(reference.random(1)))
+
+
+def test_a_request_that_finished_before_its_step_ran_wastes_its_slots():
+    model = backend([4, 6], [2, 50])
+    model.run_step(step([0], prefill=4))
+    model.run_step(step([1], prefill=6))
+    np.testing.assert_array_equal(model.valid_drafts(np.array([0, 1])), [K, K])
+    model.run_step(step([0, 1]))  # request 0 emits its last token (at most 2 - 1 = 1 more)
+    np.testing.assert_array_equal(model.valid_drafts(np.array([0])), [0])
+    late = step([0, 1], slots=2)
+    model.run_step(late)
+    table = late.batch.table
+    np.testing.assert_array_equal(table[WASTED], [3, 0])
+    np.testing.assert_array_equal(table[[EMITTED, ACCEPTED, DRAFTS_VALID], 0], [0, 0, 0])
+    assert table[DRAFTS_VALID, 1] == 2 and table[EMITTED, 1] >= 1
+
+
+def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
+    model = backend([5, 7], [50, 50])
+    sizes, rates = model.cost.sizes, model.cost.rates
+    # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
+    assert model.run_step(step([0], prefill=5)) == gpu_seconds(sizes, rates, 5, 5, 30, 6)
+    model.run_step(step([1], prefill=7))
+    # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
+    decode = step([0, 1], slots=2)
+    seconds = model.run_step(decode)
+    emitted = int(decode.batch.table[EMITTED].sum())
+    assert seconds == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted)

@@ -1,0 +1,51 @@
+"""Records: a settled step's batch table becomes step counts, emissions and per-request tallies."""
+
+import numpy as np
+
+from simharness import policy
+from simharness.records import ARRIVAL_S, HOST_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, Records
+
+
+def table(**rows: list[int]) -> np.ndarray:
+    """A batch table from rows named as policy's row constants, in lower case."""
+    t = np.zeros((policy.BATCH_ROWS, len(rows["req"])), dtype=np.int64)
+    for name, values in rows.items():
+        t[getattr(policy, name.upper())] = values
+    return t
+
+
+def host_row(step: int) -> tuple:
+    return (step, 1, *[0.0] * 15, "", *[float("nan")] * 5, 0, float("nan"))
+
+
+def test_step_counts_emissions_and_request_tallies():
+    records = Records(k=3, output_len=np.array([5, 5, 5]))
+    records.request_times[ARRIVAL_S] = [0.0, 0.1, 0.2]
+    # step 0: request 0's last prefill chunk (first token), request 1's first chunk
+    records.add_step(table(req=[0, 1], tokens=[7, 4], prefill=[1, 1], completes=[1, 0], emitted=[1, 0]), 1.0,
+                     host_row(0))
+    # step 1: request 0 decodes (2 of 3 drafts accepted), request 1 finishes its prompt, request 2 had finished
+    # and wastes its slots
+    records.add_step(table(req=[0, 1, 2], tokens=[4, 2, 4], prefill=[0, 1, 0], completes=[0, 1, 0],
+                           slots=[3, 0, 3], verified=[3, 0, 2], drafts_valid=[3, 0, 0], accepted=[2, 0, 0],
+                           emitted=[3, 1, 0], wasted=[0, 0, 3]), 2.0, host_row(1))
+    steps = records.steps_frame()
+    assert list(steps.columns) == STEP_COLUMNS + ["acc_pos_0", "acc_pos_1", "acc_pos_2"]
+    assert steps[STEP_COLUMNS[1:10]].to_numpy().tolist() == [[2, 2, 11, 0, 0, 0, 0, 1, 0],
+                                                             [3, 1, 2, 7, 6, 3, 2, 4, 3]]
+    assert steps[["acc_pos_0", "acc_pos_1", "acc_pos_2"]].to_numpy().tolist() == [[0, 0, 0], [1, 1, 0]]
+    assert steps[HOST_COLUMNS].iloc[1].tolist()[:2] == [1, 1]
+    emissions = records.emissions_frame()
+    assert emissions.to_numpy().tolist() == [[0, 0, 1.0, 1], [0, 1, 2.0, 3], [1, 1, 2.0, 1]]
+    assert [str(t) for t in emissions.dtypes] == ["int64", "int64", "float64", "int64"]
+    requests = records.requests_frame(np.array(["free"] * 3), np.array([7, 6, 9]), np.array([5, 5, 5]))
+    assert list(requests.columns) == REQUEST_COLUMNS
+    np.testing.assert_array_equal(requests.first_token_s, [1.0, 2.0, np.nan])
+    np.testing.assert_array_equal(requests.last_token_s, [2.0, 2.0, np.nan])
+    assert requests[REQUEST_COLUMNS[7:]].to_numpy().tolist() == [[2, 1, 3, 2, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 3]]
+
+
+def test_an_empty_run_has_typed_empty_emissions():
+    emissions = Records(k=2, output_len=np.array([3])).emissions_frame()
+    assert len(emissions) == 0
+    assert [str(t) for t in emissions.dtypes] == ["int64", "int64", "float64", "int64"]
