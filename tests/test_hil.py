@@ -14,7 +14,18 @@ from helpers import hil_requests, single_thread
 
 from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer, get_config
-from simharness.engine.torch_backend import TorchBackend, capacity, read_back_rows
+from simharness.engine.torch_backend import TorchBackend, capacity, read_back
+from simharness.policy import (
+    ACCEPTED,
+    BATCH_ROWS,
+    COMPLETES,
+    DRAFTS_VALID,
+    EMITTED,
+    PREFILL,
+    REQ,
+    VERIFIED,
+    WASTED,
+)
 from simharness.records import STEP_COLUMNS
 from simharness.scenario import scenario_from_dict
 from simharness.simulation import Simulation, resolve_mode
@@ -98,34 +109,42 @@ def test_async_exercises_chunks_and_finished_requests_in_flight(requests, model)
     assert steps["wasted_slots"].sum() > 0
 
 
-def test_read_back_rows_by_hand():
-    """The host's per-row bookkeeping of a read-back step: request 2 accepts 2 of its 3 valid drafts, request 0
-    has 1 token left (its extra emitted tokens are not output), request 1 finished in an earlier step and sat
-    in this one (it wastes 1 + 4 slots). Every row's emitted tokens land in the mirror at its committed length."""
-    rids = np.array([2, 0, 1])
-    verified = np.array([4, 4, 4])
-    valid = np.array([3, 4, 0])
+def test_read_back_by_hand():
+    """The host's bookkeeping of a read-back step, into its batch table: request 2 accepts 2 of its 3 valid
+    drafts; request 0 has 1 token left (its extra emitted token is not output); request 1 finished in an earlier
+    step and sat in this one (it wastes 1 + 4 slots); request 3's last prompt chunk emits its first token (the
+    device reports decoding rows only). Every decoding row's tokens land in the mirror at its committed length."""
+    table = np.zeros((BATCH_ROWS, 4), dtype=np.int64)
+    table[REQ] = [2, 0, 1, 3]
+    table[PREFILL] = [0, 0, 0, 1]
+    table[COMPLETES] = [0, 0, 0, 1]
+    table[VERIFIED] = [4, 4, 4, 0]
     num_emitted = np.array([3, 2, 1])
     tokens = np.array([[7, 8, 9, -1, -1], [5, 6, -1, -1, -1], [4, -1, -1, -1, -1]])
+    num_drafts = np.array([3, 4, 0])
     new_valid = np.array([1, 2, 3])
-    committed = np.array([9, 10, 3])  # per request id
-    next_valid = np.zeros(3, dtype=np.int64)
-    output_len = np.array([10, 10, 10])
-    prompt_len = np.array([1, 3, 2])
-    history = np.zeros((3, 16), dtype=np.int64)
-    emitted, accepted, drafts, wasted = read_back_rows(
-        rids, verified, valid, num_emitted, tokens, new_valid, committed, next_valid, output_len, prompt_len, history
-    )
-    np.testing.assert_array_equal(emitted, [3, 1, 0])
-    np.testing.assert_array_equal(accepted, [2, 1, 0])
-    np.testing.assert_array_equal(drafts, [3, 4, 0])
-    np.testing.assert_array_equal(wasted, [0, 0, 5])
-    np.testing.assert_array_equal(committed, [11, 11, 6])
-    np.testing.assert_array_equal(next_valid, [2, 3, 1])
+    committed = np.array([9, 10, 3, 0])  # per request id
+    next_valid = np.zeros(4, dtype=np.int64)
+    output_len = np.array([10, 10, 10, 10])
+    prompt_len = np.array([1, 3, 2, 8])
+    history = np.zeros((4, 16), dtype=np.int64)
+    read_back(table, num_emitted, tokens, num_drafts, new_valid, False, committed, next_valid, output_len,
+              prompt_len, history)  # fmt: skip
+    np.testing.assert_array_equal(table[EMITTED], [3, 1, 0, 1])
+    np.testing.assert_array_equal(table[ACCEPTED], [2, 1, 0, 0])
+    np.testing.assert_array_equal(table[DRAFTS_VALID], [3, 4, 0, 0])
+    np.testing.assert_array_equal(table[WASTED], [0, 0, 5, 0])
+    np.testing.assert_array_equal(committed, [11, 11, 6, 0])
+    np.testing.assert_array_equal(next_valid, [0, 0, 1, 0])  # requests 0 and 1 have no tokens left
     np.testing.assert_array_equal(history[2, 5:9], [7, 8, 9, 0])  # prompt 2 + committed 3 onwards
     np.testing.assert_array_equal(history[0, 10:13], [5, 6, 0])
     np.testing.assert_array_equal(history[1, 13:15], [4, 0])
     assert history.sum() == 7 + 8 + 9 + 5 + 6 + 4  # nothing else written
+    # with fill, the valid drafts verified are those the host mirrored before this step
+    table[EMITTED:] = 0
+    read_back(table, num_emitted, tokens, num_drafts, new_valid, True, np.array([9, 10, 3, 0]),
+              np.array([2, 3, 1, 0]), output_len, prompt_len, history)  # fmt: skip
+    np.testing.assert_array_equal(table[DRAFTS_VALID], [1, 2, 0, 0])
 
 
 def test_steps_record_measured_phases(requests, model):

@@ -26,6 +26,7 @@ from simharness.engine.decode import PHASES, DecodeLoop, StepResult
 from simharness.engine.model import PRESETS, Transformer, get_config
 from simharness.instrument import SyncRecorder, phase
 from simharness.kernels.ngram import propose_ngram_row
+from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
 from simharness.scenario import Engine, ScenarioError
 
 # Device phases of a step as named in the step records (`gpu_<phase>_s`), prefill first.
@@ -150,9 +151,14 @@ class TorchBackend:
         self.prefilled = np.zeros(n, dtype=np.int64)  # prompt tokens whose prefill was launched
         # host mirror of the device truth, as of the last read-back step that held the request
         self.committed = np.zeros(n, dtype=np.int64)  # generated tokens on the device
-        self.next_valid = np.zeros(n, dtype=np.int64)  # valid drafts proposed for its next step
+        # valid drafts held for the next step (the device proposer's, or the CPU proposer's), 0 once no tokens are left
+        self.next_valid = np.zeros(n, dtype=np.int64)
         # prompt + generated tokens (host copy), as wide as the request's cache positions
         self.history = np.zeros((n, positions), dtype=np.int64)
+        # The valid drafts a step verified: the device's count of the drafts it verified (pad: only valid ones,
+        # as the CPU proposer's), or with fill (k slots verified, fillers among them) the device proposer's valid
+        # count as of the previous read-back step, which the host mirrors.
+        self.valid_from_mirror = self.loop.invalid == "fill"
         self.host_drafts = np.full((n, max(mode.k, 1)), -1, dtype=np.int64)  # CPU proposer's drafts
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
@@ -169,10 +175,7 @@ class TorchBackend:
 
     def valid_drafts(self, r: np.ndarray) -> np.ndarray:
         """Valid drafts for requests `r` as the host last read them (0 for finished ones)."""
-        if not self.k:
-            return np.zeros(len(r), dtype=np.int64)
-        valid = (self.host_drafts[r] >= 0).sum(axis=1) if self.mode.ngram_cpu else self.next_valid[r]
-        return valid * (self.committed[r] < self.output_len[r])
+        return self.next_valid[r]
 
     def output_tokens(self, rid: int) -> np.ndarray:
         """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
@@ -276,6 +279,7 @@ class TorchBackend:
                 drafts = propose_ngram_row(self.history[rid, :n], **self.ngram_args)
                 self.host_drafts[rid, :k] = -1
                 self.host_drafts[rid, : len(drafts)] = drafts
+                self.next_valid[rid] = len(drafts)
         return self._leave(t0)
 
     def release(self, rids: np.ndarray) -> None:
@@ -301,44 +305,29 @@ class TorchBackend:
             prefill_s = launch.events[0].elapsed_time(launch.events[1]) / 1e3 if self.cuda else launch.prefill_s
             step.readback_s = self._leave(t0) - (t_read - t0)
         # The host's mirror and the step's outcome are the harness's own work, like the SimPy model's: one
-        # compiled pass over the rows, since a few dozen small array operations cost more than the step's
-        # own host phases on a slow host.
-        emitted = b.completes_prefill.astype(np.int64)  # a prefill emits its first token with its last chunk
-        r = launch.decode_rids
+        # compiled pass over the batch writes the outcome into its table, since a few dozen small array
+        # operations would cost more than the step's own host phases on a slow host.
         if out is not None:
-            slots = step.verified_slots[b.decode] if b.n_prefill else step.verified_slots
-            emits, accepted, n_drafts, wasted = read_back_rows(
-                r, slots, self.valid_launched(r, out), out.num_emitted, out.tokens, out.next_valid,
+            read_back(
+                b.table, out.num_emitted, out.tokens, out.num_drafts, out.next_valid, self.valid_from_mirror,
                 self.committed, self.next_valid, self.output_len, self.prompt_len, self.history,
             )  # fmt: skip
-            if b.n_prefill:
-                emitted[b.decode] = emits
-            else:
-                emitted = emits
             device_phases = (prefill_s, *out.phase_s.values())
         else:
-            n_drafts = accepted = wasted = np.zeros(0, dtype=np.int64)
+            b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
             device_phases = (prefill_s, 0.0, 0.0, 0.0, 0.0)
         if first is not None:
             rids = np.asarray(launch.first_rids)
             self.history[rids, self.prompt_len[rids]] = first[0]
             self.committed[rids] = 1
-            self.next_valid[rids] = first[1]
+            self.next_valid[rids] = first[1] * (self.output_len[rids] > 1)
         self.n_read += 1
-        step.emitted, step.accepted, step.drafts_valid, step.wasted = emitted, accepted, n_drafts, wasted
         step.device_phases = device_phases
         step.device_syncs = self.syncs.count(step.id)
         now = time.perf_counter()
         step.harness_s = (now - self.mark) - self.inside
         self.mark, self.inside = now, 0.0
         return float(sum(device_phases))
-
-    def valid_launched(self, r: np.ndarray, out) -> np.ndarray:
-        """Valid drafts the step verified per request: the device proposer's count from the previous
-        read-back (fill verifies k slots, of which these were real proposals), or the CPU drafts'."""
-        if self.mode.ngram_cpu or self.loop.invalid == "pad":
-            return out.num_drafts.astype(np.int64)
-        return self.next_valid[r]
 
     # ---------------------------------------------------------------- helpers
 
@@ -373,44 +362,46 @@ def _sleep_rate() -> float:
 
 
 @numba.njit(cache=True)
-def read_back_rows(
-    rids: np.ndarray,
-    verified: np.ndarray,
-    valid: np.ndarray,
+def read_back(
+    table: np.ndarray,
     num_emitted: np.ndarray,
     tokens: np.ndarray,
+    num_drafts: np.ndarray,
     new_valid: np.ndarray,
+    valid_from_mirror: bool,
     committed: np.ndarray,
     next_valid: np.ndarray,
     output_len: np.ndarray,
     prompt_len: np.ndarray,
     history: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Apply a read-back step's decoding rows to the host's mirror (tokens, committed counts, valid drafts)
-    and return per row the tokens it emits, drafts accepted, valid drafts verified and slots wasted.
+) -> None:
+    """Fill a read-back step's outcome rows in its batch table and apply its tokens to the host's mirror.
 
-    Row i is request rids[i], which verified `verified[i]` draft slots holding `valid[i]` real drafts and
-    emitted `num_emitted[i]` tokens on the device (`tokens[i]`). A request that finished in an earlier step
-    but sat in this one (no tokens left) emits and accepts nothing and wastes its 1 + slots positions."""
-    n = len(rids)
-    emitted = np.zeros(n, dtype=np.int64)
-    accepted = np.zeros(n, dtype=np.int64)
-    drafts = np.zeros(n, dtype=np.int64)
-    wasted = np.zeros(n, dtype=np.int64)
-    for i in range(n):
-        rid = rids[i]
+    The device reports decoding requests in batch order (row i of `num_emitted`, `tokens`, `num_drafts`,
+    `new_valid`): request r emitted num_emitted[i] tokens, verified num_drafts[i] drafts (or, with
+    `valid_from_mirror`, held next_valid[r] valid ones before this step) and now holds new_valid[i] (0 once it
+    has no tokens left). A
+    request that finished in an earlier step but sat in this one (no tokens left) emits and accepts nothing
+    and wastes its 1 + slots positions. A prefill column emits its first token when its chunk is the last."""
+    i = 0
+    for c in range(table.shape[1]):
+        if table[PREFILL, c]:
+            table[EMITTED, c] = table[COMPLETES, c]
+            continue
+        rid = table[REQ, c]
         before = committed[rid]
         remaining = output_len[rid] - before
         e = num_emitted[i]
         if remaining > 0:
-            emitted[i] = min(e, remaining)
-            accepted[i] = e - 1
-            drafts[i] = min(valid[i], verified[i])
+            valid = next_valid[rid] if valid_from_mirror else num_drafts[i]
+            table[EMITTED, c] = min(e, remaining)
+            table[ACCEPTED, c] = e - 1
+            table[DRAFTS_VALID, c] = min(valid, table[VERIFIED, c])
         else:
-            wasted[i] = 1 + verified[i]
+            table[WASTED, c] = 1 + table[VERIFIED, c]
         start = prompt_len[rid] + before
         for j in range(e):
             history[rid, start + j] = tokens[i, j]
         committed[rid] = before + e
-        next_valid[rid] = new_valid[i]
-    return emitted, accepted, drafts, wasted
+        next_valid[rid] = new_valid[i] if committed[rid] < output_len[rid] else 0
+        i += 1
