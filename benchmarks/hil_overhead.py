@@ -47,7 +47,7 @@ def run_point(sc, requests, model, *, breakdown: bool) -> tuple[object, dict[str
     wrappers add a little host time of their own, so the headline figures come from a run without them)."""
     backend = torch_backend.TorchBackend(sc, requests, model, resolve_mode(sc))
     sim = Simulation(sc, requests, None, backend=backend)
-    totals = dict.fromkeys(["schedule", "settle", "release", "run_step", "run_step_measured"], 0.0)
+    totals = dict.fromkeys(["schedule", "settle", "release", "run_step", "run_step_measured", "read_back"], 0.0)
     if breakdown:
         timed(sim.sched, "schedule", totals)
         timed(sim.sched, "settle", totals)
@@ -72,9 +72,22 @@ def run_point(sc, requests, model, *, breakdown: bool) -> tuple[object, dict[str
             return dt
 
         backend.run_step, backend._leave = run_step_timed, leave_timed
+        # the compiled pass of the bookkeeping (a module global that run_step looks up at each call)
+        read_back = torch_backend.read_back
+
+        def read_back_timed(*args) -> None:
+            t0 = time.perf_counter()
+            read_back(*args)
+            totals["read_back"] += time.perf_counter() - t0
+
+        torch_backend.read_back = read_back_timed
     t = time.perf_counter()
-    with backend.syncs:
-        records, _ = sim.run()
+    try:
+        with backend.syncs:
+            records, _ = sim.run()
+    finally:
+        if breakdown:
+            torch_backend.read_back = read_back
     return records.steps_frame(), totals, time.perf_counter() - t
 
 
@@ -102,6 +115,7 @@ def measure(sc, requests, model, *, breakdown: bool) -> dict[str, float]:
         pieces = {"schedule": totals["schedule"], "settle": totals["settle"], "bookkeeping": bookkeeping,
                   "release": totals["release"]}
         pieces["rest"] = float(steps.harness_s.sum()) - sum(pieces.values())  # the SimPy model and the records
+        pieces["read_back"] = totals["read_back"]  # part of bookkeeping: its compiled pass
         row.update({f"{k}_us": v / n * 1e6 for k, v in pieces.items()})
     return row
 
@@ -131,7 +145,7 @@ def main() -> None:
     print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {model.device}")
     cols = ["steps", "decode_steps", "device_us", "harness_us", "ratio_median", "ratio_total", "wall_per_step_us"]
     if args.breakdown:
-        cols += ["schedule_us", "settle_us", "bookkeeping_us", "release_us", "rest_us"]
+        cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "rest_us"]
     print("| point | run | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for p in points:

@@ -164,7 +164,7 @@ class SyncRecorder:
 
     def count(self, step: int) -> int:
         """Syncs recorded in `step`."""
-        return self._counts[step]
+        return self._counts.get(step, 0)  # without Counter's __missing__ call for a step with none
 
     def frame(self) -> pd.DataFrame:
         """The recorded syncs, one row each, with columns DEVICE_SYNC_COLUMNS."""

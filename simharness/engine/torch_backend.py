@@ -285,8 +285,9 @@ class TorchBackend:
     def release(self, rids: np.ndarray) -> None:
         """Free the slots of requests the host saw finish. Every step that holds them was launched
         before, and the next owner's prefill is launched after, so FIFO order keeps the slot safe."""
-        self.free_slots.extend(self.slot[rids].tolist())
-        self.slot[rids] = -1
+        if len(rids):  # most steps finish no request
+            self.free_slots.extend(self.slot[rids].tolist())
+            self.slot[rids] = -1
 
     # ---------------------------------------------------------------- GPU stream
 
