@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from numba import njit
 
+from simharness.jit import njit
 from simharness.scenario import Speculation
 from simharness.workload import Requests
 
@@ -73,7 +73,7 @@ class ReplayAcceptance:
 
 # The lookups are inlined into the model backend's per-row loops: a call that passes arrays costs numba
 # reference counting per row, several times the lookup itself.
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def held_drafts(survival: np.ndarray, offset: np.ndarray, valid: np.ndarray, r: int, j: int) -> int:
     """Drafts (0..k) the proposer holds for request r at committed length j."""
     if len(survival):
@@ -81,7 +81,7 @@ def held_drafts(survival: np.ndarray, offset: np.ndarray, valid: np.ndarray, r: 
     return valid[offset[r] + j]
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def accepted_drafts(
     survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray, r: int, j: int, n_drafts: int, u: float
 ) -> int:

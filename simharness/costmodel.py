@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from simharness.jit import njit
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
 
@@ -146,7 +146,7 @@ WEIGHT_BYTES, KV_BYTES_PER_TOKEN, LINEAR_FLOPS_PER_TOKEN, ATTN_FLOPS_PER_PAIR, L
 FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN = range(4)
 
 
-@njit(cache=True)
+@njit
 def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int) -> float:
     """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache after the
     step (context + query), `pairs2` twice the attention pairs (sum over requests of query * (2 * context +

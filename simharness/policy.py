@@ -20,13 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from simharness.jit import njit
 from simharness.scenario import Scheduler as SchedulerConfig
 
 # Rows of a batch table. The scheduler fills REQ to VERIFIED (VERIFIED = SLOTS until prep trims); the
 # outcome rows are filled when the step runs, per request, 0 where they do not apply (a prefill's drafts).
-# The compiled functions of other modules (engine.backend, records) bake these in (see README: numba's cache).
+# The compiled functions of other modules (engine.backend, records, engine.torch_backend) bake these in; their
+# disk cache is dropped when they change (simharness/jit.py).
 REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALID, WASTED = range(10)
 BATCH_ROWS = 10
 # The host's request counters, one array that the compiled functions update in place.
@@ -135,7 +136,7 @@ class BatchScheduler:
         return self.finished[:n_done]
 
 
-@njit(cache=True)
+@njit
 def _schedule(
     running: np.ndarray,
     counts: np.ndarray,
@@ -209,7 +210,7 @@ def _schedule(
     return table[:, :size].copy(), n_prefill, used
 
 
-@njit(cache=True)
+@njit
 def _trim(table: np.ndarray, held: np.ndarray, k: int) -> int:
     """Verified slots of decoding requests cut to min(held, k); returns the change in tokens."""
     change = 0
@@ -221,7 +222,7 @@ def _trim(table: np.ndarray, held: np.ndarray, k: int) -> int:
     return change
 
 
-@njit(cache=True)
+@njit
 def _settle(
     table: np.ndarray, left: np.ndarray, room: np.ndarray, running: np.ndarray, counts: np.ndarray,
     finished: np.ndarray,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from numba import njit
 
 from simharness import policy
+from simharness.jit import njit
 
 # One row per engine step. Host phases are [start, end) intervals on the engine thread; a phase
 # that did not happen has start == end. `bubble_s` is GPU idle time between the previous step's
@@ -157,7 +157,7 @@ class Records:
         return pd.DataFrame(dict(zip(EMISSION_COLUMNS, (ids, steps, times, tokens), strict=True)))
 
 
-@njit(cache=True)
+@njit
 def record_step(
     table: np.ndarray,
     time: float,

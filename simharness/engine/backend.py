@@ -10,10 +10,10 @@ takes on the GPU.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts
 from simharness.costmodel import CostModel, gpu_seconds
+from simharness.jit import njit
 from simharness.policy import (
     ACCEPTED,
     COMPLETES,
@@ -75,7 +75,7 @@ class ModelBackend:
         return seconds
 
 
-@njit(cache=True)
+@njit
 def _hold_initial(truth: np.ndarray, k: int, survival: np.ndarray, offset: np.ndarray, valid: np.ndarray) -> None:
     """Drafts held before the first token, read only by a trimming host whose sync did not wait for the
     prefill: the proposer's at committed length 1, the first a decode reads."""
@@ -84,7 +84,7 @@ def _hold_initial(truth: np.ndarray, k: int, survival: np.ndarray, offset: np.nd
         truth[HELD, rid] = held_drafts(survival, offset, valid, rid, min(1, output_len - 1)) if k else 0
 
 
-@njit(cache=True)
+@njit
 def _run_step(
     table: np.ndarray,
     trimmed: bool,
@@ -151,7 +151,7 @@ def _run_step(
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history), next_uniform
 
 
-@njit(cache=True)
+@njit
 def _accept(
     table: np.ndarray, truth: np.ndarray, survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray,
     uniforms: np.ndarray, next_uniform: int,
@@ -173,7 +173,7 @@ def _accept(
     return next_uniform
 
 
-@njit(cache=True)
+@njit
 def _hold(table: np.ndarray, truth: np.ndarray, k: int, survival: np.ndarray, offset: np.ndarray,
           valid: np.ndarray) -> None:
     """The drafts held by the batch's requests whose context moved: the proposer's at the new committed

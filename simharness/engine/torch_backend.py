@@ -18,13 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 import torch
 
 from simharness.engine.decode import PHASES, DecodeLoop, StepResult
 from simharness.engine.model import PRESETS, Transformer, get_config
 from simharness.instrument import SyncRecorder, phase
+from simharness.jit import njit
 from simharness.kernels.ngram import propose_ngram_row
 from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
 from simharness.scenario import Engine, ScenarioError
@@ -362,7 +362,7 @@ def _sleep_rate() -> float:
     return _SLEEP_RATE[0]
 
 
-@numba.njit(cache=True)
+@njit
 def read_back(
     table: np.ndarray,
     num_emitted: np.ndarray,
