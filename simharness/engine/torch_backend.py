@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from simharness.engine.decode import PHASES, DecodeLoop, StepResult
+from simharness.engine.decode import DecodeLoop, StepResult
 from simharness.engine.model import PRESETS, Transformer, get_config
 from simharness.instrument import SyncRecorder, phase
 from simharness.jit import njit
@@ -29,8 +29,6 @@ from simharness.kernels.ngram import propose_ngram_row
 from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
 from simharness.scenario import Engine, ScenarioError
 
-# Device phases of a step as named in the step records (`gpu_<phase>_s`), prefill first.
-DEVICE_PHASES = ("prefill", *PHASES)
 # Host enqueue times kept to size the GPU hold (see `TorchBackend.launch`), and the first guesses.
 LAUNCH_WINDOW = 16
 FIRST_STEP_ENQUEUE_S = 3e-3
@@ -313,7 +311,7 @@ class TorchBackend:
                 b.table, out.num_emitted, out.tokens, out.num_drafts, out.next_valid, self.valid_from_mirror,
                 self.committed, self.next_valid, self.output_len, self.prompt_len, self.history,
             )  # fmt: skip
-            device_phases = (prefill_s, *out.phase_s.values())
+            device_phases = (prefill_s, *out.phase_s.values())  # the step records' order: prefill, then decode's PHASES
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
             device_phases = (prefill_s, 0.0, 0.0, 0.0, 0.0)
@@ -381,9 +379,9 @@ def read_back(
     The device reports decoding requests in batch order (row i of `num_emitted`, `tokens`, `num_drafts`,
     `new_valid`): request r emitted num_emitted[i] tokens, verified num_drafts[i] drafts (or, with
     `valid_from_mirror`, held next_valid[r] valid ones before this step) and now holds new_valid[i] (0 once it
-    has no tokens left). A
-    request that finished in an earlier step but sat in this one (no tokens left) emits and accepts nothing
-    and wastes its 1 + slots positions. A prefill column emits its first token when its chunk is the last."""
+    has no tokens left). A request that finished in an earlier step but sat in this one (no tokens left) emits
+    and accepts nothing and wastes its 1 + slots positions. A prefill column emits its first token when its
+    chunk is the last."""
     i = 0
     for c in range(table.shape[1]):
         if table[PREFILL, c]:
