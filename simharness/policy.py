@@ -73,10 +73,6 @@ class Batch:
     def decode(self) -> np.ndarray:
         return self.table[PREFILL] == 0
 
-    @property
-    def emits(self) -> np.ndarray:
-        return self.decode | self.completes_prefill
-
     def trim(self, held: np.ndarray, k: int) -> int:
         """Cut each decoding request's verified slots to the valid drafts `held` per request (read at a sync);
         returns the change in tokens computed."""

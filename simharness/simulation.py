@@ -24,7 +24,7 @@ import simpy
 from simharness.costmodel import CostModel
 from simharness.engine.backend import ModelBackend
 from simharness.instrument import phase
-from simharness.policy import ACCEPTED, DRAFTS_VALID, EMITTED, K_SLOTS, VERIFIED, WASTED, Batch, BatchScheduler
+from simharness.policy import EMITTED, K_SLOTS, Batch, BatchScheduler
 from simharness.records import ARRIVAL_S, LAST_TOKEN_S, Records
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 
@@ -100,30 +100,12 @@ def resolve_mode(sc: Scenario) -> Mode:
     return Mode(depth, k, optimistic, trim, spec.proposer == "ngram_cpu", syncs, note)
 
 
-def _outcome(row: int, per_decode: bool, doc: str) -> property:
-    """A row of the batch table as a step attribute: per request of the batch, or per decoding request
-    (the order of vLLM's sampler output, in which a hardware backend reports it)."""
-
-    def get(step: Step) -> np.ndarray:
-        return step.batch.table[row, step.batch.decode] if per_decode else step.batch.table[row]
-
-    def put(step: Step, values: np.ndarray) -> None:
-        step.batch.table[row, step.batch.decode if per_decode else slice(None)] = values
-
-    return property(get, put, doc=doc)
-
-
 class Step:
     """One launched step: its batch, what the GPU did with it, and its host timeline (seconds).
 
-    The outcome lives in the batch table; the properties below are its per-request views. Attributes a
+    The outcome lives in the batch table (its rows VERIFIED..WASTED, filled by the backend). Attributes a
     step may not set keep their class defaults."""
 
-    verified_slots = _outcome(VERIFIED, False, "draft slots the GPU verifies")
-    emitted = _outcome(EMITTED, False, "tokens emitted (0 for a prefill chunk that does not end its prompt)")
-    accepted = _outcome(ACCEPTED, True, "drafts accepted")
-    drafts_valid = _outcome(DRAFTS_VALID, True, "valid drafts verified")
-    wasted = _outcome(WASTED, True, "slots of a request that had finished before the step ran")
     trimmed: bool = False  # prep cut the verified slots to the valid drafts (known at a sync)
     sync_wait: float = 0.0
     n_syncs: int = 0
@@ -383,7 +365,7 @@ class Simulation:
         if self.mode.ngram_cpu and self.mode.k:
             # the CPU proposer drafts for the requests still running that got tokens (a prefill's first
             # token included), over their whole history
-            got = b.req[step.emitted > 0]
+            got = b.req[b.table[EMITTED] > 0]
             live = got[self.sched.committed[got] < self.req.output_len[got]]
             if self.measured:
                 yield env.timeout(self.backend.propose(live))
