@@ -135,6 +135,27 @@ class Step:
         self.gc_pause = gc_pause
 
 
+def _delay(now: float, t: float) -> float:
+    """The delay from `now` that lands exactly on time `t`. Several consecutive host phases are one SimPy event,
+    and `now + (t - now)` may differ from `t` in the last bit, so the delay is nudged until it lands on `t`, the
+    time the phases' own timeouts would have reached."""
+    delay = t - now
+    while now + delay < t:
+        delay = math.nextafter(delay, math.inf)
+    while now + delay > t:
+        delay = math.nextafter(delay, -math.inf)
+    return delay
+
+
+class Wake(simpy.Event):
+    """An event that fires at a time set after its creation: the idle GPU waits on one, and the engine sets it
+    for the end of the launch it has just computed."""
+
+    def at(self, delay: float) -> None:
+        self._ok, self._value = True, None  # what `succeed` sets; scheduled with a delay, as simpy's Timeout is
+        self.env.schedule(self, delay=delay)
+
+
 class Simulation:
     """One sweep point in virtual time. `run()` returns the records and the run's duration."""
 
@@ -165,7 +186,7 @@ class Simulation:
         self.records = Records(self.mode.k, requests.output_len)
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
-        self.gpu_idle: simpy.Event | None = None  # set while the GPU waits for a launch
+        self.gpu_idle: Wake | None = None  # set while the GPU waits for a launch
         self.work = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
         self.last_gpu_end: float | None = None
@@ -209,16 +230,17 @@ class Simulation:
     # ---------------------------------------------------------------- GPU stream
 
     def gpu_stream(self):
-        """Runs launched steps in order; the step's outcome is decided by the device truth now."""
+        """Runs launched steps in order; the step's outcome is decided by the device truth now.
+
+        The engine queues a step when it computes its launch, ahead of the clock (`_schedule_prep_launch`):
+        the step starts no earlier than its `launch_end`, and an idle GPU is woken then."""
         env, stream = self.env, self.stream
         while True:
-            if stream:
-                # what a satisfied `Store.get` costs: one pass through the event queue, which keeps
-                # the order of events at equal times
-                yield env.timeout(0)
-            else:
-                self.gpu_idle = env.event()
+            if not stream:
+                self.gpu_idle = Wake(env)
                 yield self.gpu_idle
+            if stream[0].launch_end > env.now:  # the GPU got free before the host finished launching
+                yield self._until(stream[0].launch_end)
             step = stream.popleft()
             start = env.now
             duration = self.backend.run_step(step)
@@ -231,18 +253,8 @@ class Simulation:
     # ---------------------------------------------------------------- engine loop
 
     def _until(self, t: float) -> simpy.Timeout:
-        """A timeout that ends exactly at time `t`, the sum of several host phases.
-
-        Several consecutive host phases are one SimPy event; `now + (t - now)` may differ from `t` in
-        the last bit, so the delay is nudged until it lands on `t`, the time the phases' own timeouts
-        would have reached."""
-        now = self.env.now
-        delay = t - now
-        while now + delay < t:
-            delay = math.nextafter(delay, math.inf)
-        while now + delay > t:
-            delay = math.nextafter(delay, -math.inf)
-        return self.env.timeout(delay)
+        """A timeout that ends exactly at time `t`, the sum of several host phases."""
+        return self.env.timeout(_delay(self.env.now, t))
 
     def _held(self) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
@@ -251,18 +263,25 @@ class Simulation:
             return self.backend.valid_drafts(self.sched.running())
         return K_SLOTS
 
-    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque):
-        """Block the host on each point's GPU event in turn; record the waits."""
-        env = self.env
+    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque, t: float):
+        """Block the host, from time `t` on, on each point's GPU event in turn; record the waits and return
+        the time the last one ends.
+
+        The host's time runs ahead of the clock: it yields only to wait for a GPU event that has not fired,
+        and a sync starts at t or when its event fires, whichever is later; so a sync whose step is done costs
+        no SimPy event. Only the engine launches, so what a sync waits for cannot change meanwhile."""
+        env, records = self.env, self.records
         for sp in points:
-            start = env.now
+            start = t
             target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
             if target is not None and not target.done.triggered:
                 yield target.done
-            yield env.timeout(self.cost.sync())
-            step.sync_wait += env.now - start
+                t = max(t, env.now)
+            t += self.cost.sync()
+            step.sync_wait += t - start
             step.n_syncs += 1
-            self.records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, env.now)
+            records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, t)
+        return t
 
     def engine_loop(self):
         env, cost, mode, sched = self.env, self.cost, self.mode, self.sched
@@ -286,73 +305,73 @@ class Simulation:
                 if batch.size:
                     step = Step(next_step, batch, env.event(), gc_pause)
                     next_step += 1
-                    yield from self._schedule_prep_launch(step, in_flight)
+                    host = yield from self._schedule_prep_launch(step, in_flight)
                     launched = True
                 elif in_flight:
                     # nothing to schedule: the scheduler call still costs the host its base time
                     yield env.timeout(cost.schedule(0))
             if launched and len(in_flight) < mode.depth:
+                yield self._until(host)  # schedule the next step once this launch is done
                 continue
             if in_flight:
-                yield from self._settle(in_flight.popleft(), in_flight)
+                yield from self._settle(in_flight.popleft(), in_flight, host if launched else env.now)
             elif sched.n_finished < self.n:
                 self.work = env.event()
                 if not sched.has_waiting():
                     yield self.work
 
     def _schedule_prep_launch(self, step: Step, in_flight: deque):
-        """The host phases from scheduling to launch; phases with no sync point between them are one event."""
+        """The host phases from scheduling to launch, computed ahead of the clock (`_syncs`); returns the time
+        the launch ends. The engine yields only to wait for the GPU or to read the device truth on time."""
         env, cost, mode, b = self.env, self.cost, self.mode, step.batch
         syncs = self.phase_syncs
+        t = env.now
         if syncs["schedule"]:
-            yield from self._syncs(step, syncs["schedule"], in_flight)
-        step.schedule_start = env.now
-        step.schedule_end = env.now + cost.schedule(b.size)
-        # Prep reads the device truth when trimming; with steps in flight it must be read at
-        # schedule_end, where the GPU may have moved on, so the host really waits there.
-        if syncs["prep"] or (mode.trim and in_flight):
-            yield self._until(step.schedule_end)
-            # syncs placed in prep run before prep's own work: trimming below relies on them
-            yield from self._syncs(step, syncs["prep"], in_flight)
-            step.prep_start = env.now
-        else:
-            step.prep_start = step.schedule_end
+            t = yield from self._syncs(step, syncs["schedule"], in_flight, t)
+        step.schedule_start = t
+        step.schedule_end = t = t + cost.schedule(b.size)
+        # syncs placed in prep run before prep's own work: trimming below relies on them
+        if syncs["prep"]:
+            t = yield from self._syncs(step, syncs["prep"], in_flight, t)
+        step.prep_start = t
         n_tokens = b.n_tokens
         # Trimming at prep is for async scheduling: a synchronous scheduler already reserved the drafts the
         # host holds, and with nothing in flight the device has not moved since.
         if mode.trim and mode.depth > 1 and b.n_prefill < b.size:
+            # Prep reads the device truth at prep_start: a launched step the GPU has not started may start
+            # before then, so the host really waits there (with none, the truth cannot change until launch).
+            if self.stream and t > env.now:
+                yield self._until(t)
             n_tokens += b.trim(self.backend.valid_drafts(b.req), mode.k)  # a decode computes 1 + its slots
             step.trimmed = True
-        step.prep_end = step.prep_start + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
+        step.prep_end = t = t + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
         if syncs["launch"]:
-            yield self._until(step.prep_end)
-            yield from self._syncs(step, syncs["launch"], in_flight)
-            step.launch_end = env.now + (self.backend.launch(step) if self.measured else cost.launch())
-        else:
-            step.launch_end = step.prep_end + (self.backend.launch(step) if self.measured else cost.launch())
-        yield self._until(step.launch_end)
+            t = yield from self._syncs(step, syncs["launch"], in_flight, t)
+        step.launch_end = t = t + (self.backend.launch(step) if self.measured else cost.launch())
+        # The launch is queued now and takes effect at launch_end: the GPU does not start the step earlier, and
+        # only the engine reads in_flight and last_launched. So the host need not wake at launch_end.
         in_flight.append(step)
         step.in_flight = len(in_flight)
         self.last_launched = step
         self.stream.append(step)
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
-            self.gpu_idle.succeed()
+            self.gpu_idle.at(_delay(env.now, t))
+        return t
 
-    def _settle(self, step: Step, in_flight: deque):
-        """Wait for the oldest step's output, then update requests and emit tokens."""
+    def _settle(self, step: Step, in_flight: deque, start: float):
+        """From host time `start` (at or ahead of the clock), wait for the oldest step's output, then update
+        requests and emit tokens."""
         env, b, syncs = self.env, step.batch, self.phase_syncs["update"]
-        start = env.now
+        t = start
         if not step.done.triggered:
             yield step.done
-        # the readback and the update are one event unless a sync point sits between them
-        sync_end = env.now + (step.readback_s if self.measured else self.cost.sync())
+            t = max(t, env.now)
+        # the readback and the update are one event (a sync point between them is computed ahead, `_syncs`)
+        sync_end = t + (step.readback_s if self.measured else self.cost.sync())
         step.sync_wait += sync_end - start
         step.n_syncs += 1
         self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        if syncs:
-            yield self._until(sync_end)
-            yield from self._syncs(step, syncs, in_flight)
-        step.update_start = env.now if syncs else sync_end
+        step.update_start = (yield from self._syncs(step, syncs, in_flight, sync_end)) if syncs else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
         if not self.measured:
