@@ -32,6 +32,12 @@ REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALI
 BATCH_ROWS = 10
 # The host's request counters, one array that the compiled functions update in place.
 N_ARRIVED, N_ADMITTED, N_RUNNING, N_PREFILLING = range(4)
+# Rows of the host's per-request state, one table (a compiled call costs per argument, most on a cold cache):
+# prompt tokens, prompt tokens not scheduled yet, output tokens the host has not processed yet, and that
+# less the in-flight steps that will emit for the request (a decoding request is a candidate while positive).
+PROMPT_LEN, PROMPT_LEFT, LEFT, ROOM = range(4)
+# The scheduler's limits, one array: the token budget, max_num_seqs, chunked prefill (0/1).
+BUDGET, MAX_NUM_SEQS, CHUNKED = range(3)
 # `held` when every decoding request reserves k slots (no per-request valid drafts)
 K_SLOTS = np.zeros(0, dtype=np.int64)
 
@@ -84,16 +90,12 @@ class BatchScheduler:
 
     def __init__(self, cfg: SchedulerConfig, prompt_len: np.ndarray, output_len: np.ndarray):
         n = len(prompt_len)
-        self.budget = cfg.max_num_batched_tokens
-        self.max_num_seqs = cfg.max_num_seqs
-        self.chunked_prefill = cfg.chunked_prefill
-        self.prompt_len = prompt_len.astype(np.int64)
+        self.limits = np.array([cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.chunked_prefill], dtype=np.int64)
         self.output_len = output_len.astype(np.int64)
-        self.prompt_left = self.prompt_len.copy()  # prompt tokens not scheduled yet
-        self.left = self.output_len.copy()  # output tokens the host has not processed yet
-        # left - (in-flight steps that will emit for the request): a decoding request is a
-        # candidate while this is positive
-        self.room = self.output_len.copy()
+        self.state = np.zeros((4, n), dtype=np.int64)  # rows PROMPT_LEN, PROMPT_LEFT, LEFT, ROOM
+        self.state[PROMPT_LEN] = self.state[PROMPT_LEFT] = prompt_len
+        self.state[LEFT] = self.state[ROOM] = output_len
+        self.left = self.state[LEFT]  # a view
         self.counts = np.zeros(4, dtype=np.int64)  # N_ARRIVED, N_ADMITTED, N_RUNNING, N_PREFILLING
         self.running_ids = np.zeros(n, dtype=np.int64)  # the first counts[N_RUNNING] are the running set
         self.finished = np.zeros(n, dtype=np.int64)  # ids that finished in the last settled step
@@ -118,34 +120,24 @@ class BatchScheduler:
     def schedule(self, k: int, held: np.ndarray = K_SLOTS) -> Batch:
         """Pick the next step's batch. A decoding request reserves `k` draft slots, or, when `held` is
         given (the valid drafts of each running request, in running order), as many as it holds."""
-        table, n_prefill, n_tokens = _schedule(
-            self.running_ids, self.counts, self.prompt_len, self.prompt_left, self.room, held, k, self.budget,
-            self.max_num_seqs, self.chunked_prefill,
-        )
+        table, n_prefill, n_tokens = _schedule(self.state, self.running_ids, self.counts, held, k, self.limits)
         return Batch(table, table.shape[1], n_prefill, n_tokens)
 
     def settle(self, batch: Batch) -> np.ndarray:
         """Process a step's output (its EMITTED row): advance the host's counts, return the ids that
         finished now (a view, valid until the next call)."""
-        n_done = _settle(batch.table, self.left, self.room, self.running_ids, self.counts, self.finished)
+        n_done = _settle(batch.table, self.state, self.running_ids, self.counts, self.finished)
         self.n_finished += n_done
         return self.finished[:n_done]
 
 
 @njit
 def _schedule(
-    running: np.ndarray,
-    counts: np.ndarray,
-    prompt_len: np.ndarray,
-    prompt_left: np.ndarray,
-    room: np.ndarray,
-    held: np.ndarray,
-    k: int,
-    budget: int,
-    max_num_seqs: int,
-    chunked: bool,
+    state: np.ndarray, running: np.ndarray, counts: np.ndarray, held: np.ndarray, k: int, limits: np.ndarray
 ) -> tuple[np.ndarray, int, int]:
     """The next batch as a table, its prefill chunks and its tokens; updates the host's state."""
+    prompt_len, prompt_left, room = state[PROMPT_LEN], state[PROMPT_LEFT], state[ROOM]
+    budget, max_num_seqs, chunked = limits[BUDGET], limits[MAX_NUM_SEQS], limits[CHUNKED] != 0
     n_running = counts[N_RUNNING]
     # at most every running request and the waiting ones max_num_seqs admits, each at least one token
     n_admissible = min(counts[N_ARRIVED] - counts[N_ADMITTED], max(max_num_seqs - n_running, 0))
@@ -219,12 +211,10 @@ def _trim(table: np.ndarray, held: np.ndarray, k: int) -> int:
 
 
 @njit
-def _settle(
-    table: np.ndarray, left: np.ndarray, room: np.ndarray, running: np.ndarray, counts: np.ndarray,
-    finished: np.ndarray,
-) -> int:
+def _settle(table: np.ndarray, state: np.ndarray, running: np.ndarray, counts: np.ndarray, finished: np.ndarray) -> int:
     """Advance the host's counts by a step's output; write the ids that finished now to `finished`
     (in batch order), return how many there are."""
+    left, room = state[LEFT], state[ROOM]
     n_done = 0
     for i in range(table.shape[1]):
         rid, emitted = table[REQ, i], table[EMITTED, i]

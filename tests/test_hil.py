@@ -14,7 +14,15 @@ from helpers import hil_requests, single_thread
 
 from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer, get_config
-from simharness.engine.torch_backend import TorchBackend, capacity, read_back
+from simharness.engine.torch_backend import (
+    COMMITTED,
+    NEXT_VALID,
+    OUTPUT_LEN,
+    PROMPT_LEN,
+    TorchBackend,
+    capacity,
+    read_back,
+)
 from simharness.policy import (
     ACCEPTED,
     BATCH_ROWS,
@@ -123,27 +131,28 @@ def test_read_back_by_hand():
     tokens = np.array([[7, 8, 9, -1, -1], [5, 6, -1, -1, -1], [4, -1, -1, -1, -1]])
     num_drafts = np.array([3, 4, 0])
     new_valid = np.array([1, 2, 3])
-    committed = np.array([9, 10, 3, 0])  # per request id
-    next_valid = np.zeros(4, dtype=np.int64)
-    output_len = np.array([10, 10, 10, 10])
-    prompt_len = np.array([1, 3, 2, 8])
+    packed = np.column_stack([tokens, num_emitted, num_drafts, new_valid])  # as DecodeLoop.readback packs them
+    mirror = np.zeros((4, 4), dtype=np.int64)
+    mirror[COMMITTED] = [9, 10, 3, 0]  # per request id
+    mirror[OUTPUT_LEN] = [10, 10, 10, 10]
+    mirror[PROMPT_LEN] = [1, 3, 2, 8]
     history = np.zeros((4, 16), dtype=np.int64)
-    read_back(table, num_emitted, tokens, num_drafts, new_valid, False, committed, next_valid, output_len,
-              prompt_len, history)  # fmt: skip
+    read_back(table, packed, 4, False, mirror, history)
     np.testing.assert_array_equal(table[EMITTED], [3, 1, 0, 1])
     np.testing.assert_array_equal(table[ACCEPTED], [2, 1, 0, 0])
     np.testing.assert_array_equal(table[DRAFTS_VALID], [3, 4, 0, 0])
     np.testing.assert_array_equal(table[WASTED], [0, 0, 5, 0])
-    np.testing.assert_array_equal(committed, [11, 11, 6, 0])
-    np.testing.assert_array_equal(next_valid, [0, 0, 1, 0])  # requests 0 and 1 have no tokens left
+    np.testing.assert_array_equal(mirror[COMMITTED], [11, 11, 6, 0])
+    np.testing.assert_array_equal(mirror[NEXT_VALID], [0, 0, 1, 0])  # requests 0 and 1 have no tokens left
     np.testing.assert_array_equal(history[2, 5:9], [7, 8, 9, 0])  # prompt 2 + committed 3 onwards
     np.testing.assert_array_equal(history[0, 10:13], [5, 6, 0])
     np.testing.assert_array_equal(history[1, 13:15], [4, 0])
     assert history.sum() == 7 + 8 + 9 + 5 + 6 + 4  # nothing else written
     # with fill, the valid drafts verified are those the host mirrored before this step
     table[EMITTED:] = 0
-    read_back(table, num_emitted, tokens, num_drafts, new_valid, True, np.array([9, 10, 3, 0]),
-              np.array([2, 3, 1, 0]), output_len, prompt_len, history)  # fmt: skip
+    mirror[COMMITTED] = [9, 10, 3, 0]
+    mirror[NEXT_VALID] = [2, 3, 1, 0]
+    read_back(table, packed, 4, True, mirror, history)
     np.testing.assert_array_equal(table[DRAFTS_VALID], [1, 2, 0, 0])
 
 

@@ -52,6 +52,7 @@ class StepOutput:
     num_drafts: np.ndarray  # [B]
     next_valid: np.ndarray  # [B]: valid drafts proposed for the next step (0 without a device proposer)
     phase_s: dict[str, float]
+    packed: np.ndarray  # [B, k+4]: the four above side by side (they are its views), for one compiled call
 
 
 @dataclass
@@ -298,7 +299,7 @@ class DecodeLoop:
             phase_s = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
         packed = staging.host[: result.batch].numpy().copy()
         k = self.k
-        return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3], phase_s)
+        return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3], phase_s, packed)
 
     def _staging(self, result: StepResult) -> _Staging:
         staging = self._ring[result.ring_index]

@@ -29,6 +29,9 @@ from simharness.kernels.ngram import propose_ngram_row
 from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
 from simharness.scenario import Engine, ScenarioError
 
+# Rows of the host's mirror of the device truth, one table (a compiled call costs per argument): committed
+# output tokens, valid drafts held for the next step (0 once no tokens are left), output and prompt lengths.
+COMMITTED, NEXT_VALID, OUTPUT_LEN, PROMPT_LEN = range(4)
 # Host enqueue times kept to size the GPU hold (see `TorchBackend.launch`), and the first guesses.
 LAUNCH_WINDOW = 16
 FIRST_STEP_ENQUEUE_S = 3e-3
@@ -138,8 +141,11 @@ class TorchBackend:
         )
         self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
         n = len(requests.prompt_len)
-        self.prompt_len = requests.prompt_len.astype(np.int64)
-        self.output_len = requests.output_len.astype(np.int64)
+        # host mirror of the device truth, as of the last read-back step that held the request; the attributes
+        # are views of its rows
+        self.mirror = np.zeros((4, n), dtype=np.int64)
+        self.mirror[OUTPUT_LEN], self.mirror[PROMPT_LEN] = requests.output_len, requests.prompt_len
+        self.committed, self.next_valid, self.output_len, self.prompt_len = self.mirror
         slots, positions = capacity(sc, requests, mode.depth, mode.k)
         if slots > model.max_slots or positions > model.max_len:
             raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
@@ -147,10 +153,6 @@ class TorchBackend:
         self.free_slots = list(range(model.max_slots - 1, -1, -1))
         self.slot = np.full(n, -1, dtype=np.int64)
         self.prefilled = np.zeros(n, dtype=np.int64)  # prompt tokens whose prefill was launched
-        # host mirror of the device truth, as of the last read-back step that held the request
-        self.committed = np.zeros(n, dtype=np.int64)  # generated tokens on the device
-        # valid drafts held for the next step (the device proposer's, or the CPU proposer's), 0 once no tokens are left
-        self.next_valid = np.zeros(n, dtype=np.int64)
         # prompt + generated tokens (host copy), as wide as the request's cache positions
         self.history = np.zeros((n, positions), dtype=np.int64)
         # The valid drafts a step verified: the device's count of the drafts it verified (pad: only valid ones,
@@ -307,10 +309,7 @@ class TorchBackend:
         # compiled pass over the batch writes the outcome into its table, since a few dozen small array
         # operations would cost more than the step's own host phases on a slow host.
         if out is not None:
-            read_back(
-                b.table, out.num_emitted, out.tokens, out.num_drafts, out.next_valid, self.valid_from_mirror,
-                self.committed, self.next_valid, self.output_len, self.prompt_len, self.history,
-            )  # fmt: skip
+            read_back(b.table, out.packed, self.k, self.valid_from_mirror, self.mirror, self.history)
             device_phases = (prefill_s, *out.phase_s.values())  # the step records' order: prefill, then decode's PHASES
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
@@ -362,26 +361,20 @@ def _sleep_rate() -> float:
 
 @njit
 def read_back(
-    table: np.ndarray,
-    num_emitted: np.ndarray,
-    tokens: np.ndarray,
-    num_drafts: np.ndarray,
-    new_valid: np.ndarray,
-    valid_from_mirror: bool,
-    committed: np.ndarray,
-    next_valid: np.ndarray,
-    output_len: np.ndarray,
-    prompt_len: np.ndarray,
-    history: np.ndarray,
+    table: np.ndarray, packed: np.ndarray, k: int, valid_from_mirror: bool, mirror: np.ndarray, history: np.ndarray
 ) -> None:
     """Fill a read-back step's outcome rows in its batch table and apply its tokens to the host's mirror.
 
-    The device reports decoding requests in batch order (row i of `num_emitted`, `tokens`, `num_drafts`,
-    `new_valid`): request r emitted num_emitted[i] tokens, verified num_drafts[i] drafts (or, with
-    `valid_from_mirror`, held next_valid[r] valid ones before this step) and now holds new_valid[i] (0 once it
-    has no tokens left). A request that finished in an earlier step but sat in this one (no tokens left) emits
-    and accepts nothing and wastes its 1 + slots positions. A prefill column emits its first token when its
-    chunk is the last."""
+    The device reports decoding requests in batch order (row i of `packed`, whose columns are `StepOutput`'s
+    tokens, num_emitted, num_drafts and new_valid): request r emitted num_emitted[i] tokens, verified
+    num_drafts[i] drafts (or, with `valid_from_mirror`, held next_valid[r] valid ones before this step) and now
+    holds new_valid[i] (0 once it has no tokens left). A request that finished in an earlier step but sat in
+    this one (no tokens left) emits and accepts nothing and wastes its 1 + slots positions. A prefill column
+    emits its first token when its chunk is the last."""
+    committed, next_valid = mirror[COMMITTED], mirror[NEXT_VALID]
+    output_len, prompt_len = mirror[OUTPUT_LEN], mirror[PROMPT_LEN]
+    tokens, num_emitted = packed[:, : k + 1], packed[:, k + 1]
+    num_drafts, new_valid = packed[:, k + 2], packed[:, k + 3]
     i = 0
     for c in range(table.shape[1]):
         if table[PREFILL, c]:
