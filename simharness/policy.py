@@ -80,8 +80,8 @@ class Batch:
         return self.table[PREFILL] == 0
 
     def trim(self, held: np.ndarray, k: int) -> int:
-        """Cut each decoding request's verified slots to the valid drafts `held` per request (read at a sync);
-        returns the change in tokens computed."""
+        """Cut each decoding request's verified slots to the valid drafts it holds (`held`, per request id, read
+        at a sync); returns the change in tokens computed."""
         return _trim(self.table, held, k)
 
 
@@ -119,7 +119,7 @@ class BatchScheduler:
 
     def schedule(self, k: int, held: np.ndarray = K_SLOTS) -> Batch:
         """Pick the next step's batch. A decoding request reserves `k` draft slots, or, when `held` is
-        given (the valid drafts of each running request, in running order), as many as it holds."""
+        given (the valid drafts per request id), as many as it holds."""
         table, n_prefill, n_tokens = _schedule(self.state, self.running_ids, self.counts, held, k, self.limits)
         return Batch(table, table.shape[1], n_prefill, n_tokens)
 
@@ -150,7 +150,7 @@ def _schedule(
         if prefill:
             tokens, slots = prompt_left[rid], 0
         elif room[rid] > 0:
-            slots = k if len(held) == 0 else held[j]
+            slots = k if len(held) == 0 else held[rid]
             tokens = 1 + slots
         else:
             continue
@@ -200,11 +200,11 @@ def _schedule(
 
 @njit
 def _trim(table: np.ndarray, held: np.ndarray, k: int) -> int:
-    """Verified slots of decoding requests cut to min(held, k); returns the change in tokens."""
+    """Verified slots of decoding requests cut to min(held[request id], k); returns the change in tokens."""
     change = 0
     for i in range(table.shape[1]):
         if table[PREFILL, i] == 0:
-            slots = min(held[i], k)
+            slots = min(held[table[REQ, i]], k)
             change += slots - table[SLOTS, i]
             table[VERIFIED, i] = slots
     return change

@@ -192,6 +192,9 @@ class Simulation:
         self.last_gpu_end: float | None = None
         self.last_launched: Step | None = None
         self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
+        self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
+                            for ph, pts in self.phase_syncs.items()}  # fmt: skip
+        self.sync_s = self.cost.sync()  # a sync's own host time, once its GPU event fired
 
     # ---------------------------------------------------------------- clients
 
@@ -260,27 +263,32 @@ class Simulation:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
         synchronous and trimming (the host has them), else k placeholder slots (async, or every slot verified)."""
         if self.mode.k and self.mode.depth == 1 and self.mode.trim:
-            return self.backend.valid_drafts(self.sched.running())
+            return self.backend.valid_drafts()
         return K_SLOTS
 
-    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque, t: float):
-        """Block the host, from time `t` on, on each point's GPU event in turn; record the waits and return
-        the time the last one ends.
+    def _pending(self, phase: str, in_flight: deque) -> simpy.Event | None:
+        """The GPU event the host must wait for before the sync points of `phase` can pass: the newest step they
+        wait for, unless it is done (the GPU runs steps in launch order, so the older ones are done when it is).
+        That is the last launched step, unless every point waits for the oldest in flight."""
+        newest = in_flight[0] if (in_flight and self.oldest_only[phase]) else self.last_launched
+        return None if newest is None or newest.done.triggered else newest.done
 
-        The host's time runs ahead of the clock: it yields only to wait for a GPU event that has not fired,
-        and a sync starts at t or when its event fires, whichever is later; so a sync whose step is done costs
-        no SimPy event. Only the engine launches, so what a sync waits for cannot change meanwhile."""
-        env, records = self.env, self.records
+    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque, t: float) -> float:
+        """Block the host, from time `t` on, on each point's GPU event in turn; record the waits and return
+        the time the last one ends. Every step they wait for is done (`_pending`).
+
+        The host's time runs ahead of the clock: a sync starts at t or when its step ended on the GPU, whichever
+        is later, so syncs cost no SimPy event beyond the one wait. Only the engine launches, so what a sync
+        waits for cannot change meanwhile."""
         for sp in points:
             start = t
             target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
-            if target is not None and not target.done.triggered:
-                yield target.done
-                t = max(t, env.now)
-            t += self.cost.sync()
+            if target is not None and target.gpu_end > t:
+                t = target.gpu_end
+            t += self.sync_s
             step.sync_wait += t - start
             step.n_syncs += 1
-            records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, t)
+            self.records.add_sync(step.id, sp.name, sp.phase, sp.waits_for, start, t)
         return t
 
     def engine_loop(self):
@@ -327,12 +335,16 @@ class Simulation:
         syncs = self.phase_syncs
         t = env.now
         if syncs["schedule"]:
-            t = yield from self._syncs(step, syncs["schedule"], in_flight, t)
+            if (wait := self._pending("schedule", in_flight)) is not None:
+                yield wait
+            t = self._syncs(step, syncs["schedule"], in_flight, t)
         step.schedule_start = t
         step.schedule_end = t = t + cost.schedule(b.size)
         # syncs placed in prep run before prep's own work: trimming below relies on them
         if syncs["prep"]:
-            t = yield from self._syncs(step, syncs["prep"], in_flight, t)
+            if (wait := self._pending("prep", in_flight)) is not None:
+                yield wait
+            t = self._syncs(step, syncs["prep"], in_flight, t)
         step.prep_start = t
         n_tokens = b.n_tokens
         # Trimming at prep is for async scheduling: a synchronous scheduler already reserved the drafts the
@@ -342,11 +354,13 @@ class Simulation:
             # before then, so the host really waits there (with none, the truth cannot change until launch).
             if self.stream and t > env.now:
                 yield self._until(t)
-            n_tokens += b.trim(self.backend.valid_drafts(b.req), mode.k)  # a decode computes 1 + its slots
+            n_tokens += b.trim(self.backend.valid_drafts(), mode.k)  # a decode computes 1 + its slots
             step.trimmed = True
         step.prep_end = t = t + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
         if syncs["launch"]:
-            t = yield from self._syncs(step, syncs["launch"], in_flight, t)
+            if (wait := self._pending("launch", in_flight)) is not None:
+                yield wait
+            t = self._syncs(step, syncs["launch"], in_flight, t)
         step.launch_end = t = t + (self.backend.launch(step) if self.measured else cost.launch())
         # The launch is queued now and takes effect at launch_end: the GPU does not start the step earlier, and
         # only the engine reads in_flight and last_launched. So the host need not wake at launch_end.
@@ -367,11 +381,13 @@ class Simulation:
             yield step.done
             t = max(t, env.now)
         # the readback and the update are one event (a sync point between them is computed ahead, `_syncs`)
-        sync_end = t + (step.readback_s if self.measured else self.cost.sync())
+        sync_end = t + (step.readback_s if self.measured else self.sync_s)
         step.sync_wait += sync_end - start
         step.n_syncs += 1
         self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        step.update_start = (yield from self._syncs(step, syncs, in_flight, sync_end)) if syncs else sync_end
+        if syncs and (wait := self._pending("update", in_flight)) is not None:
+            yield wait
+        step.update_start = self._syncs(step, syncs, in_flight, sync_end) if syncs else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
         if not self.measured:

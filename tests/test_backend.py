@@ -73,9 +73,9 @@ def test_a_request_that_finished_before_its_step_ran_wastes_its_slots():
     model = backend([4, 6], [2, 50])
     model.run_step(step([0], prefill=4))
     model.run_step(step([1], prefill=6))
-    np.testing.assert_array_equal(model.valid_drafts(np.array([0, 1])), [K, K])
+    np.testing.assert_array_equal(model.valid_drafts()[[0, 1]], [K, K])
     model.run_step(step([0, 1]))  # request 0 emits its last token (at most 2 - 1 = 1 more)
-    np.testing.assert_array_equal(model.valid_drafts(np.array([0])), [0])
+    np.testing.assert_array_equal(model.valid_drafts()[[0]], [0])
     late = step([0, 1], slots=2)
     model.run_step(late)
     table = late.batch.table

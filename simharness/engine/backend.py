@@ -56,9 +56,9 @@ class ModelBackend:
         self.uniforms = np.zeros(0, dtype=np.float64)
         self.next_uniform = 0
 
-    def valid_drafts(self, r: np.ndarray) -> np.ndarray:
-        """Valid drafts the proposer holds for requests `r` (0 for finished ones)."""
-        return self.held[r]
+    def valid_drafts(self) -> np.ndarray:
+        """Valid drafts the proposer holds now, per request id (0 for finished ones); a view to read, not keep."""
+        return self.held
 
     def run_step(self, step) -> float:
         """Advance the device truth by one step, write its outcome into the batch table, return its GPU seconds."""

@@ -173,9 +173,9 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- host view
 
-    def valid_drafts(self, r: np.ndarray) -> np.ndarray:
-        """Valid drafts for requests `r` as the host last read them (0 for finished ones)."""
-        return self.next_valid[r]
+    def valid_drafts(self) -> np.ndarray:
+        """Valid drafts per request id as the host last read them (0 for finished ones); a view to read, not keep."""
+        return self.next_valid
 
     def output_tokens(self, rid: int) -> np.ndarray:
         """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
