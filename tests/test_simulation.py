@@ -125,6 +125,40 @@ def test_a_sync_before_prep_creates_bubbles_at_depth_2():
     assert set(synced.syncs_frame().name) == {"metadata_item", "output_readback"}
 
 
+@pytest.mark.parametrize("phase", ["schedule", "prep", "launch", "update"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_each_sync_ends_when_its_step_ended_on_the_gpu_plus_its_cost(phase, depth):
+    """A sync starts where the host is (the previous sync's end, or the phase's start) and ends at the later
+    of that and its step's GPU end, plus the sync's own cost: the host may be computed ahead of the clock,
+    but every recorded wait is what blocking on each GPU event in turn gives. An all_launched sync waits for
+    the newest step launched by then; an oldest_in_flight one for some earlier step."""
+    cost = 7e-6
+    points = [{"name": "a", "phase": phase, "waits_for": "oldest_in_flight"},
+              {"name": "b", "phase": phase, "waits_for": "all_launched"}]
+    sc = scenario(depth=depth, policy="optimistic", concurrency=4, host=dict(HOST, sync_us=cost * 1e6),
+                  sync_points={"add": points})
+    _, rec, _ = simulate(sc, make_requests(8, 48, 30))
+    steps = rec.steps_frame()
+    launch_end, gpu_end = steps.launch_end.to_numpy(), steps.gpu_end.to_numpy()
+    syncs = rec.syncs_frame()
+    # the last steps' syncs may wait for steps still in flight when the last request ended (never recorded)
+    syncs = syncs[syncs.step < len(steps) - depth]
+    a, b = syncs[syncs.name == "a"].reset_index(), syncs[syncs.name == "b"].reset_index()
+    assert len(a) == len(b) == len(steps) - depth and (a.step == b.step).all()
+    np.testing.assert_array_equal(b.start_s, a.end_s)  # b follows a at once
+    for row in a.itertuples():
+        assert row.end_s == row.start_s + cost or (row.end_s > row.start_s + cost and row.end_s - cost in gpu_end)
+    for row in b.itertuples():
+        launched = np.flatnonzero(launch_end <= row.start_s)
+        if len(launched) == 0:  # the first step's: nothing to wait for
+            assert row.end_s == row.start_s + cost
+            continue
+        newest = launched.max()
+        assert row.end_s == max(row.start_s, gpu_end[newest]) + cost
+    waited = (a.end_s - a.start_s > 1.5 * cost) | (b.end_s - b.start_s > 1.5 * cost)
+    assert waited.any() == (depth > 1)  # the GPU was behind the host at some of them, unless synchronous
+
+
 def test_ngram_cpu_falls_back_to_depth_1():
     mode = resolve_mode(scenario(depth=3, proposer="ngram_cpu"))
     assert mode.depth == 1 and "depth 3 -> 1" in mode.note
