@@ -17,6 +17,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 import numpy as np
 import torch
@@ -215,21 +216,22 @@ class TorchBackend:
 
     def launch(self, step) -> float:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time."""
+        launch = self.launches[step.id]
+        hold = 0.0
+        if self.cuda:
+            # Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the device
+            # work alone, not gaps where the GPU waited for launches (~30 us each, eager). Medians, three times
+            # over: one slow enqueue (a kernel's first compilation) must not hold every later step; a step whose
+            # enqueue still outlasts its hold is counted in `starved_steps`. This is the harness's own work, not
+            # the engine's: it is left out of the measured launch, so it counts as harness time.
+            enqueue = median(self.step_enqueue) + len(launch.prefills) * median(self.prefill_enqueue)
+            hold = 3.0 * enqueue + 5e-4
+            torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
+            launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            launch.events[0].record()
         t0 = time.perf_counter()
         self.syncs.start_step(step.id)
-        launch = self.launches[step.id]
         with phase("launch"):
-            hold = 0.0
-            if self.cuda:
-                # Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the
-                # device work alone, not gaps where the GPU waited for launches (~30 us each, eager).
-                # Medians, three times over: one slow enqueue (a kernel's first compilation) must not hold every
-                # later step; a step whose enqueue still outlasts its hold is counted in `starved_steps`.
-                enqueue = np.median(self.step_enqueue) + len(launch.prefills) * np.median(self.prefill_enqueue)
-                hold = 3.0 * enqueue + 5e-4
-                torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
-                launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                launch.events[0].record()
             with phase("gpu_prefill"):
                 t_prefill = time.perf_counter()
                 firsts, valid = [], []
