@@ -191,6 +191,7 @@ class Simulation:
         self.done_events: dict[int, simpy.Event] = {}
         self.last_gpu_end: float | None = None
         self.last_launched: Step | None = None
+        self.on_gpu: Step | None = None  # the step the GPU runs
         self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
         self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
                             for ph, pts in self.phase_syncs.items()}  # fmt: skip
@@ -233,25 +234,31 @@ class Simulation:
     # ---------------------------------------------------------------- GPU stream
 
     def gpu_stream(self):
-        """Runs launched steps in order; the step's outcome is decided by the device truth now.
+        """Runs launched steps in order; the step's outcome is decided by the device truth when it starts.
 
         The engine queues a step when it computes its launch, ahead of the clock (`_schedule_prep_launch`):
-        the step starts no earlier than its `launch_end`, and an idle GPU is woken then."""
+        the step starts no earlier than its `launch_end`. A launch that finds the GPU idle starts the step
+        itself at `launch_end` and wakes the GPU at the step's end (at the sim level: `_launch`)."""
         env, stream = self.env, self.stream
         while True:
             if not stream:
                 self.gpu_idle = Wake(env)
                 yield self.gpu_idle
-            if stream[0].launch_end > env.now:  # the GPU got free before the host finished launching
-                yield self._until(stream[0].launch_end)
-            step = stream.popleft()
-            start = env.now
-            duration = self.backend.run_step(step)
-            step.gpu_start = start
-            step.bubble = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
-            yield env.timeout(duration)
+            if self.on_gpu is None:
+                if stream[0].launch_end > env.now:  # the GPU got free before the host finished launching
+                    yield self._until(stream[0].launch_end)
+                yield env.timeout(self._start(stream.popleft(), env.now))
+            step, self.on_gpu = self.on_gpu, None
             step.gpu_end = self.last_gpu_end = env.now
             step.done.succeed()
+
+    def _start(self, step: Step, start: float) -> float:
+        """Start `step` on the GPU at time `start`: the device truth moves on now; returns the step's duration."""
+        duration = self.backend.run_step(step)
+        step.gpu_start = start
+        step.bubble = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
+        self.on_gpu = step
+        return duration
 
     # ---------------------------------------------------------------- engine loop
 
@@ -367,10 +374,23 @@ class Simulation:
         in_flight.append(step)
         step.in_flight = len(in_flight)
         self.last_launched = step
-        self.stream.append(step)
-        if self.gpu_idle is not None and not self.gpu_idle.triggered:
-            self.gpu_idle.at(_delay(env.now, t))
+        self._launch(step, t)
         return t
+
+    def _launch(self, step: Step, t: float) -> None:
+        """Hand `step` to the GPU stream at time `t` (the clock may be behind).
+
+        An idle GPU would start it at t. At the sim level the step then starts now, ahead of the clock, and the
+        GPU is woken at its end: one SimPy event fewer per step. Nothing reads the device truth before t
+        (the engine, its only reader, is at t already), so starting early changes nothing. A hardware backend
+        runs the step when the GPU stream starts it, in real time, so there the GPU is woken at t."""
+        if self.gpu_idle is None or self.gpu_idle.triggered:
+            self.stream.append(step)
+        elif self.measured:
+            self.stream.append(step)
+            self.gpu_idle.at(_delay(self.env.now, t))
+        else:
+            self.gpu_idle.at(_delay(self.env.now, t + self._start(step, t)))
 
     def _settle(self, step: Step, in_flight: deque, start: float):
         """From host time `start` (at or ahead of the clock), wait for the oldest step's output, then update
