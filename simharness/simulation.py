@@ -116,7 +116,7 @@ class Step:
     prep_end: float
     launch_end: float
     gpu_start: float
-    gpu_end: float
+    gpu_end: float = math.inf  # known once the step ended, or once it started ahead of the clock (`_launch`)
     bubble: float
     update_start: float
     update_end: float
@@ -128,7 +128,7 @@ class Step:
     device_syncs: int = 0
     harness_s: float = float("nan")
 
-    def __init__(self, id: int, batch: Batch, done: simpy.Event, gc_pause: float):
+    def __init__(self, id: int, batch: Batch, done: Wake, gc_pause: float):
         self.id = id
         self.batch = batch
         self.done = done
@@ -189,9 +189,8 @@ class Simulation:
         self.gpu_idle: Wake | None = None  # set while the GPU waits for a launch
         self.work = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
-        self.last_gpu_end: float | None = None
+        self.gpu_free_at: float | None = None  # the end of the latest step started on the GPU
         self.last_launched: Step | None = None
-        self.on_gpu: Step | None = None  # the step the GPU runs
         self.phase_syncs = {ph: [sp for sp in self.mode.syncs if sp.phase == ph] for ph in PHASES}
         self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
                             for ph, pts in self.phase_syncs.items()}  # fmt: skip
@@ -234,30 +233,31 @@ class Simulation:
     # ---------------------------------------------------------------- GPU stream
 
     def gpu_stream(self):
-        """Runs launched steps in order; the step's outcome is decided by the device truth when it starts.
+        """Runs queued steps in order; a step's outcome is decided by the device truth when it starts.
 
         The engine queues a step when it computes its launch, ahead of the clock (`_schedule_prep_launch`):
-        the step starts no earlier than its `launch_end`. A launch that finds the GPU idle starts the step
-        itself at `launch_end` and wakes the GPU at the step's end (at the sim level: `_launch`)."""
+        the step starts no earlier than its `launch_end` nor before the GPU is free. Steps launched onto an idle
+        GPU at the sim level never reach this process: the engine starts them itself (`_launch`)."""
         env, stream = self.env, self.stream
         while True:
             if not stream:
                 self.gpu_idle = Wake(env)
                 yield self.gpu_idle
-            if self.on_gpu is None:
-                if stream[0].launch_end > env.now:  # the GPU got free before the host finished launching
-                    yield self._until(stream[0].launch_end)
-                yield env.timeout(self._start(stream.popleft(), env.now))
-            step, self.on_gpu = self.on_gpu, None
-            step.gpu_end = self.last_gpu_end = env.now
+            step = stream[0]
+            start = step.launch_end if self.gpu_free_at is None else max(step.launch_end, self.gpu_free_at)
+            if start > env.now:
+                yield self._until(start)
+            stream.popleft()
+            yield env.timeout(self._start(step, env.now))
+            step.gpu_end = env.now
             step.done.succeed()
 
     def _start(self, step: Step, start: float) -> float:
         """Start `step` on the GPU at time `start`: the device truth moves on now; returns the step's duration."""
         duration = self.backend.run_step(step)
         step.gpu_start = start
-        step.bubble = 0.0 if self.last_gpu_end is None else start - self.last_gpu_end
-        self.on_gpu = step
+        step.bubble = 0.0 if self.gpu_free_at is None else start - self.gpu_free_at
+        self.gpu_free_at = start + duration
         return duration
 
     # ---------------------------------------------------------------- engine loop
@@ -278,7 +278,7 @@ class Simulation:
         wait for, unless it is done (the GPU runs steps in launch order, so the older ones are done when it is).
         That is the last launched step, unless every point waits for the oldest in flight."""
         newest = in_flight[0] if (in_flight and self.oldest_only[phase]) else self.last_launched
-        return None if newest is None or newest.done.triggered else newest.done
+        return None if newest is None or newest.gpu_end <= self.env.now else newest.done
 
     def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque, t: float) -> float:
         """Block the host, from time `t` on, on each point's GPU event in turn; record the waits and return
@@ -318,7 +318,7 @@ class Simulation:
                     with phase("schedule"):
                         batch = sched.schedule(mode.k, self._held())
                 if batch.size:
-                    step = Step(next_step, batch, env.event(), gc_pause)
+                    step = Step(next_step, batch, Wake(env), gc_pause)
                     next_step += 1
                     host = yield from self._schedule_prep_launch(step, in_flight)
                     launched = True
@@ -378,26 +378,29 @@ class Simulation:
         return t
 
     def _launch(self, step: Step, t: float) -> None:
-        """Hand `step` to the GPU stream at time `t` (the clock may be behind).
+        """Hand `step` to the GPU at time `t` (the clock may be behind).
 
-        An idle GPU would start it at t. At the sim level the step then starts now, ahead of the clock, and the
-        GPU is woken at its end: one SimPy event fewer per step. Nothing reads the device truth before t
-        (the engine, its only reader, is at t already), so starting early changes nothing. A hardware backend
-        runs the step when the GPU stream starts it, in real time, so there the GPU is woken at t."""
-        if self.gpu_idle is None or self.gpu_idle.triggered:
-            self.stream.append(step)
-        elif self.measured:
-            self.stream.append(step)
-            self.gpu_idle.at(_delay(self.env.now, t))
-        else:
-            self.gpu_idle.at(_delay(self.env.now, t + self._start(step, t)))
+        At the sim level a step launched onto an idle GPU (none queued, the last one ended by t) starts at t, so
+        the engine starts it now, ahead of the clock, and its end is known: its `done` fires then, and the GPU
+        process is not involved (one SimPy event per step instead of three). Nothing reads the device truth
+        before t (the engine, its only reader, is at t already), so starting early changes nothing. Otherwise
+        the step is queued for the GPU process, woken at the step's earliest start if it is waiting. A
+        hardware backend runs every step from the GPU process, in real time."""
+        free_at = self.gpu_free_at
+        if not self.measured and not self.stream and (free_at is None or free_at <= t):
+            step.gpu_end = t + self._start(step, t)
+            step.done.at(_delay(self.env.now, step.gpu_end))
+            return
+        self.stream.append(step)
+        if self.gpu_idle is not None and not self.gpu_idle.triggered:
+            self.gpu_idle.at(_delay(self.env.now, t if free_at is None else max(t, free_at)))
 
     def _settle(self, step: Step, in_flight: deque, start: float):
         """From host time `start` (at or ahead of the clock), wait for the oldest step's output, then update
         requests and emit tokens."""
         env, b, syncs = self.env, step.batch, self.phase_syncs["update"]
         t = start
-        if not step.done.triggered:
+        if step.gpu_end > env.now:
             yield step.done
             t = max(t, env.now)
         # the readback and the update are one event (a sync point between them is computed ahead, `_syncs`)
