@@ -236,8 +236,8 @@ class Simulation:
         """Runs queued steps in order; a step's outcome is decided by the device truth when it starts.
 
         The engine queues a step when it computes its launch, ahead of the clock (`_schedule_prep_launch`):
-        the step starts no earlier than its `launch_end` nor before the GPU is free. Steps launched onto an idle
-        GPU at the sim level never reach this process: the engine starts them itself (`_launch`)."""
+        the step starts no earlier than its `launch_end` nor before the GPU is free. At the sim level most steps
+        never reach this process: the engine starts them itself when that is safe (`_launch`)."""
         env, stream = self.env, self.stream
         while True:
             if not stream:
@@ -380,20 +380,22 @@ class Simulation:
     def _launch(self, step: Step, t: float) -> None:
         """Hand `step` to the GPU at time `t` (the clock may be behind).
 
-        At the sim level a step launched onto an idle GPU (none queued, the last one ended by t) starts at t, so
-        the engine starts it now, ahead of the clock, and its end is known: its `done` fires then, and the GPU
-        process is not involved (one SimPy event per step instead of three). Nothing reads the device truth
-        before t (the engine, its only reader, is at t already), so starting early changes nothing. Otherwise
-        the step is queued for the GPU process, woken at the step's earliest start if it is waiting. A
-        hardware backend runs every step from the GPU process, in real time."""
+        At the sim level the engine starts the step itself, ahead of the clock, when nothing could read the
+        device truth between now and the step's start: the step's end is then known, its `done` fires then, and
+        the GPU process is not involved (one SimPy event per step instead of three). The engine is the truth's
+        only reader and is at t already; it reads the truth only when trimming, so a step may start early if
+        it starts at t (an idle GPU) or if the engine never trims. Otherwise the step is queued for the GPU
+        process, woken at the step's earliest start if it is waiting. A hardware backend runs every step from
+        the GPU process, in real time."""
         free_at = self.gpu_free_at
-        if not self.measured and not self.stream and (free_at is None or free_at <= t):
-            step.gpu_end = t + self._start(step, t)
+        start = t if free_at is None else max(t, free_at)
+        if not self.measured and not self.stream and (start == t or not self.mode.trim):
+            step.gpu_end = start + self._start(step, start)
             step.done.at(_delay(self.env.now, step.gpu_end))
             return
         self.stream.append(step)
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
-            self.gpu_idle.at(_delay(self.env.now, t if free_at is None else max(t, free_at)))
+            self.gpu_idle.at(_delay(self.env.now, start))
 
     def _settle(self, step: Step, in_flight: deque, start: float):
         """From host time `start` (at or ahead of the clock), wait for the oldest step's output, then update
