@@ -7,9 +7,15 @@ readback), settle it (`update_from_output`: tokens reach clients now) and, with 
 proposer, draft on the host. The GPU stream runs launched steps FIFO.
 
 Two views of every request are kept, as in vLLM: the host's (`policy.BatchScheduler`, optimistic
-under async) and the device's truth here (committed tokens, prefill progress), which the GPU
-stream advances when a step runs. A request that finished in step N but already sits in step N+1
-costs wasted verify slots.
+under async) and the device's truth here (committed tokens, prefill progress), which advances when
+a step starts on the GPU. A request that finished in step N but already sits in step N+1 costs
+wasted verify slots.
+
+Speed: the engine computes its host phases ahead of the clock and yields only where it must observe
+something (a GPU step's end, the time tokens reach clients); at the sim level it also starts a step on
+the GPU itself when nothing can read the device truth before the step's start (`_launch`). That leaves
+about three SimPy events per step, and each of these shortcuts gives the same records, to the bit, as
+one event per phase would.
 """
 
 from __future__ import annotations
