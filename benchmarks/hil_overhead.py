@@ -4,8 +4,8 @@ Runs the points of a hil scenario (by default `scenarios/hil.yaml` at concurrenc
 depth 1/2/3) on the real decode loop and reads the steps table: `harness_s` is the host time per read-back
 step spent outside the engine's measured work (the SimPy model, the scheduler, the host's mirror of the
 device, the records). The goal is below 10% of the step's device time at concurrency 64 on the GPU machine.
-A breakdown times the scheduler's calls, the backend's bookkeeping after each readback and the slot
-release by wrapping them; the rest is the SimPy model and the records. Usage:
+A breakdown times the scheduler's calls, the backend's bookkeeping after each readback, the slot
+release and the GPU hold's setup (CUDA) by wrapping them; the rest is the SimPy model and the records. Usage:
 
     python benchmarks/hil_overhead.py [--scenario scenarios/hil.yaml] [--set K=V]... [--depths 1 2 3]
 """
@@ -47,11 +47,13 @@ def run_point(sc, requests, model, *, breakdown: bool) -> tuple[object, dict[str
     wrappers add a little host time of their own, so the headline figures come from a run without them)."""
     backend = torch_backend.TorchBackend(sc, requests, model, resolve_mode(sc))
     sim = Simulation(sc, requests, None, backend=backend)
-    totals = dict.fromkeys(["schedule", "settle", "release", "run_step", "run_step_measured", "read_back"], 0.0)
+    totals = dict.fromkeys(["schedule", "settle", "release", "hold", "run_step", "run_step_measured", "read_back"],
+                           0.0)  # fmt: skip
     if breakdown:
         timed(sim.sched, "schedule", totals)
         timed(sim.sched, "settle", totals)
         timed(backend, "release", totals)
+        timed(backend, "_hold", totals, "hold")  # CUDA only: the GPU hold's setup before each launch
         # bookkeeping after a readback = run_step's wall time less what it counts as measured (wait and copy)
         inside_run_step = [False]
         run_step, leave = backend.run_step, backend._leave
@@ -113,7 +115,7 @@ def measure(sc, requests, model, *, breakdown: bool) -> dict[str, float]:
         n = len(steps)
         bookkeeping = totals["run_step"] - totals["run_step_measured"]
         pieces = {"schedule": totals["schedule"], "settle": totals["settle"], "bookkeeping": bookkeeping,
-                  "release": totals["release"]}
+                  "release": totals["release"], "hold": totals["hold"]}
         pieces["rest"] = float(steps.harness_s.sum()) - sum(pieces.values())  # the SimPy model and the records
         pieces["read_back"] = totals["read_back"]  # part of bookkeeping: its compiled pass
         row.update({f"{k}_us": v / n * 1e6 for k, v in pieces.items()})
@@ -145,7 +147,7 @@ def main() -> None:
     print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {model.device}")
     cols = ["steps", "decode_steps", "device_us", "harness_us", "ratio_median", "ratio_total", "wall_per_step_us"]
     if args.breakdown:
-        cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "rest_us"]
+        cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "hold_us", "rest_us"]
     print("| point | run | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for p in points:

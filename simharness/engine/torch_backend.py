@@ -217,18 +217,8 @@ class TorchBackend:
     def launch(self, step) -> float:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time."""
         launch = self.launches[step.id]
-        hold = 0.0
-        if self.cuda:
-            # Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the device
-            # work alone, not gaps where the GPU waited for launches (~30 us each, eager). Medians, three times
-            # over: one slow enqueue (a kernel's first compilation) must not hold every later step; a step whose
-            # enqueue still outlasts its hold is counted in `starved_steps`. This is the harness's own work, not
-            # the engine's: it is left out of the measured launch, so it counts as harness time.
-            enqueue = median(self.step_enqueue) + len(launch.prefills) * median(self.prefill_enqueue)
-            hold = 3.0 * enqueue + 5e-4
-            torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
-            launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            launch.events[0].record()
+        # the hold is the harness's own work, not the engine's: it is left out of the measured launch
+        hold = self._hold(launch) if self.cuda else 0.0
         t0 = time.perf_counter()
         self.syncs.start_step(step.id)
         with phase("launch"):
@@ -270,6 +260,19 @@ class TorchBackend:
             return wall
         # On the CPU the device work ran synchronously inside the launch; it is timed as the device phases.
         return max(wall - launch.prefill_s - step_s, 0.0)
+
+    def _hold(self, launch: _Launch) -> float:
+        """Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the device work
+        alone, not gaps where the GPU waited for launches (~30 us each, eager); returns the hold's seconds.
+
+        Medians, three times over: one slow enqueue (a kernel's first compilation) must not hold every later
+        step; a step whose enqueue still outlasts its hold is counted in `starved_steps`."""
+        enqueue = median(self.step_enqueue) + len(launch.prefills) * median(self.prefill_enqueue)
+        hold = 3.0 * enqueue + 5e-4
+        torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
+        launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        launch.events[0].record()
+        return hold
 
     def propose(self, rids: np.ndarray) -> float:
         """The CPU n-gram proposer over each request's committed tokens (after its step was settled)."""
