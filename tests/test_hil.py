@@ -201,3 +201,31 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
     assert any(e.get("ph") == "M" and e["args"].get("name") == "hil: measured phases" for e in events["traceEvents"])
     report = hil.report.read_text()
     assert "## Device sync sites" in report and "## Measured vs modelled" in report
+
+
+def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
+    """The GPU hold before a launch (CUDA only, so faked here): a spin kernel of three times the median enqueue of
+    recent steps plus the prefills', plus 0.5 ms, then the step's three timing events, the first recorded."""
+    from collections import deque
+
+    from simharness.engine import torch_backend
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            calls.append("event")
+
+        def record(self):
+            calls.append("record")
+
+    monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
+    monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
+    backend = object.__new__(TorchBackend)  # only the attributes the hold reads
+    backend.step_enqueue, backend.prefill_enqueue = deque([1e-3, 5e-3, 2e-3]), deque([4e-3])
+    backend.sleep_cycles_per_s = 1e9
+    launch = torch_backend._Launch(decode_rids=np.array([3]), prefills=[(0, 0, 8, True, None)] * 2)
+    hold = backend._hold(launch)
+    assert hold == pytest.approx(3 * (2e-3 + 2 * 4e-3) + 5e-4)
+    assert calls == [int(hold * 1e9), "event", "event", "event", "record"]
+    assert len(launch.events) == 3
