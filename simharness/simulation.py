@@ -154,12 +154,13 @@ def _delay(now: float, t: float) -> float:
 
 
 class Wake(simpy.Event):
-    """An event that fires at a time set after its creation: the idle GPU waits on one, and the engine sets it
-    for the end of the launch it has just computed."""
+    """An event that fires at a time set after its creation: the idle GPU waits on one until the engine sets it
+    for a step's start, and a step the engine started itself ends with its `done` set for the step's end."""
 
-    def at(self, delay: float) -> None:
+    def at(self, t: float) -> None:
+        """Fire at time `t` (not before now)."""
         self._ok, self._value = True, None  # what `succeed` sets; scheduled with a delay, as simpy's Timeout is
-        self.env.schedule(self, delay=delay)
+        self.env.schedule(self, delay=_delay(self.env.now, t))
 
 
 class Simulation:
@@ -279,21 +280,18 @@ class Simulation:
             return self.backend.valid_drafts()
         return K_SLOTS
 
-    def _pending(self, phase: str, in_flight: deque) -> simpy.Event | None:
-        """The GPU event the host must wait for before the sync points of `phase` can pass: the newest step they
-        wait for, unless it is done (the GPU runs steps in launch order, so the older ones are done when it is).
-        That is the last launched step, unless every point waits for the oldest in flight."""
+    def _syncs(self, step: Step, phase: str, in_flight: deque, t: float):
+        """Block the host, from time `t` on, on the GPU event of each sync point of `phase` in turn; record the
+        waits and return the time the last one ends.
+
+        The host's time runs ahead of the clock: it yields at most once, for the newest step the points wait
+        for (the GPU runs steps in launch order, so the older ones are done when it is): the last launched,
+        unless every point waits for the oldest in flight. Each sync then starts at t or when its step ended on
+        the GPU, whichever is later. Only the engine launches, so what a sync waits for cannot change meanwhile."""
         newest = in_flight[0] if (in_flight and self.oldest_only[phase]) else self.last_launched
-        return None if newest is None or newest.gpu_end <= self.env.now else newest.done
-
-    def _syncs(self, step: Step, points: list[SyncPoint], in_flight: deque, t: float) -> float:
-        """Block the host, from time `t` on, on each point's GPU event in turn; record the waits and return
-        the time the last one ends. Every step they wait for is done (`_pending`).
-
-        The host's time runs ahead of the clock: a sync starts at t or when its step ended on the GPU, whichever
-        is later, so syncs cost no SimPy event beyond the one wait. Only the engine launches, so what a sync
-        waits for cannot change meanwhile."""
-        for sp in points:
+        if newest is not None and newest.gpu_end > self.env.now:
+            yield newest.done
+        for sp in self.phase_syncs[phase]:
             start = t
             target = in_flight[0] if (sp.waits_for == "oldest_in_flight" and in_flight) else self.last_launched
             if target is not None and target.gpu_end > t:
@@ -348,16 +346,12 @@ class Simulation:
         syncs = self.phase_syncs
         t = env.now
         if syncs["schedule"]:
-            if (wait := self._pending("schedule", in_flight)) is not None:
-                yield wait
-            t = self._syncs(step, syncs["schedule"], in_flight, t)
+            t = yield from self._syncs(step, "schedule", in_flight, t)
         step.schedule_start = t
         step.schedule_end = t = t + cost.schedule(b.size)
         # syncs placed in prep run before prep's own work: trimming below relies on them
         if syncs["prep"]:
-            if (wait := self._pending("prep", in_flight)) is not None:
-                yield wait
-            t = self._syncs(step, syncs["prep"], in_flight, t)
+            t = yield from self._syncs(step, "prep", in_flight, t)
         step.prep_start = t
         n_tokens = b.n_tokens
         # Trimming at prep is for async scheduling: a synchronous scheduler already reserved the drafts the
@@ -371,9 +365,7 @@ class Simulation:
             step.trimmed = True
         step.prep_end = t = t + (self.backend.prep(step) if self.measured else cost.prep(b.size, n_tokens))
         if syncs["launch"]:
-            if (wait := self._pending("launch", in_flight)) is not None:
-                yield wait
-            t = self._syncs(step, syncs["launch"], in_flight, t)
+            t = yield from self._syncs(step, "launch", in_flight, t)
         step.launch_end = t = t + (self.backend.launch(step) if self.measured else cost.launch())
         # The launch is queued now and takes effect at launch_end: the GPU does not start the step earlier, and
         # only the engine reads in_flight and last_launched. So the host need not wake at launch_end.
@@ -397,11 +389,11 @@ class Simulation:
         start = t if free_at is None else max(t, free_at)
         if not self.measured and not self.stream and (start == t or not self.mode.trim):
             step.gpu_end = start + self._start(step, start)
-            step.done.at(_delay(self.env.now, step.gpu_end))
+            step.done.at(step.gpu_end)
             return
         self.stream.append(step)
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
-            self.gpu_idle.at(_delay(self.env.now, start))
+            self.gpu_idle.at(start)
 
     def _settle(self, step: Step, in_flight: deque, start: float):
         """From host time `start` (at or ahead of the clock), wait for the oldest step's output, then update
@@ -416,9 +408,7 @@ class Simulation:
         step.sync_wait += sync_end - start
         step.n_syncs += 1
         self.records.add_sync(step.id, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        if syncs and (wait := self._pending("update", in_flight)) is not None:
-            yield wait
-        step.update_start = self._syncs(step, syncs, in_flight, sync_end) if syncs else sync_end
+        step.update_start = (yield from self._syncs(step, "update", in_flight, sync_end)) if syncs else sync_end
         now = step.update_end = step.update_start + self.cost.update(b.size)
         yield self._until(now)
         if not self.measured:

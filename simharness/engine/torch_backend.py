@@ -146,7 +146,8 @@ class TorchBackend:
         # are views of its rows
         self.mirror = np.zeros((4, n), dtype=np.int64)
         self.mirror[OUTPUT_LEN], self.mirror[PROMPT_LEN] = requests.output_len, requests.prompt_len
-        self.committed, self.next_valid, self.output_len, self.prompt_len = self.mirror
+        self.committed, self.next_valid = self.mirror[COMMITTED], self.mirror[NEXT_VALID]
+        self.output_len, self.prompt_len = self.mirror[OUTPUT_LEN], self.mirror[PROMPT_LEN]
         slots, positions = capacity(sc, requests, mode.depth, mode.k)
         if slots > model.max_slots or positions > model.max_len:
             raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
