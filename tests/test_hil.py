@@ -205,7 +205,8 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
 
 def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
     """The GPU hold before a launch (CUDA only, so faked here): a spin kernel of three times the median enqueue of
-    recent steps plus the prefills', plus 0.5 ms, then the step's three timing events, the first recorded."""
+    recent steps plus the prefills', plus 0.5 ms; a step with prefills then gets three timing events, the first
+    recorded, and a decode-only step none (the decode loop's own events time it)."""
     from collections import deque
 
     from simharness.engine import torch_backend
@@ -222,10 +223,15 @@ def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
     monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
     backend = object.__new__(TorchBackend)  # only the attributes the hold reads
-    backend.step_enqueue, backend.prefill_enqueue = deque([1e-3, 5e-3, 2e-3]), deque([4e-3])
+    backend.step_enqueue, backend.prefill_enqueue = deque([1e-3, 5e-3, 2e-3]), deque([4e-3, 9e-3, 1e-3, 6e-3])
     backend.sleep_cycles_per_s = 1e9
     launch = torch_backend._Launch(decode_rids=np.array([3]), prefills=[(0, 0, 8, True, None)] * 2)
     hold = backend._hold(launch)
-    assert hold == pytest.approx(3 * (2e-3 + 2 * 4e-3) + 5e-4)
+    assert hold == pytest.approx(3 * (2e-3 + 2 * 6e-3) + 5e-4)  # the upper median of an even count
     assert calls == [int(hold * 1e9), "event", "event", "event", "record"]
     assert len(launch.events) == 3
+    calls.clear()
+    launch = torch_backend._Launch(decode_rids=np.array([3, 5]))
+    hold = backend._hold(launch)
+    assert hold == pytest.approx(3 * 2e-3 + 5e-4)
+    assert calls == [int(hold * 1e9)] and launch.events == []

@@ -17,7 +17,6 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 
 import numpy as np
 import torch
@@ -111,7 +110,7 @@ class _Launch:
     first_rids: list[int] = field(default_factory=list)
     first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
     first_host: torch.Tensor | None = None
-    events: list = field(default_factory=list)  # CUDA: prefill start / end, first-token copy done
+    events: list = field(default_factory=list)  # CUDA, steps with prefills: prefill start / end, first-token copy done
     prefill_s: float = 0.0  # CPU: measured on the host
 
 
@@ -237,7 +236,7 @@ class TorchBackend:
                     launch.first_rids.append(rid)
                 if firsts:
                     launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
-                if self.cuda:
+                if launch.events:
                     launch.events[1].record()
                 else:
                     launch.prefill_s = time.perf_counter() - t_prefill
@@ -252,7 +251,7 @@ class TorchBackend:
             if launch.first_device is not None:
                 host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
-            if self.cuda:
+            if launch.events:
                 launch.events[2].record()
         self.n_launched += 1
         wall = self._leave(t0)
@@ -267,12 +266,17 @@ class TorchBackend:
         alone, not gaps where the GPU waited for launches (~30 us each, eager); returns the hold's seconds.
 
         Medians, three times over: one slow enqueue (a kernel's first compilation) must not hold every later
-        step; a step whose enqueue still outlasts its hold is counted in `starved_steps`."""
-        enqueue = median(self.step_enqueue) + len(launch.prefills) * median(self.prefill_enqueue)
+        step; a step whose enqueue still outlasts its hold is counted in `starved_steps`. The hold is harness
+        time, and a CUDA call costs tens of µs on a slow host: a decode-only step gets the spin kernel alone (its
+        phases are timed by the decode loop's own events), a step with prefills also its three timing events."""
+        enqueue = _median(self.step_enqueue)
+        if launch.prefills:
+            enqueue += len(launch.prefills) * _median(self.prefill_enqueue)
         hold = 3.0 * enqueue + 5e-4
         torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
-        launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        launch.events[0].record()
+        if launch.prefills:
+            launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            launch.events[0].record()
         return hold
 
     def propose(self, rids: np.ndarray) -> float:
@@ -304,12 +308,12 @@ class TorchBackend:
         launch = self.launches.pop(step.id)
         b = step.batch
         with phase("readback"):
-            if self.cuda:
+            if launch.events:
                 launch.events[2].synchronize()  # the step, its readback copy and the first tokens' copy
             t_read = time.perf_counter()
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy() if launch.first_host is not None else None
-            prefill_s = launch.events[0].elapsed_time(launch.events[1]) / 1e3 if self.cuda else launch.prefill_s
+            prefill_s = launch.events[0].elapsed_time(launch.events[1]) / 1e3 if launch.events else launch.prefill_s
             step.readback_s = self._leave(t0) - (t_read - t0)
         # The host's mirror and the step's outcome are the harness's own work, like the SimPy model's: one
         # compiled pass over the batch writes the outcome into its table, since a few dozen small array
@@ -346,6 +350,11 @@ class TorchBackend:
         dt = time.perf_counter() - t0
         self.inside += dt
         return dt
+
+
+def _median(values: deque[float]) -> float:
+    """The upper median: a sort of at most LAUNCH_WINDOW values costs less than `statistics.median`."""
+    return sorted(values)[len(values) // 2]
 
 
 _SLEEP_RATE: list[float] = []
