@@ -12,10 +12,10 @@ a step starts on the GPU. A request that finished in step N but already sits in 
 wasted verify slots.
 
 Speed: the engine computes its host phases ahead of the clock and yields only where it must observe
-something (a GPU step's end, the time tokens reach clients); at the sim level it also starts a step on
-the GPU itself when nothing can read the device truth before the step's start (`_launch`). That leaves
-about three SimPy events per step, and each of these shortcuts gives the same records, to the bit, as
-one event per phase would.
+something (a GPU step's end, the time tokens reach clients); it also starts a step on the GPU itself
+when nothing can read the device truth before the step's start (`_launch`), and a started step's end
+is scheduled, not waited for. That leaves about three SimPy events per step, and each of these
+shortcuts gives the same records, to the bit, as one event per phase would.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Step:
     prep_end: float
     launch_end: float
     gpu_start: float
-    gpu_end: float = math.inf  # known once the step ended, or once it started ahead of the clock (`_launch`)
+    gpu_end: float = math.inf  # known once the step started (often ahead of the clock, `_launch`)
     bubble: float
     update_start: float
     update_end: float
@@ -155,7 +155,7 @@ def _delay(now: float, t: float) -> float:
 
 class Wake(simpy.Event):
     """An event that fires at a time set after its creation: the idle GPU waits on one until the engine sets it
-    for a step's start, and a step the engine started itself ends with its `done` set for the step's end."""
+    for a step's start, and a started step ends with its `done` set for the step's end."""
 
     def at(self, t: float) -> None:
         """Fire at time `t` (not before now)."""
@@ -243,8 +243,8 @@ class Simulation:
         """Runs queued steps in order; a step's outcome is decided by the device truth when it starts.
 
         The engine queues a step when it computes its launch, ahead of the clock (`_schedule_prep_launch`):
-        the step starts no earlier than its `launch_end` nor before the GPU is free. At the sim level most steps
-        never reach this process: the engine starts them itself when that is safe (`_launch`)."""
+        the step starts no earlier than its `launch_end` nor before the GPU is free. Most steps never reach this
+        process: the engine starts them itself when that is safe (`_launch`)."""
         env, stream = self.env, self.stream
         while True:
             if not stream:
@@ -255,9 +255,10 @@ class Simulation:
             if start > env.now:
                 yield self._until(start)
             stream.popleft()
-            yield env.timeout(self._start(step, env.now))
-            step.gpu_end = env.now
-            step.done.succeed()
+            # the step's end is known once it started: its `done` fires then, and the GPU waits for the next
+            # launch, or until it is free (one event per step instead of two)
+            step.gpu_end = env.now + self._start(step, env.now)
+            step.done.at(step.gpu_end)
 
     def _start(self, step: Step, start: float) -> float:
         """Start `step` on the GPU at time `start`: the device truth moves on now; returns the step's duration."""
@@ -378,16 +379,15 @@ class Simulation:
     def _launch(self, step: Step, t: float) -> None:
         """Hand `step` to the GPU at time `t` (the clock may be behind).
 
-        At the sim level the engine starts the step itself, ahead of the clock, when nothing could read the
-        device truth between now and the step's start: the step's end is then known, its `done` fires then, and
-        the GPU process is not involved (one SimPy event per step instead of three). The engine is the truth's
-        only reader and is at t already; it reads the truth only when trimming, so a step may start early if
-        it starts at t (an idle GPU) or if the engine never trims. Otherwise the step is queued for the GPU
-        process, woken at the step's earliest start if it is waiting. A hardware backend runs every step from
-        the GPU process, in real time."""
+        The engine starts the step itself, ahead of the clock, when nothing could read the device truth between
+        now and the step's start: the step's end is then known, its `done` fires then, and the GPU process is not
+        involved (one SimPy event per step instead of two). The engine is the truth's only reader and is at t
+        already; it reads the truth only when trimming, so a step may start early if it starts at t (an idle
+        GPU) or if the engine never trims. Otherwise the step is queued for the GPU process, woken at the step's
+        earliest start if it is waiting. A hardware backend's step then runs, and is read back, right here."""
         free_at = self.gpu_free_at
         start = t if free_at is None else max(t, free_at)
-        if not self.measured and not self.stream and (start == t or not self.mode.trim):
+        if not self.stream and (start == t or not self.mode.trim):
             step.gpu_end = start + self._start(step, start)
             step.done.at(step.gpu_end)
             return

@@ -312,8 +312,13 @@ class TorchBackend:
                 launch.events[2].synchronize()  # the step, its readback copy and the first tokens' copy
             t_read = time.perf_counter()
             out = self.loop.readback(launch.result) if launch.result is not None else None
-            first = launch.first_host.numpy() if launch.first_host is not None else None
+            first = launch.first_host.numpy().copy() if launch.first_host is not None else None
             prefill_s = launch.events[0].elapsed_time(launch.events[1]) / 1e3 if launch.events else launch.prefill_s
+            first_rids = launch.first_rids
+            # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
+            # wherever Python drops the last reference (a free returns memory to torch's caching allocators and
+            # destroys events, driver calls that are slow on some hosts).
+            del launch
             step.readback_s = self._leave(t0) - (t_read - t0)
         # The host's mirror and the step's outcome are the harness's own work, like the SimPy model's: one
         # compiled pass over the batch writes the outcome into its table, since a few dozen small array
@@ -325,7 +330,7 @@ class TorchBackend:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
             device_phases = (prefill_s, 0.0, 0.0, 0.0, 0.0)
         if first is not None:
-            rids = np.asarray(launch.first_rids)
+            rids = np.asarray(first_rids)
             self.history[rids, self.prompt_len[rids]] = first[0]
             self.committed[rids] = 1
             self.next_valid[rids] = first[1] * (self.output_len[rids] > 1)
