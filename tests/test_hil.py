@@ -204,9 +204,8 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
 
 
 def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
-    """The GPU hold before a launch (CUDA only, so faked here): a spin kernel of three times the median enqueue of
-    recent steps plus the prefills', plus 0.5 ms; a step with prefills then gets three timing events, the first
-    recorded, and a decode-only step none (the decode loop's own events time it)."""
+    """The GPU hold before a part of a launch (CUDA only, so faked here): a spin kernel of three times the upper
+    median of recent enqueues plus 0.5 ms, then, when given a list, the part's start event, recorded."""
     from collections import deque
 
     from simharness.engine import torch_backend
@@ -223,15 +222,69 @@ def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
     monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
     backend = object.__new__(TorchBackend)  # only the attributes the hold reads
-    backend.step_enqueue, backend.prefill_enqueue = deque([1e-3, 5e-3, 2e-3]), deque([4e-3, 9e-3, 1e-3, 6e-3])
     backend.sleep_cycles_per_s = 1e9
-    launch = torch_backend._Launch(decode_rids=np.array([3]), prefills=[(0, 0, 8, True, None)] * 2)
-    hold = backend._hold(launch)
-    assert hold == pytest.approx(3 * (2e-3 + 2 * 6e-3) + 5e-4)  # the upper median of an even count
-    assert calls == [int(hold * 1e9), "event", "event", "event", "record"]
-    assert len(launch.events) == 3
+    events = []
+    hold = backend._hold(deque([4e-3, 9e-3, 1e-3, 6e-3]), events)
+    assert hold == pytest.approx(3 * 6e-3 + 5e-4)  # the upper median of an even count
+    assert calls == [int(hold * 1e9), "event", "record"] and len(events) == 1
     calls.clear()
-    launch = torch_backend._Launch(decode_rids=np.array([3, 5]))
-    hold = backend._hold(launch)
+    hold = backend._hold(deque([1e-3, 5e-3, 2e-3]))
     assert hold == pytest.approx(3 * 2e-3 + 5e-4)
-    assert calls == [int(hold * 1e9)] and launch.events == []
+    assert calls == [int(hold * 1e9)]
+
+
+def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, model, plain_greedy, monkeypatch):
+    """The CUDA path of launch and readback, run on the CPU with the spin kernel and the timing events faked:
+    every prefill chunk gets its own hold and a start and end event, the decode step one hold and no event of
+    the backend's, a step with prefills one last event that the readback waits for; the prefill phase is the
+    sum of its chunks' event intervals, the holds count as harness time, and the tokens are still right."""
+    import time
+
+    from simharness.engine import torch_backend
+
+    calls = []
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            self.ms = None
+
+        def record(self):
+            clock[0] += 2.0  # each recorded event is 2 ms after the previous one
+            self.ms = clock[0]
+            calls.append("record")
+
+        def elapsed_time(self, end) -> float:
+            return end.ms - self.ms
+
+        def synchronize(self):
+            calls.append("wait")
+
+    def sleep(cycles: int) -> None:
+        time.sleep(2e-3)  # host time the hold costs, which must land in harness_s
+        calls.append("hold")
+
+    class FakeCuda(TorchBackend):
+        def _to_device(self, values):  # no pinned memory without CUDA
+            return torch.as_tensor(np.ascontiguousarray(values), dtype=torch.int64)
+
+    empty = torch.empty
+    monkeypatch.setattr(torch_backend.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", sleep)
+    monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
+    sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32)
+    backend = FakeCuda(sc, requests, model, resolve_mode(sc))
+    backend.cuda, backend.sleep_cycles_per_s = True, 1e9
+    sim = Simulation(sc, requests, None, backend=backend)
+    records, _ = sim.run()
+    for rid, expected in enumerate(plain_greedy):
+        np.testing.assert_array_equal(backend.output_tokens(rid), expected, err_msg=f"request {rid}")
+    steps = records.steps_frame()
+    chunks, decodes = int(steps["n_prefill_reqs"].sum()), int((steps["decode_tokens"] > 0).sum())
+    with_prefill = int((steps["n_prefill_reqs"] > 0).sum())
+    assert chunks > N_REQUESTS  # some prompt took more than one chunk
+    assert calls.count("hold") == chunks + decodes
+    assert calls.count("record") == 2 * chunks + with_prefill
+    assert calls.count("wait") == with_prefill  # a decode-only step waits in the decode loop's readback
+    np.testing.assert_allclose(steps["gpu_prefill_s"], 2e-3 * steps["n_prefill_reqs"])
+    assert steps["harness_s"].sum() >= 2e-3 * (chunks + decodes)

@@ -110,7 +110,7 @@ class _Launch:
     first_rids: list[int] = field(default_factory=list)
     first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
     first_host: torch.Tensor | None = None
-    events: list = field(default_factory=list)  # CUDA, steps with prefills: prefill start / end, first-token copy done
+    events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
     prefill_s: float = 0.0  # CPU: measured on the host
 
 
@@ -217,66 +217,83 @@ class TorchBackend:
     def launch(self, step) -> float:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time."""
         launch = self.launches[step.id]
-        # the hold is the harness's own work, not the engine's: it is left out of the measured launch
-        hold = self._hold(launch) if self.cuda else 0.0
         t0 = time.perf_counter()
         self.syncs.start_step(step.id)
+        held = 0.0  # host time of the GPU holds: the harness's own work, left out of the measured launch
+        starved = False
         with phase("launch"):
             with phase("gpu_prefill"):
-                t_prefill = time.perf_counter()
                 firsts, valid = [], []
                 for rid, start, _end, last, ids in launch.prefills:
+                    if self.cuda:
+                        t = time.perf_counter()
+                        hold = self._hold(self.prefill_enqueue, launch.events)
+                        held += time.perf_counter() - t
+                    t = time.perf_counter()
                     slot = int(self.slot[rid])
                     if not last:
                         self.loop.prefill_chunk(slot, ids, start)
-                        continue
-                    reference = self.req.output_tokens[rid] if self.steer else None
-                    firsts.append(self.loop.add_request(slot, ids, reference, cached=start))
-                    valid.append(self.loop.num_valid[slot : slot + 1].to(torch.int64))
-                    launch.first_rids.append(rid)
+                    else:
+                        reference = self.req.output_tokens[rid] if self.steer else None
+                        firsts.append(self.loop.add_request(slot, ids, reference, cached=start))
+                        valid.append(self.loop.num_valid[slot : slot + 1].to(torch.int64))
+                        launch.first_rids.append(rid)
+                    enqueue = time.perf_counter() - t
+                    self.prefill_enqueue.append(enqueue)
+                    if self.cuda:
+                        starved |= enqueue > hold
+                        t = time.perf_counter()
+                        _record(launch.events)  # the chunk's end on the device
+                        held += time.perf_counter() - t
+                    else:
+                        launch.prefill_s += enqueue  # on the CPU the work ran inside the call
                 if firsts:
                     launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
-                if launch.events:
-                    launch.events[1].record()
-                else:
-                    launch.prefill_s = time.perf_counter() - t_prefill
-            t_step = time.perf_counter()
+            step_s = 0.0
             if len(launch.decode_rids):
+                if self.cuda:
+                    t = time.perf_counter()
+                    hold = self._hold(self.step_enqueue)  # the decode loop's own events time the step's phases
+                    held += time.perf_counter() - t
+                t = time.perf_counter()
                 launch.result = self.loop.step(launch.slots, lengths=launch.lengths, drafts=launch.drafts)
-            step_s = time.perf_counter() - t_step
-            if launch.prefills:
-                self.prefill_enqueue.append((t_step - t_prefill) / len(launch.prefills))
-            if len(launch.decode_rids):
+                step_s = time.perf_counter() - t
                 self.step_enqueue.append(step_s)
+                if self.cuda:
+                    starved |= step_s > hold
             if launch.first_device is not None:
                 host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
             if launch.events:
-                launch.events[2].record()
+                t = time.perf_counter()
+                _record(launch.events)  # after the first tokens' copy: what the readback waits for
+                held += time.perf_counter() - t
         self.n_launched += 1
-        wall = self._leave(t0)
+        wall = time.perf_counter() - t0 - held
+        self.inside += wall
         if self.cuda:
-            self.starved_steps += wall > hold
+            self.starved_steps += starved
             return wall
         # On the CPU the device work ran synchronously inside the launch; it is timed as the device phases.
         return max(wall - launch.prefill_s - step_s, 0.0)
 
-    def _hold(self, launch: _Launch) -> float:
-        """Hold the GPU (a spin kernel) while the host enqueues the step, so that its events time the device work
-        alone, not gaps where the GPU waited for launches (~30 us each, eager); returns the hold's seconds.
+    def _hold(self, enqueue: deque[float], events: list | None = None) -> float:
+        """Hold the GPU (a spin kernel) while the host enqueues the next part of a step (a prefill chunk, or the
+        decode step), so that device events time its work alone, not gaps where the GPU waited for launches (~30
+        us each, eager); with `events`, record the part's start there. Returns the hold's seconds.
 
-        Medians, three times over: one slow enqueue (a kernel's first compilation) must not hold every later
-        step; a step whose enqueue still outlasts its hold is counted in `starved_steps`. The hold is harness
-        time, and a CUDA call costs tens of µs on a slow host: a decode-only step gets the spin kernel alone (its
-        phases are timed by the decode loop's own events), a step with prefills also its three timing events."""
-        enqueue = _median(self.step_enqueue)
-        if launch.prefills:
-            enqueue += len(launch.prefills) * _median(self.prefill_enqueue)
-        hold = 3.0 * enqueue + 5e-4
+        Three times the median of recent enqueues of such parts, plus 0.5 ms: one slow enqueue (a kernel's first
+        compilation) must not hold every later step; a step whose enqueue still outlasts a hold is counted in
+        `starved_steps`. Each part gets its own hold because a CUDA stream queues a bounded number of launches
+        (about a thousand kernels): a hold over a whole prefill-heavy step can overfill it, and then the host
+        blocks until the spin ends, its enqueue looks that much longer and the next hold, sized on it, longer
+        still. On the H100 a step prefilling about a dozen prompts (~60 ms of device work) showed 1.2-1.5 s of
+        launch under one hold per step. A decode-only step gets the spin kernel alone: every CUDA call is tens
+        of µs of harness time on a slow host."""
+        hold = 3.0 * _median(enqueue) + 5e-4
         torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
-        if launch.prefills:
-            launch.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            launch.events[0].record()
+        if events is not None:
+            _record(events)
         return hold
 
     def propose(self, rids: np.ndarray) -> float:
@@ -309,11 +326,13 @@ class TorchBackend:
         b = step.batch
         with phase("readback"):
             if launch.events:
-                launch.events[2].synchronize()  # the step, its readback copy and the first tokens' copy
+                launch.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
             t_read = time.perf_counter()
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy().copy() if launch.first_host is not None else None
-            prefill_s = launch.events[0].elapsed_time(launch.events[1]) / 1e3 if launch.events else launch.prefill_s
+            marks = launch.events  # CUDA: each prefill chunk's start and end, then the step's end
+            chunks_ms = sum(marks[i].elapsed_time(marks[i + 1]) for i in range(0, len(marks) - 1, 2))
+            prefill_s = launch.prefill_s + chunks_ms / 1e3
             first_rids = launch.first_rids
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
             # wherever Python drops the last reference (a free returns memory to torch's caching allocators and
@@ -355,6 +374,13 @@ class TorchBackend:
         dt = time.perf_counter() - t0
         self.inside += dt
         return dt
+
+
+def _record(events: list) -> None:
+    """Record a new timing event on the current stream and append it to `events`."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    events.append(event)
 
 
 def _median(values: deque[float]) -> float:
