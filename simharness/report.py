@@ -153,7 +153,9 @@ def _header(run_dir: Path, scenario: Scenario, n_points: int) -> str:
     if meta.get("device"):
         run += f"; device: {meta['device']}"
     if meta.get("git_revision"):
-        run += f"; git `{meta['git_revision'][:12]}`"
+        run += f"; git `{meta['git_revision'][:12]}`" + (" with changes" if meta.get("git_modified") else "")
+    if meta.get("source_digest"):
+        run += f"; source digest `{meta['source_digest'][:12]}`"
     e, spec, s, w = scenario.engine, scenario.engine.speculation, scenario.scheduler, scenario.workload
     setup = (
         f"**Setup:** `{e.model}` on {e.gpu} (`{e.backend}` backend); proposer `{spec.proposer}`, k={spec.k}, "

@@ -7,6 +7,7 @@ combined tables (`summary.csv`, `summary.json`, `*.parquet`) are rebuilt from th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -109,6 +110,9 @@ def write_meta(run_dir: Path, scenario: Scenario, device: str, extra: dict | Non
         "python": platform.python_version(),
         "platform": platform.platform(),
         "git_revision": _git_revision(),
+        # the code that ran, whatever git says: a copied tree (a GPU machine's) may carry a stale .git
+        "git_modified": _git_modified(),
+        "source_digest": source_digest(),
         "versions": {p: _version(p) for p in ("simharness", "simpy", "numpy", "pandas", "torch", "triton")},
     }
     meta.update(extra or {})
@@ -122,14 +126,33 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _git_revision() -> str | None:
+def source_digest(package: Path = Path(__file__).parent) -> str:
+    """SHA-256 over the package's Python sources (relative paths and contents, in path order): equal digests,
+    equal code, whichever checkout or copy it ran from."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _git_revision() -> str | None:
+    out = _git("rev-parse", "HEAD")
+    return out.strip() or None if out else None
+
+
+def _git_modified() -> bool | None:
+    """Whether the package's tracked files differ from the git revision (None without git)."""
+    out = _git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    return None if out is None else bool(out.strip())
 
 
 def _json_default(value):
