@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -69,21 +70,26 @@ def run_cmd(
             err.print(f"interrupted: finished points are kept in {where}; finish with "
                       f"`simharness run {scenario} --resume {where}` (and the same --set options)")
         raise typer.Exit(130) from None
-    out.print(summary_table(result.summary))
+    out.print(summary_table(result.summary, [p for p in sc.sweep if p in result.summary.columns]))
     out.print(f"report: {result.report}")
 
 
-def summary_table(summary) -> Table:
-    table = Table(title="summary", show_lines=False)
-    cols = [("point", "point", "{}"), ("mean TPOT ms", "mean_tpot_ms", "{:.3f}"),
-            ("P99 TPOT ms", "p99_tpot_ms", "{:.3f}"),
-            ("mean TTFT ms", "mean_ttft_ms", "{:.2f}"), ("out tok/s", "output_throughput", "{:.0f}"),
-            ("accept %", "acceptance_rate", "{:.1f}"), ("GPU busy", "gpu_busy_fraction", "{:.2f}"),
-            ("syncs/step", "syncs_per_step", "{:.2f}")]
+def summary_table(summary, swept: list[str]) -> Table:
+    """The run's headline metrics, a row per point, labelled by its swept values as in the report. The numbers
+    never wrap (their two-line headers are as narrow as they are); the label takes the width that is left."""
+    from simharness.report import point_label
+
+    table = Table(title="summary", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    cols = [("mean\nTPOT ms", "mean_tpot_ms", "{:.3f}"), ("P99\nTPOT ms", "p99_tpot_ms", "{:.3f}"),
+            ("mean\nTTFT ms", "mean_ttft_ms", "{:.1f}"), ("out\ntok/s", "output_throughput", "{:.0f}"),
+            ("accept\n%", "acceptance_rate", "{:.1f}"), ("GPU\nbusy", "gpu_busy_fraction", "{:.2f}"),
+            ("syncs\n/step", "syncs_per_step", "{:.2f}")]
+    table.add_column("point", overflow="fold", ratio=1)
     for title, _, _ in cols:
-        table.add_column(title, justify="left" if title == "point" else "right", overflow="fold")
+        table.add_column(title, justify="right", no_wrap=True)
     for _, row in summary.iterrows():
-        table.add_row(*(fmt.format(row[key]) if key in row else "" for _, key, fmt in cols))
+        label = point_label(row, swept) or row["point"]
+        table.add_row(label, *(fmt.format(row[key]) if key in row else "" for _, key, fmt in cols))
     return table
 
 

@@ -111,13 +111,13 @@ def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
     summary = summary.sort_values("index", ignore_index=True)
     summary["note"] = summary["note"].fillna("")
     paths = list(scenario.sweep)
-    summary["label"] = [_label(row, paths) or scenario.name for _, row in summary.iterrows()]
+    summary["label"] = [point_label(row, paths) or scenario.name for _, row in summary.iterrows()]
     others = [p for p in paths if p != CONCURRENCY]
-    summary["mode"] = [_label(row, others) or scenario.name for _, row in summary.iterrows()]
+    summary["mode"] = [point_label(row, others) or scenario.name for _, row in summary.iterrows()]
     return summary
 
 
-def _label(row: pd.Series, paths: list[str]) -> str:
+def point_label(row: pd.Series, paths: list[str]) -> str:
     """A short label from swept values: strings as they are, others as `name=value`
     (`depth=2, ngram_gpu, optimistic`); a depth the engine fell back from shows `depth=2→1`."""
     parts = []

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -113,3 +114,20 @@ def test_killed_cli_sweep_keeps_finished_points_and_resumes(tmp_path):
     assert "report:" in r.stdout
     summary = pd.read_csv(run_dir / "summary.csv")
     assert len(summary) == 12 and summary["index"].tolist() == list(range(12))
+
+
+def test_cli_summary_table_keeps_numbers_whole_on_a_narrow_terminal(tmp_path):
+    """The summary `simharness run` prints: each point labelled by its swept values as in the report, each
+    number on one line even at 80 columns (the label folds instead)."""
+    from rich.console import Console
+
+    from simharness.cli import summary_table
+
+    result = simharness.run(scenario_from_dict(SMALL), out=tmp_path)
+    console = Console(width=80, record=True)
+    console.print(summary_table(result.summary, ["scheduler.depth", "workload.concurrency"]))
+    text = console.export_text()
+    for _, row in result.summary.iterrows():
+        assert f"depth={row['scheduler.depth']}," in text
+        numbers = rf"{row['mean_tpot_ms']:.3f} +{row['p99_tpot_ms']:.3f} +{row['mean_ttft_ms']:.1f} "
+        assert any(re.search(numbers, ln) for ln in text.splitlines()), numbers
