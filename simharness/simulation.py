@@ -251,22 +251,24 @@ class Simulation:
                 self.gpu_idle = Wake(env)
                 yield self.gpu_idle
             step = stream[0]
-            start = step.launch_end if self.gpu_free_at is None else max(step.launch_end, self.gpu_free_at)
+            start = self._earliest_start(step.launch_end)
             if start > env.now:
                 yield self._until(start)
             stream.popleft()
-            # the step's end is known once it started: its `done` fires then, and the GPU waits for the next
-            # launch, or until it is free (one event per step instead of two)
-            step.gpu_end = env.now + self._start(step, env.now)
-            step.done.at(step.gpu_end)
+            self._start(step, env.now)
 
-    def _start(self, step: Step, start: float) -> float:
-        """Start `step` on the GPU at time `start`: the device truth moves on now; returns the step's duration."""
+    def _earliest_start(self, t: float) -> float:
+        """When a step launched at time `t` can start: then, or once the GPU is free."""
+        return t if self.gpu_free_at is None else max(t, self.gpu_free_at)
+
+    def _start(self, step: Step, start: float) -> None:
+        """Start `step` on the GPU at time `start`: the device truth moves on now. Its end is then known, so its
+        `done` is set to fire then (one SimPy event per step; the GPU waits for the next launch meanwhile)."""
         duration = self.backend.run_step(step)
         step.gpu_start = start
         step.bubble = 0.0 if self.gpu_free_at is None else start - self.gpu_free_at
-        self.gpu_free_at = start + duration
-        return duration
+        step.gpu_end = self.gpu_free_at = start + duration
+        step.done.at(step.gpu_end)
 
     # ---------------------------------------------------------------- engine loop
 
@@ -385,11 +387,9 @@ class Simulation:
         already; it reads the truth only when trimming, so a step may start early if it starts at t (an idle
         GPU) or if the engine never trims. Otherwise the step is queued for the GPU process, woken at the step's
         earliest start if it is waiting. A hardware backend's step then runs, and is read back, right here."""
-        free_at = self.gpu_free_at
-        start = t if free_at is None else max(t, free_at)
+        start = self._earliest_start(t)
         if not self.stream and (start == t or not self.mode.trim):
-            step.gpu_end = start + self._start(step, start)
-            step.done.at(step.gpu_end)
+            self._start(step, start)
             return
         self.stream.append(step)
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
