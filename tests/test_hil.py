@@ -221,8 +221,8 @@ def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
 
     monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
-    backend = object.__new__(TorchBackend)  # only the attributes the hold reads
-    backend.sleep_cycles_per_s = 1e9
+    backend = object.__new__(TorchBackend)  # only the attributes the hold reads and writes
+    backend.sleep_cycles_per_s, backend.held = 1e9, 0.0
     events = []
     hold = backend._hold(deque([4e-3, 9e-3, 1e-3, 6e-3]), events)
     assert hold == pytest.approx(3 * 6e-3 + 5e-4)  # the upper median of an even count

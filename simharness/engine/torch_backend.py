@@ -171,6 +171,7 @@ class TorchBackend:
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
         self.mark = time.perf_counter()
+        self.held = 0.0  # host time of the GPU holds in the current launch (harness time, `_hold`)
 
     # ---------------------------------------------------------------- host view
 
@@ -219,16 +220,14 @@ class TorchBackend:
         launch = self.launches[step.id]
         t0 = time.perf_counter()
         self.syncs.start_step(step.id)
-        held = 0.0  # host time of the GPU holds: the harness's own work, left out of the measured launch
+        self.held = 0.0  # the holds and their events (`_hold`, `_record_end`) are left out of the measured launch
         starved = False
         with phase("launch"):
             with phase("gpu_prefill"):
                 firsts, valid = [], []
                 for rid, start, _end, last, ids in launch.prefills:
                     if self.cuda:
-                        t = time.perf_counter()
                         hold = self._hold(self.prefill_enqueue, launch.events)
-                        held += time.perf_counter() - t
                     t = time.perf_counter()
                     slot = int(self.slot[rid])
                     if not last:
@@ -242,9 +241,7 @@ class TorchBackend:
                     self.prefill_enqueue.append(enqueue)
                     if self.cuda:
                         starved |= enqueue > hold
-                        t = time.perf_counter()
-                        _record(launch.events)  # the chunk's end on the device
-                        held += time.perf_counter() - t
+                        self._record_end(launch.events)  # the chunk's end on the device
                     else:
                         launch.prefill_s += enqueue  # on the CPU the work ran inside the call
                 if firsts:
@@ -252,9 +249,7 @@ class TorchBackend:
             step_s = 0.0
             if len(launch.decode_rids):
                 if self.cuda:
-                    t = time.perf_counter()
                     hold = self._hold(self.step_enqueue)  # the decode loop's own events time the step's phases
-                    held += time.perf_counter() - t
                 t = time.perf_counter()
                 launch.result = self.loop.step(launch.slots, lengths=launch.lengths, drafts=launch.drafts)
                 step_s = time.perf_counter() - t
@@ -265,11 +260,9 @@ class TorchBackend:
                 host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
             if launch.events:
-                t = time.perf_counter()
-                _record(launch.events)  # after the first tokens' copy: what the readback waits for
-                held += time.perf_counter() - t
+                self._record_end(launch.events)  # after the first tokens' copy: what the readback waits for
         self.n_launched += 1
-        wall = time.perf_counter() - t0 - held
+        wall = time.perf_counter() - t0 - self.held
         self.inside += wall
         if self.cuda:
             self.starved_steps += starved
@@ -289,12 +282,20 @@ class TorchBackend:
         blocks until the spin ends, its enqueue looks that much longer and the next hold, sized on it, longer
         still. On the H100 a step prefilling about a dozen prompts (~60 ms of device work) showed 1.2-1.5 s of
         launch under one hold per step. A decode-only step gets the spin kernel alone: every CUDA call is tens
-        of µs of harness time on a slow host."""
+        of µs of harness time on a slow host. Its host time is added to `held`."""
+        t = time.perf_counter()
         hold = 3.0 * _median(enqueue) + 5e-4
         torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
         if events is not None:
             _record(events)
+        self.held += time.perf_counter() - t
         return hold
+
+    def _record_end(self, events: list) -> None:
+        """Record the end of a part of a step in `events` (CUDA); like the hold, harness time added to `held`."""
+        t = time.perf_counter()
+        _record(events)
+        self.held += time.perf_counter() - t
 
     def propose(self, rids: np.ndarray) -> float:
         """The CPU n-gram proposer over each request's committed tokens (after its step was settled)."""
