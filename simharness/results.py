@@ -145,8 +145,7 @@ def _git(*args: str) -> str | None:
 
 
 def _git_revision() -> str | None:
-    out = _git("rev-parse", "HEAD")
-    return out.strip() or None if out else None
+    return (_git("rev-parse", "HEAD") or "").strip() or None
 
 
 def _git_modified() -> bool | None:
