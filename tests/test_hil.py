@@ -203,9 +203,11 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
     assert "## Device sync sites" in report and "## Measured vs modelled" in report
 
 
-def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
-    """The GPU hold before a part of a launch (CUDA only, so faked here): a spin kernel of three times the upper
-    median of recent enqueues plus 0.5 ms, then, when given a list, the part's start event, recorded."""
+def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch):
+    """The GPU hold before a part of a launch (CUDA only, so faked here): a spin kernel of three times the
+    fastest recent enqueue plus 0.5 ms, so that a blocked enqueue cannot grow the next hold; then, when given a
+    list, the part's start event, recorded; from the third part of a step on, the host first waits for the end
+    of the part two back, so that holds cannot fill the stream's launch queue."""
     from collections import deque
 
     from simharness.engine import torch_backend
@@ -213,24 +215,31 @@ def test_gpu_hold_is_three_median_enqueues_plus_half_a_millisecond(monkeypatch):
     calls = []
 
     class Event:
-        def __init__(self, enable_timing: bool):
-            calls.append("event")
+        def __init__(self, enable_timing: bool = False, name: str = "new"):
+            self.name = name
 
         def record(self):
             calls.append("record")
+
+        def synchronize(self):
+            calls.append(f"wait {self.name}")
 
     monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
     backend = object.__new__(TorchBackend)  # only the attributes the hold reads and writes
     backend.sleep_cycles_per_s, backend.held = 1e9, 0.0
+    enqueue = deque([4e-3, 9e-3, 1e-3, 6e-3])
     events = []
-    hold = backend._hold(deque([4e-3, 9e-3, 1e-3, 6e-3]), events)
-    assert hold == pytest.approx(3 * 6e-3 + 5e-4)  # the upper median of an even count
-    assert calls == [int(hold * 1e9), "event", "record"] and len(events) == 1
+    hold = backend._hold(enqueue, events)
+    assert hold == pytest.approx(3 * 1e-3 + 5e-4)
+    assert calls == [int(hold * 1e9), "record"] and len(events) == 1
+    enqueue.append(5.0)  # a host blocked for seconds does not grow the hold
+    assert backend._hold(enqueue) == hold
     calls.clear()
-    hold = backend._hold(deque([1e-3, 5e-3, 2e-3]))
-    assert hold == pytest.approx(3 * 2e-3 + 5e-4)
-    assert calls == [int(hold * 1e9)]
+    events = [Event(name=f"{kind}{i}") for i in range(2) for kind in ("start", "end")]  # two chunks launched
+    backend._hold(deque([2e-3]), events)
+    assert calls == ["wait end0", int((3 * 2e-3 + 5e-4) * 1e9), "record"] and len(events) == 5
+    assert backend.held > 0
 
 
 def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, model, plain_greedy, monkeypatch):
@@ -285,6 +294,9 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     assert chunks > N_REQUESTS  # some prompt took more than one chunk
     assert calls.count("hold") == chunks + decodes
     assert calls.count("record") == 2 * chunks + with_prefill
-    assert calls.count("wait") == with_prefill  # a decode-only step waits in the decode loop's readback
+    # a step with prefills is waited for at its readback, and from its third chunk on each chunk waits for the
+    # end of the chunk two back (a decode-only step waits in the decode loop's readback)
+    assert calls.count("wait") == with_prefill + int((steps["n_prefill_reqs"] - 2).clip(lower=0).sum())
+    assert (steps["n_prefill_reqs"] > 2).any()
     np.testing.assert_allclose(steps["gpu_prefill_s"], 2e-3 * steps["n_prefill_reqs"])
     assert steps["harness_s"].sum() >= 2e-3 * (chunks + decodes)

@@ -275,16 +275,22 @@ class TorchBackend:
         decode step), so that device events time its work alone, not gaps where the GPU waited for launches (~30
         us each, eager); with `events`, record the part's start there. Returns the hold's seconds.
 
-        Three times the median of recent enqueues of such parts, plus 0.5 ms: one slow enqueue (a kernel's first
-        compilation) must not hold every later step; a step whose enqueue still outlasts a hold is counted in
-        `starved_steps`. Each part gets its own hold because a CUDA stream queues a bounded number of launches
-        (about a thousand kernels): a hold over a whole prefill-heavy step can overfill it, and then the host
-        blocks until the spin ends, its enqueue looks that much longer and the next hold, sized on it, longer
-        still. On the H100 a step prefilling about a dozen prompts (~60 ms of device work) showed 1.2-1.5 s of
-        launch under one hold per step. A decode-only step gets the spin kernel alone: every CUDA call is tens
-        of µs of harness time on a slow host. Its host time is added to `held`."""
+        Three times the fastest recent enqueue of such parts, plus 0.5 ms. Not the median: an enqueue the host
+        spent blocked (a kernel's first compilation, or a full launch queue behind earlier holds) would grow
+        the next hold, which makes the GPU fall further behind and the next enqueue block longer. On the H100
+        that feedback gave a step prefilling about a dozen prompts (~60 ms of device work) 1.2-1.5 s of launch,
+        and with one hold per chunk it ran away. A step whose enqueue still outlasts its hold is counted in
+        `starved_steps`.
+
+        Each prefill chunk gets its own hold, and before it the host waits for the chunk two back to end: a
+        CUDA stream queues a bounded number of launches (about a thousand kernels, some six eager chunks), and
+        a host blocked on a full queue would time the holds' spinning as its launch. A decode-only step gets
+        the spin kernel alone: every CUDA call is tens of µs of harness time on a slow host. The hold's host
+        time, that wait included, is added to `held` (harness time)."""
         t = time.perf_counter()
-        hold = 3.0 * _median(enqueue) + 5e-4
+        if events is not None and len(events) >= 4:
+            events[-3].synchronize()  # the end of the chunk two back
+        hold = 3.0 * min(enqueue) + 5e-4
         torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
         if events is not None:
             _record(events)
@@ -382,11 +388,6 @@ def _record(events: list) -> None:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     events.append(event)
-
-
-def _median(values: deque[float]) -> float:
-    """The upper median: a sort of at most LAUNCH_WINDOW values costs less than `statistics.median`."""
-    return sorted(values)[len(values) // 2]
 
 
 _SLEEP_RATE: list[float] = []
