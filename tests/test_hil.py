@@ -267,6 +267,8 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
             return end.ms - self.ms
 
         def synchronize(self):
+            if self is waited_for[0]:  # the GPU's time, which must stay out of the measured readback
+                time.sleep(5e-3)
             calls.append("wait")
 
     def sleep(cycles: int) -> None:
@@ -284,6 +286,21 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32)
     backend = FakeCuda(sc, requests, model, resolve_mode(sc))
     backend.cuda, backend.sleep_cycles_per_s = True, 1e9
+    waited_for = [None]  # the event a step with prefills is waited for at its readback (its last)
+    launch_, wait_ = backend.launch, backend.loop.wait
+
+    def launch(step):
+        dt = launch_(step)
+        events = backend.launches[step.id].events
+        waited_for[0] = events[-1] if events else None
+        return dt
+
+    def wait(result):  # a decode-only step waits in the decode loop (CPU here: it ran when launched)
+        time.sleep(5e-3)
+        calls.append("wait")
+        wait_(result)
+
+    backend.launch, backend.loop.wait = launch, wait
     sim = Simulation(sc, requests, None, backend=backend)
     records, _ = sim.run()
     for rid, expected in enumerate(plain_greedy):
@@ -294,9 +311,13 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     assert chunks > N_REQUESTS  # some prompt took more than one chunk
     assert calls.count("hold") == chunks + decodes
     assert calls.count("record") == 2 * chunks + with_prefill
-    # a step with prefills is waited for at its readback, and from its third chunk on each chunk waits for the
-    # end of the chunk two back (a decode-only step waits in the decode loop's readback)
-    assert calls.count("wait") == with_prefill + int((steps["n_prefill_reqs"] - 2).clip(lower=0).sum())
+    # every step is waited for at its readback, and from its third prefill chunk on each chunk waits for the end
+    # of the chunk two back
+    assert calls.count("wait") == len(steps) + int((steps["n_prefill_reqs"] - 2).clip(lower=0).sum())
+    # the readback (after the host reached it and the GPU finished the step) leaves out the 5 ms waits
+    syncs = records.syncs_frame()
+    readback = syncs[syncs["name"] == "output_readback"].merge(steps, on="step")
+    assert (readback["end_s"] - np.maximum(readback["start_s"], readback["gpu_end"]) < 4e-3).all()
     assert (steps["n_prefill_reqs"] > 2).any()
     np.testing.assert_allclose(steps["gpu_prefill_s"], 2e-3 * steps["n_prefill_reqs"])
     assert steps["harness_s"].sum() >= 2e-3 * (chunks + decodes)

@@ -287,6 +287,11 @@ class DecodeLoop:
         else:
             staging.times.append(time.perf_counter())
 
+    def wait(self, result: StepResult) -> None:
+        """Block until the step and its copy to the host are done (CUDA; on the CPU it ran when launched)."""
+        if self.cuda:
+            self._staging(result).events[5].synchronize()
+
     def readback(self, result: StepResult) -> StepOutput:
         """Wait for the step, copy its tokens and counts to the host, read its phase times (the one sync)."""
         staging = self._staging(result)

@@ -332,8 +332,11 @@ class TorchBackend:
         launch = self.launches.pop(step.id)
         b = step.batch
         with phase("readback"):
+            # The wait is the GPU's time (the hold's spin included), not the host's readback: it ends before t_read.
             if launch.events:
                 launch.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
+            elif launch.result is not None:
+                self.loop.wait(launch.result)
             t_read = time.perf_counter()
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy().copy() if launch.first_host is not None else None
