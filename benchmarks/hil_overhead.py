@@ -144,7 +144,7 @@ def main() -> None:
     model = torch_backend.build_model(first.engine, requests.vocab_size, slots, positions)
     for p in points:
         torch_backend.warm_up(p.scenario, requests, model)
-    print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {model.device}")
+    print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {model.device}", flush=True)
     cols = ["steps", "decode_steps", "device_us", "harness_us", "ratio_median", "ratio_total", "wall_per_step_us"]
     if args.breakdown:
         cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "hold_us", "rest_us"]
