@@ -21,14 +21,21 @@ STAMP = "simharness-sources.sha256"  # beside numba's files: the digest of the s
 _checked: set[Path] = set()
 
 
-@functools.cache
-def sources_digest() -> str:
-    """SHA-256 over the package's Python sources (paths and contents), read once per process."""
+def sources_digest(package: Path = PACKAGE) -> str:
+    """SHA-256 over a package's Python sources (relative paths and contents, in path order): equal digests,
+    equal code, whichever checkout or copy it lies in."""
     h = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        h.update(str(path.relative_to(PACKAGE)).encode())
-        h.update(path.read_bytes())
+    for path in sorted(package.rglob("*.py")):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+@functools.cache
+def loaded_digest() -> str:
+    """The digest of this package's sources, read once per process: the code it imported (run metadata, the
+    numba cache's stamp)."""
+    return sources_digest()
 
 
 def drop_stale(cache_dir: Path, digest: str) -> None:
@@ -52,7 +59,7 @@ def njit(fn: Callable | None = None, **options):
         cache_dir = Path(dispatcher._cache.cache_path)
         if cache_dir not in _checked:  # once per directory and process, before anything is loaded from it
             _checked.add(cache_dir)
-            drop_stale(cache_dir, sources_digest())
+            drop_stale(cache_dir, loaded_digest())
         return dispatcher
 
     return compile_cached if fn is None else compile_cached(fn)

@@ -7,7 +7,6 @@ combined tables (`summary.csv`, `summary.json`, `*.parquet`) are rebuilt from th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -21,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from simharness.jit import loaded_digest
 from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
 
 TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
@@ -112,7 +112,7 @@ def write_meta(run_dir: Path, scenario: Scenario, device: str, extra: dict | Non
         "git_revision": _git_revision(),
         # the code that ran, whatever git says: a copied tree (a GPU machine's) may carry a stale .git
         "git_modified": _git_modified(),
-        "source_digest": source_digest(),
+        "source_digest": loaded_digest(),
         "versions": {p: _version(p) for p in ("simharness", "simpy", "numpy", "pandas", "torch", "triton")},
     }
     meta.update(extra or {})
@@ -124,16 +124,6 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def source_digest(package: Path = Path(__file__).parent) -> str:
-    """SHA-256 over the package's Python sources (relative paths and contents, in path order): equal digests,
-    equal code, whichever checkout or copy it ran from."""
-    h = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        h.update(path.relative_to(package).as_posix().encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def _git(*args: str) -> str | None:

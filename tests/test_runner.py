@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 import simharness
-from simharness.results import source_digest
+from simharness.jit import sources_digest
 from simharness.scenario import scenario_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_run_writes_the_documented_run_directory(tmp_path):
     again = simharness.run(scenario_from_dict(SMALL), out=tmp_path)
     assert again.run_dir != d and d.is_dir()
     meta = json.loads((d / "meta.json").read_text())
-    assert meta["source_digest"] == source_digest() and meta["git_modified"] in (True, False, None)
+    assert meta["source_digest"] == sources_digest() and meta["git_modified"] in (True, False, None)
     assert f"source digest `{meta['source_digest'][:12]}`" in (d / "report.md").read_text()
 
 
@@ -54,13 +54,13 @@ def test_source_digest_names_the_code_not_the_copy(tmp_path):
     package = ROOT / "simharness"
     copy = tmp_path / "copy"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    assert source_digest(copy) == source_digest(package)
+    assert sources_digest(copy) == sources_digest(package)
     (copy / "__pycache__").mkdir(exist_ok=True)
     (copy / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
-    assert source_digest(copy) == source_digest(package)
+    assert sources_digest(copy) == sources_digest(package)
     policy = copy / "policy.py"
     policy.write_text(policy.read_text() + "\n")
-    assert source_digest(copy) != source_digest(package)
+    assert sources_digest(copy) != sources_digest(package)
 
 
 def test_same_seed_gives_a_bit_identical_summary(tmp_path):
