@@ -19,8 +19,10 @@ import time
 import numpy as np
 
 from simharness.engine import torch_backend
+from simharness.hil import HilEngine
+from simharness.modes import resolve_mode
 from simharness.scenario import load_scenario, parse_value, sweep_points
-from simharness.simulation import Simulation, resolve_mode
+from simharness.simulation import Simulation
 from simharness.workload import build_requests
 
 DEFAULTS = {"workload.concurrency": 64, "engine.speculation.proposer": "ngram_gpu", "scheduler.policy": "optimistic"}
@@ -42,21 +44,23 @@ def timed(obj, name: str, totals: dict[str, float], key: str | None = None) -> N
     setattr(obj, name, wrapper)
 
 
-def run_point(sc, requests, model, *, breakdown: bool) -> tuple[object, dict[str, float], float]:
+def run_point(sc, requests, hil: HilEngine, *, breakdown: bool) -> tuple[object, dict[str, float], float]:
     """Run one point on the real decode loop; with `breakdown`, also time the harness's pieces (the
     wrappers add a little host time of their own, so the headline figures come from a run without them)."""
-    backend = torch_backend.TorchBackend(sc, requests, model, resolve_mode(sc))
-    sim = Simulation(sc, requests, None, backend=backend)
+    mode = resolve_mode(sc)
+    backend = hil.backend(sc, requests, mode)
+    sim = Simulation(sc, requests, mode, backend)
     totals = dict.fromkeys(["schedule", "settle", "release", "hold", "run_step", "run_step_measured", "read_back"],
                            0.0)  # fmt: skip
     if breakdown:
-        timed(sim.sched, "schedule", totals)
-        timed(sim.sched, "settle", totals)
+        timed(sim.core.sched, "schedule", totals)
+        timed(sim.core.sched, "settle", totals)
         timed(backend, "release", totals)
-        timed(backend, "_hold", totals, "hold")  # CUDA only: the GPU hold's setup before each launch
-        # bookkeeping after a readback = run_step's wall time less what it counts as measured (wait and copy)
+        if backend.timing is not None:  # CUDA only: the GPU hold's setup before each launch part
+            timed(backend.timing, "before", totals, "hold")
+        # bookkeeping after a readback = run's wall time less what it counts as measured (wait and copy)
         inside_run_step = [False]
-        run_step, leave = backend.run_step, backend._leave
+        run_step, leave = backend.run, backend._leave
 
         def run_step_timed(step):
             inside_run_step[0] = True
@@ -73,8 +77,8 @@ def run_point(sc, requests, model, *, breakdown: bool) -> tuple[object, dict[str
                 totals["run_step_measured"] += dt
             return dt
 
-        backend.run_step, backend._leave = run_step_timed, leave_timed
-        # the compiled pass of the bookkeeping (a module global that run_step looks up at each call)
+        backend.run, backend._leave = run_step_timed, leave_timed
+        # the compiled pass of the bookkeeping (a module global that run looks up at each call)
         read_back = torch_backend.read_back
 
         def read_back_timed(*args) -> None:
@@ -93,10 +97,10 @@ def run_point(sc, requests, model, *, breakdown: bool) -> tuple[object, dict[str
     return records.steps_frame(), totals, time.perf_counter() - t
 
 
-def measure(sc, requests, model, *, breakdown: bool) -> dict[str, float]:
+def measure(sc, requests, hil: HilEngine, *, breakdown: bool) -> dict[str, float]:
     """One point: medians over its decode steps of device time, harness time and their ratio, the ratio of
     the run's totals, and (with `breakdown`) the mean host time per step of each harness piece (µs)."""
-    steps, _, wall = run_point(sc, requests, model, breakdown=False)
+    steps, _, wall = run_point(sc, requests, hil, breakdown=False)
     n = len(steps)
     decode = steps[steps.n_prefill_reqs == 0]
     device = (decode.gpu_end - decode.gpu_start).to_numpy()
@@ -111,7 +115,7 @@ def measure(sc, requests, model, *, breakdown: bool) -> dict[str, float]:
         "wall_per_step_us": wall / n * 1e6,
     }
     if breakdown:
-        steps, totals, _ = run_point(sc, requests, model, breakdown=True)
+        steps, totals, _ = run_point(sc, requests, hil, breakdown=True)
         n = len(steps)
         bookkeeping = totals["run_step"] - totals["run_step_measured"]
         pieces = {"schedule": totals["schedule"], "settle": totals["settle"], "bookkeeping": bookkeeping,
@@ -136,15 +140,8 @@ def main() -> None:
     points = sweep_points(load_scenario(args.scenario, overrides))
     first = points[0].scenario
     requests = build_requests(first.workload, first.seed)
-    slots = positions = 0
-    for p in points:
-        mode = resolve_mode(p.scenario)
-        s, n = torch_backend.capacity(p.scenario, requests, mode.depth, mode.k)
-        slots, positions = max(slots, s), max(positions, n)
-    model = torch_backend.build_model(first.engine, requests.vocab_size, slots, positions)
-    for p in points:
-        torch_backend.warm_up(p.scenario, requests, model)
-    print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {model.device}", flush=True)
+    hil = HilEngine([(p.scenario, resolve_mode(p.scenario)) for p in points], lambda sc: requests)
+    print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {hil.model.device}", flush=True)
     cols = ["steps", "decode_steps", "device_us", "harness_us", "ratio_median", "ratio_total", "wall_per_step_us"]
     if args.breakdown:
         cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "hold_us", "rest_us"]
@@ -152,7 +149,7 @@ def main() -> None:
     print("|---" * (len(cols) + 2) + "|")
     for p in points:
         for run in range(args.repeats):
-            row = measure(p.scenario, requests, model, breakdown=args.breakdown)
+            row = measure(p.scenario, requests, hil, breakdown=args.breakdown)
             print(f"| {p.id} | {run} | " + " | ".join(f"{row[c]:.3g}" for c in cols) + " |", flush=True)
 
 

@@ -15,7 +15,8 @@ import time
 
 import simpy
 
-from simharness.acceptance import make_acceptance
+from simharness.engine.backend import model_backend
+from simharness.modes import resolve_mode
 from simharness.scenario import scenario_from_dict
 from simharness.simulation import Simulation
 from simharness.workload import build_requests
@@ -59,8 +60,8 @@ def harness_rate(depth: int, policy: str, invalid: str, acceptance: str) -> tupl
         }
     )
     requests = build_requests(sc.workload, sc.seed)
-    acc = make_acceptance(sc.engine.speculation, requests)
-    sim = Simulation(sc, requests, acc)
+    mode = resolve_mode(sc)
+    sim = Simulation(sc, requests, mode, model_backend(sc, requests, mode))
     t = time.perf_counter()
     records, _ = sim.run()
     return len(records.steps) / (time.perf_counter() - t), len(records.steps)

@@ -51,7 +51,7 @@ class Batch:
     table: np.ndarray  # int64 [BATCH_ROWS, size]
     size: int  # requests
     n_prefill: int  # prefill chunks
-    n_tokens: int  # tokens scheduled (a prefill chunk, or 1 + draft slots per request)
+    n_tokens: int  # tokens to compute (a prefill chunk, or 1 + verified slots per decode; prep's trim updates it)
 
     @property
     def req(self) -> np.ndarray:
@@ -112,10 +112,6 @@ class BatchScheduler:
 
     def has_waiting(self) -> bool:
         return self.counts[N_ADMITTED] < self.counts[N_ARRIVED]
-
-    def running(self) -> np.ndarray:
-        """Running request ids in admission order."""
-        return self.running_ids[: self.counts[N_RUNNING]]
 
     def schedule(self, k: int, held: np.ndarray = K_SLOTS) -> Batch:
         """Pick the next step's batch. A decoding request reserves `k` draft slots, or, when `held` is

@@ -1,61 +1,92 @@
-"""What a simulated (or hardware-in-the-loop) run records: steps, syncs, emissions, requests.
+"""What a run records, at every level: steps, syncs, emissions, requests.
 
-The SimPy model appends each settled step's host row, and a compiled function counts its batch table
-into step counts, emissions and per-request tallies (no pandas, no per-step arrays kept); `Records` turns
-them into pandas DataFrames with fixed columns, which metrics, report and trace consume.
-All times are seconds of virtual time since the start of the run.
+The engine loop records each settled `Step`: its host columns are kept as a row, and a compiled function
+counts its batch table into step counts, emissions and per-request tallies (no pandas, no per-step arrays
+kept); `Records` turns them into pandas DataFrames with fixed columns, which metrics, report and trace
+consume. All times are seconds since the start of the run (virtual time at the sim and hil levels).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from simharness import policy
 from simharness.jit import njit
+from simharness.policy import Batch
 
-# One row per engine step. Host phases are [start, end) intervals on the engine thread; a phase
-# that did not happen has start == end. `bubble_s` is GPU idle time between the previous step's
-# end and this step's start. `acc_pos_<i>` columns (i < k) count drafts accepted at position i.
-STEP_COLUMNS = [
-    "step",
-    "n_reqs",
-    "n_prefill_reqs",
-    "prefill_tokens",
-    "decode_tokens",
-    "drafts_scheduled",
-    "drafts_valid",
-    "accepted",
-    "emitted",
-    "wasted_slots",
-    "in_flight",
-    "schedule_start",
-    "schedule_end",
-    "prep_start",
-    "prep_end",
-    "launch_end",
-    "gpu_start",
-    "gpu_end",
-    "update_start",
-    "update_end",
-    "propose_start",
-    "propose_end",
-    "gc_pause_s",
-    "sync_wait_s",
-    "n_syncs",
-    "bubble_s",
-    # hardware in the loop: the phases measured in this step ("" at the sim level), the measured device
-    # time of each device phase (they add up to gpu_end - gpu_start; NaN at the sim level), synchronizing
-    # CUDA operations caught in the step, and the harness's own host time for it (NaN at the sim level)
-    "measured",
-    "gpu_prefill_s",
-    "gpu_verify_s",
-    "gpu_sample_s",
-    "gpu_commit_s",
-    "gpu_propose_s",
-    "device_syncs",
-    "harness_s",
-]
+# The device phases a hardware backend times, in device order: the step's prefill chunks, then the decode
+# step's phases (engine/decode.py). Their step columns are `gpu_<phase>_s`.
+DEVICE_PHASES = ("prefill", "verify", "sample", "commit", "propose")
+DEVICE_PHASE_COLUMNS = [f"gpu_{p}_s" for p in DEVICE_PHASES]
+
+
+@dataclass(slots=True, eq=False)
+class Step:
+    """One launched step: its batch and its timeline. The fields from `step` to `harness_s` are the host columns of
+    the steps table, in order (`HOST_COLUMNS`); the batch table's outcome rows, filled by the backend, give the
+    rest (`COUNT_COLUMNS`).
+
+    Host phases are [start, end) intervals on the engine thread, in seconds since the run's start; a phase that
+    did not happen has start == end. `bubble_s` is GPU idle time between the previous step's end and this one's
+    start."""
+
+    step: int
+    batch: Batch
+    in_flight: int = 0
+    schedule_start: float = 0.0
+    schedule_end: float = 0.0
+    prep_start: float = 0.0
+    prep_end: float = 0.0
+    launch_end: float = 0.0
+    gpu_start: float = 0.0
+    gpu_end: float = math.inf  # known once the step started
+    update_start: float = 0.0
+    update_end: float = 0.0
+    propose_start: float = 0.0
+    propose_end: float = 0.0
+    gc_pause_s: float = 0.0
+    sync_wait_s: float = 0.0
+    n_syncs: int = 0
+    bubble_s: float = 0.0
+    # Measured levels: the phases this step's times were measured for ("" at the sim level), the device time of
+    # each of DEVICE_PHASES (they add up to gpu_end - gpu_start; NaN at the sim level), synchronizing CUDA
+    # operations caught in the step, and the harness's own host time for it (NaN at the sim level).
+    measured: str = ""
+    gpu_prefill_s: float = math.nan
+    gpu_verify_s: float = math.nan
+    gpu_sample_s: float = math.nan
+    gpu_commit_s: float = math.nan
+    gpu_propose_s: float = math.nan
+    device_syncs: int = 0
+    harness_s: float = math.nan
+    # not recorded: prep cut the verified slots to the valid drafts (known at a sync), the host seconds of its
+    # readback, and the level's handle on its completion (a SimPy event at the sim and hil levels)
+    trimmed: bool = False
+    readback_s: float = 0.0
+    done: Any = None
+
+    def set_device_phases(self, seconds: Sequence[float]) -> None:
+        """The measured device time of each of DEVICE_PHASES, in order."""
+        for column, value in zip(DEVICE_PHASE_COLUMNS, seconds, strict=True):
+            setattr(self, column, value)
+
+
+# Step columns counted from the batch table (`record_step`), then one `acc_pos_<i>` per draft position; the
+# others are the step's host columns.
+COUNT_COLUMNS = ["n_reqs", "n_prefill_reqs", "prefill_tokens", "decode_tokens", "drafts_scheduled", "drafts_valid",
+                 "accepted", "emitted", "wasted_slots"]
+_NOT_RECORDED = ("batch", "trimmed", "readback_s", "done")
+HOST_COLUMNS = [f.name for f in fields(Step) if f.name not in _NOT_RECORDED]
+STEP_COLUMNS = [HOST_COLUMNS[0], *COUNT_COLUMNS, *HOST_COLUMNS[1:]]
+assert set(DEVICE_PHASE_COLUMNS) <= set(HOST_COLUMNS), "every device phase has its Step field"
+_host_row = attrgetter(*HOST_COLUMNS)
 
 SYNC_COLUMNS = ["step", "name", "phase", "waits_for", "start_s", "end_s"]
 # Synchronizing CUDA operations caught in a hardware-in-the-loop run (instrument.SyncRecorder).
@@ -76,13 +107,7 @@ REQUEST_COLUMNS = [
     "wasted_slots",
 ]
 
-
-# Step columns counted from the batch table (`record_step`), then one `acc_pos_<i>` per draft position; the
-# others come from the host's row.
-COUNT_COLUMNS = ["n_reqs", "n_prefill_reqs", "prefill_tokens", "decode_tokens", "drafts_scheduled", "drafts_valid",
-                 "accepted", "emitted", "wasted_slots"]
 N_COUNTS = len(COUNT_COLUMNS)
-HOST_COLUMNS = [c for c in STEP_COLUMNS if c not in COUNT_COLUMNS]
 (N_REQS, N_PREFILL_REQS, PREFILL_TOKENS, DECODE_TOKENS, DRAFTS_SCHEDULED, DRAFTS_VALID, ACCEPTED, EMITTED,
  WASTED_SLOTS) = range(N_COUNTS)
 # Per-request tallies: the time columns of REQUEST_COLUMNS (rows of `request_times`), then its counts
@@ -93,7 +118,7 @@ STEP_CAPACITY = 1024  # steps buffered before the buffer doubles
 
 
 class Records:
-    """Buffers filled by the SimPy model; the `*_frame()` methods return the DataFrames.
+    """Buffers filled by the engine loop; the `*_frame()` methods return the DataFrames.
 
     A settled step adds its host row and, in one compiled call, its counts, emissions and per-request
     tallies from the batch table."""
@@ -115,17 +140,16 @@ class Records:
         self.request_counts = np.zeros((5, n_requests), dtype=np.int64)  # NUM_CHUNKS .. REQUEST_WASTED_SLOTS
         self.requests: pd.DataFrame | None = None  # set at the end of the run (`requests_frame`)
 
-    def add_step(self, table: np.ndarray, time: float, row: tuple) -> None:
-        """A settled step: its batch table (with the outcome rows), the time its tokens reached the clients, and
-        its host row (HOST_COLUMNS, the step id first)."""
+    def add_step(self, step: Step, time: float) -> None:
+        """A settled step (its batch table holds the outcome rows) and the time its tokens reached the clients."""
         i = len(self.steps)
         if i == len(self.step_counts):
             self.step_counts = np.concatenate((self.step_counts, np.zeros_like(self.step_counts)))
-        self.n_emissions = record_step(table, time, self.step_counts, i, self.emissions, self.n_emissions,
+        self.n_emissions = record_step(step.batch.table, time, self.step_counts, i, self.emissions, self.n_emissions,
                                        self.request_times, self.request_counts)
         self.emission_ends.append(self.n_emissions)
         self.emission_times.append(time)
-        self.steps.append(row)
+        self.steps.append(_host_row(step))
 
     def add_sync(self, step: int, name: str, phase: str, waits_for: str, start: float, end: float) -> None:
         self.syncs.append((step, name, phase, waits_for, start, end))

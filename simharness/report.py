@@ -20,10 +20,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from simharness.metrics import host_intervals
+from simharness.modes import OUTPUT_READBACK
+from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 from simharness.results import load_run_scenario
 from simharness.scenario import Scenario
-from simharness.simulation import OUTPUT_READBACK
-from simharness.trace import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 
 CONCURRENCY = "workload.concurrency"
 # Timeline colours: host phases, avoidable syncs in red, the by-design output wait in grey.

@@ -1,23 +1,29 @@
-"""The sweep driver: scenario -> points -> (workload, acceptance, simulation) -> metrics -> run dir."""
+"""The sweep driver: scenario -> points -> (workload, mode, backend, level) -> metrics -> run dir."""
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from simharness import results
-from simharness.acceptance import make_acceptance
+from simharness.engine.backend import model_backend
 from simharness.metrics import compute_metrics
-from simharness.records import Records, device_syncs_frame
+from simharness.modes import Mode, resolve_mode
+from simharness.records import device_syncs_frame
 from simharness.report import write_report
 from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, sweep_points
-from simharness.simulation import Simulation, resolve_mode
+from simharness.simulation import Simulation
 from simharness.trace import trace_events, write_trace
-from simharness.workload import build_requests
+from simharness.workload import Requests, build_requests
+
+if TYPE_CHECKING:
+    from simharness.hil import HilEngine
 
 
 @dataclass
@@ -50,9 +56,10 @@ def run(
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     points = sweep_points(scenario)
+    modes = {}
     for p in points:  # validate every point before running any
         try:
-            resolve_mode(p.scenario)
+            modes[p.index] = resolve_mode(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
     if resume is not None:
@@ -64,14 +71,19 @@ def run(
         run_dir = results.new_run_dir(Path(out), scenario)
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
-    hil = _Hil(todo) if any(p.scenario.engine.backend == "torch" for p in todo) else None
+    workloads = _Workloads()
+    measured = [(p.scenario, modes[p.index]) for p in todo if p.scenario.engine.backend == "torch"]
+    hil = None
+    if measured:
+        from simharness.hil import HilEngine  # torch and Triton: only where a point runs on them
+
+        hil = HilEngine(measured, workloads.get)
     device = hil.describe() if hil else "sim (virtual time, cost model)"
     results.write_meta(run_dir, scenario, device=device)
     if progress is not None:
         progress(run_dir, len(points) - len(todo), len(points), "")
-    workloads: dict[str, object] = {}
     for n, point in enumerate(todo):
-        _run_point(run_dir, point, workloads, hil)
+        _run_point(run_dir, point, modes[point.index], workloads.get(point.scenario), hil)
         if progress is not None:
             progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
     summary, tables = results.combine(run_dir)
@@ -79,68 +91,56 @@ def run(
     return RunResult(run_dir, summary, **tables)
 
 
-def _workload(sc: Scenario, cache: dict):
-    key = sc.workload.model_dump_json() + str(sc.seed)
-    if key not in cache:
-        cache.clear()  # keep one workload in memory: sweeps usually vary the workload last
-        cache[key] = build_requests(sc.workload, sc.seed)
-    return cache[key]
+class _Workloads:
+    """Each point's requests, built from its workload section and seed; one is kept in memory, since sweeps
+    usually vary the workload last."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.requests: Requests | None = None
+
+    def get(self, sc: Scenario) -> Requests:
+        key = sc.workload.model_dump_json() + str(sc.seed)
+        if key != self.key:
+            self.key, self.requests = key, build_requests(sc.workload, sc.seed)
+        return self.requests
 
 
-class _Hil:
-    """The hardware-in-the-loop side of a run: one target model, sized for every torch point, shared by them."""
-
-    def __init__(self, points: list[Point]):
-        from simharness.engine import torch_backend
-
-        self.tb = torch_backend
-        torch_points = [p.scenario for p in points if p.scenario.engine.backend == "torch"]
-        engines = {(sc.engine.model, sc.engine.device, sc.engine.cuda_graphs) for sc in torch_points}
-        if len(engines) > 1:
-            raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a torch run uses one model on "
-                                "one device; do not sweep them")
-        slots = positions = vocab = 0
-        cache: dict[str, object] = {}
-        for sc in torch_points:
-            requests = _workload(sc, cache)
-            mode = resolve_mode(sc)
-            s, n = torch_backend.capacity(sc, requests, mode.depth, mode.k)
-            slots, positions, vocab = max(slots, s), max(positions, n), max(vocab, requests.vocab_size)
-        self.model = torch_backend.build_model(torch_points[0].engine, vocab, slots, positions)
-        warmed = set()
-        for sc in torch_points:  # each decode-loop configuration once, before anything is measured
-            spec, mode = sc.engine.speculation, resolve_mode(sc)
-            config = (mode.k, mode.ngram_cpu, mode.depth > 1, mode.optimistic, spec.invalid_slots, spec.min_n,
-                      spec.max_n, spec.tie_break)
-            if config not in warmed:
-                warmed.add(config)
-                torch_backend.warm_up(sc, _workload(sc, cache), self.model)
-
-    def describe(self) -> str:
-        import torch
-
-        device = self.model.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        return f"hil: {name}, torch {torch.__version__}, model {self.model.config.n_layers} layers"
-
-    def simulate(self, sc: Scenario, requests) -> tuple[Simulation, Records, float, pd.DataFrame]:
-        """Run one point on the real decode loop, recording its synchronizing CUDA operations."""
-        backend = self.tb.TorchBackend(sc, requests, self.model, resolve_mode(sc))
-        sim = Simulation(sc, requests, None, backend=backend)
-        with backend.syncs:
-            records, duration = sim.run()
-        return sim, records, duration, backend.syncs.frame()
+# Fields a hil point reads nowhere: its device and step times are measured, its acceptance is the real sampler's.
+HIL_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance")
 
 
-def _run_point(run_dir: Path, point: Point, cache: dict, hil: _Hil | None) -> None:
+def ignored_fields(sc: Scenario) -> list[str]:
+    """The fields of a hil point set away from their defaults, which it ignores."""
+    default = Scenario(name=sc.name)
+    changed = []
+    for path in HIL_IGNORES:
+        mine, theirs = sc, default
+        for part in path.split("."):
+            mine, theirs = getattr(mine, part), getattr(theirs, part)
+        if mine != theirs:
+            changed.append(path)
+    return changed
+
+
+def _run_point(run_dir: Path, point: Point, mode: Mode, requests: Requests, hil: HilEngine | None) -> None:
     sc = point.scenario
-    requests = _workload(sc, cache)
-    if sc.engine.backend == "torch":
-        sim, records, duration, device_syncs = hil.simulate(sc, requests)
-        level = "hil"
+    notes = [mode.note]
+    if hil is not None and sc.engine.backend == "torch":
+        backend = hil.backend(sc, requests, mode)
+        with backend.syncs:
+            records, duration = Simulation(sc, requests, mode, backend).run()
+        device_syncs, level = backend.syncs.frame(), "hil"
+        if backend.starved_steps:
+            notes.append(f"{backend.starved_steps} steps' enqueue outlasted the GPU hold (their device times may "
+                         "include launch gaps)")
+        ignored = ignored_fields(sc)
+        if ignored:
+            message = f"{', '.join(ignored)}: set, but a hil point measures what they model; ignored"
+            warnings.warn(f"sweep point {point.id}: {message}", stacklevel=2)
+            notes.append(message)
     else:
-        sim = Simulation(sc, requests, make_acceptance(sc.engine.speculation, requests))
-        records, duration = sim.run()
+        records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
         device_syncs, level = device_syncs_frame([]), "sim"
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(
@@ -151,15 +151,11 @@ def _run_point(run_dir: Path, point: Point, cache: dict, hil: _Hil | None) -> No
         duration_s=duration,
         percentiles=sc.report.percentiles,
         goodput=sc.report.goodput,
-        k=sim.mode.k,
+        k=mode.k,
     )
     summary = {"point": point.id, "index": point.index, "level": level}
     summary.update(point.values)
-    note = sim.mode.note
-    if level == "hil" and sim.backend.starved_steps:
-        note = "; ".join(filter(None, [note, f"{sim.backend.starved_steps} steps' enqueue outlasted the GPU hold "
-                                            "(their device times may include launch gaps)"]))
-    summary.update(effective_depth=sim.mode.depth, note=note)
+    summary.update(effective_depth=mode.depth, note="; ".join(filter(None, notes)))
     summary.update(metrics)
     trace_dir = run_dir / "traces"
     trace_dir.mkdir(exist_ok=True)

@@ -22,13 +22,11 @@ import numpy as np
 import pandas as pd
 
 from simharness.metrics import host_intervals
+from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 
 US = 1e6
 HOST_PID, GPU_PID, MEASURED_PID = 1, 2, 3
 ENGINE_TID, STREAM_TID, DEVICE_PHASES_TID = 1, 1, 1
-# Device phases of a hardware-in-the-loop step, in launch order, and their step columns.
-DEVICE_PHASES = ("prefill", "verify", "sample", "commit", "propose")
-DEVICE_PHASE_COLUMNS = [f"gpu_{p}_s" for p in DEVICE_PHASES]
 MEASURED_FLOW_ID = 1 << 40  # added to the step id: launch -> measured-phase flows never share an id
 TOLERANCE_US = 1e-3  # float rounding allowed when comparing slice edges
 

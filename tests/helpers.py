@@ -83,3 +83,9 @@ def hil_requests(n: int, vocab: int, *, steer_all: bool = False, seed: int = 0) 
         arrival_s=None,
         vocab_size=vocab,
     )
+
+
+def finish(loop, result):
+    """Wait for a launched decode step, then read it back (DecodeLoop's one sync, then its copy)."""
+    loop.wait(result)
+    return loop.readback(result)

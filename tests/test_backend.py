@@ -56,28 +56,28 @@ def test_drawn_acceptance_reads_one_uniform_per_decode_of_a_step_that_verifies_d
     """The uniforms are drawn in blocks, yet each step sees the draws a per-step call would have made."""
     model = backend([4, 4, 4], [10_000] * 3, seed=7)
     reference = np.random.default_rng(7)
-    model.run_step(step([0, 1, 2], prefill=4))
+    model.run(step([0, 1, 2], prefill=4))
     for size in [3, 2, 3, 1] * 800:  # several blocks of uniforms
         decode = step(list(range(size)))
-        model.run_step(decode)
+        model.run(decode)
         expected = leading_accepted(reference.random(size))
         np.testing.assert_array_equal(decode.batch.table[ACCEPTED], expected)
         np.testing.assert_array_equal(decode.batch.table[EMITTED], expected + 1)
-    model.run_step(step([0, 1], slots=0))  # nothing to verify: no draw
+    model.run(step([0, 1], slots=0))  # nothing to verify: no draw
     decode = step([2])
-    model.run_step(decode)
+    model.run(decode)
     np.testing.assert_array_equal(decode.batch.table[ACCEPTED], leading_accepted(reference.random(1)))
 
 
 def test_a_request_that_finished_before_its_step_ran_wastes_its_slots():
     model = backend([4, 6], [2, 50])
-    model.run_step(step([0], prefill=4))
-    model.run_step(step([1], prefill=6))
+    model.run(step([0], prefill=4))
+    model.run(step([1], prefill=6))
     np.testing.assert_array_equal(model.valid_drafts()[[0, 1]], [K, K])
-    model.run_step(step([0, 1]))  # request 0 emits its last token (at most 2 - 1 = 1 more)
+    model.run(step([0, 1]))  # request 0 emits its last token (at most 2 - 1 = 1 more)
     np.testing.assert_array_equal(model.valid_drafts()[[0]], [0])
     late = step([0, 1], slots=2)
-    model.run_step(late)
+    model.run(late)
     table = late.batch.table
     np.testing.assert_array_equal(table[WASTED], [3, 0])
     np.testing.assert_array_equal(table[[EMITTED, ACCEPTED, DRAFTS_VALID], 0], [0, 0, 0])
@@ -88,10 +88,11 @@ def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     model = backend([5, 7], [50, 50])
     sizes, rates = model.cost.sizes, model.cost.rates
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
-    assert model.run_step(step([0], prefill=5)) == gpu_seconds(sizes, rates, 5, 5, 30, 6)
-    model.run_step(step([1], prefill=7))
+    assert model.run(step([0], prefill=5))[0] == gpu_seconds(sizes, rates, 5, 5, 30, 6)
+    model.run(step([1], prefill=7))
     # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
     decode = step([0, 1], slots=2)
-    seconds = model.run_step(decode)
+    seconds, readback = model.run(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
     assert seconds == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted)
+    assert readback == model.cost.sync()

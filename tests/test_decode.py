@@ -60,7 +60,7 @@ def decode(loop: DecodeLoop, references: list[list[int]] | None = None, temperat
             batch.pop(step % len(batch))
         result = loop.step(torch.tensor([active[i] for i in batch]))
         out = loop.readback(result)
-        assert set(out.phase_s) == set(PHASES)
+        assert len(out.phase_s) == len(PHASES) and min(out.phase_s) >= 0
         for row, i in enumerate(batch):
             n = int(out.num_emitted[row])
             assert (out.tokens[row, n:] == -1).all()

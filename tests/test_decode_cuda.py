@@ -3,6 +3,7 @@ graphs agree with the torch path, speculative greedy decoding of the 1B shape in
 
 import pytest
 import torch
+from helpers import finish
 
 from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer, get_config, rope_attention_torch, rope_attention_triton
@@ -102,7 +103,7 @@ def test_step_makes_no_host_sync(invalid: str) -> None:
         loop.add_request(slot, prompt, reference_ids=refs[0] if slot == 1 else None, temperature=0.5 * slot)
     slots = torch.tensor([0, 1, 2], device="cuda")
     for _ in range(3):  # warm-up: Triton compilation of the proposer and sampler
-        loop.readback(loop.step(slots))
+        finish(loop, loop.step(slots))
     joined = torch.tensor([3, 0], device="cuda")  # a pageable host-to-device copy syncs: made outside
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -113,9 +114,9 @@ def test_step_makes_no_host_sync(invalid: str) -> None:
         results.append(loop.step(joined))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    outs = [loop.readback(r) for r in results]
+    outs = [finish(loop, r) for r in results]
     assert all((out.num_emitted >= 1).all() for out in outs)
-    assert all(set(out.phase_s) == {"verify", "sample", "commit", "propose"} for out in outs)
+    assert all(len(out.phase_s) == 4 and min(out.phase_s) >= 0 for out in outs)
 
 
 def run_loop(k: int, *, refs: list[list[int]] | None, n_steps: int, **kwargs) -> list[list[int]]:
@@ -128,7 +129,7 @@ def run_loop(k: int, *, refs: list[list[int]] | None, n_steps: int, **kwargs) ->
         streams.append(loop.add_request(slot, prompt, reference_ids=None if refs is None else refs[slot]).tolist())
     slots = torch.arange(4, device="cuda")
     for _ in range(n_steps):
-        out = loop.readback(loop.step(slots))
+        out = finish(loop, loop.step(slots))
         for row in range(4):
             streams[row] += out.tokens[row, : out.num_emitted[row]].tolist()
     return streams

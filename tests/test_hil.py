@@ -15,14 +15,15 @@ from helpers import hil_requests, single_thread
 from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer, get_config
 from simharness.engine.torch_backend import (
-    COMMITTED,
-    NEXT_VALID,
-    OUTPUT_LEN,
-    PROMPT_LEN,
+    HOST_COMMITTED,
+    HOST_OUTPUT_LEN,
+    HOST_PROMPT_LEN,
+    HOST_VALID,
     TorchBackend,
     capacity,
     read_back,
 )
+from simharness.modes import resolve_mode
 from simharness.policy import (
     ACCEPTED,
     BATCH_ROWS,
@@ -34,9 +35,9 @@ from simharness.policy import (
     VERIFIED,
     WASTED,
 )
-from simharness.records import STEP_COLUMNS
+from simharness.records import DEVICE_PHASE_COLUMNS, STEP_COLUMNS
 from simharness.scenario import scenario_from_dict
-from simharness.simulation import Simulation, resolve_mode
+from simharness.simulation import Simulation
 from simharness.workload import Requests
 
 VOCAB = 512
@@ -65,7 +66,8 @@ def requests() -> Requests:
 
 @pytest.fixture(scope="module")
 def model(requests: Requests) -> Transformer:
-    slots, positions = capacity(hil_scenario(depth=3), requests, 3, 3)
+    deepest = hil_scenario(depth=3)
+    slots, positions = capacity(deepest, requests, resolve_mode(deepest))
     config = dataclasses.replace(get_config("tiny"), vocab_size=VOCAB)
     return Transformer(config, max_slots=slots, max_len=positions, device="cpu", seed=3)
 
@@ -85,8 +87,9 @@ def plain_greedy(model: Transformer, requests: Requests) -> list[np.ndarray]:
 
 
 def run_hil(sc, requests, model):
-    backend = TorchBackend(sc, requests, model, resolve_mode(sc))
-    sim = Simulation(sc, requests, None, backend=backend)
+    mode = resolve_mode(sc)
+    backend = TorchBackend(sc, requests, model, mode, hold=True)
+    sim = Simulation(sc, requests, mode, backend)
     with backend.syncs:
         records, _ = sim.run()
     return backend, records
@@ -133,25 +136,25 @@ def test_read_back_by_hand():
     new_valid = np.array([1, 2, 3])
     packed = np.column_stack([tokens, num_emitted, num_drafts, new_valid])  # as DecodeLoop.readback packs them
     mirror = np.zeros((4, 4), dtype=np.int64)
-    mirror[COMMITTED] = [9, 10, 3, 0]  # per request id
-    mirror[OUTPUT_LEN] = [10, 10, 10, 10]
-    mirror[PROMPT_LEN] = [1, 3, 2, 8]
+    mirror[HOST_COMMITTED] = [9, 10, 3, 0]  # per request id
+    mirror[HOST_OUTPUT_LEN] = [10, 10, 10, 10]
+    mirror[HOST_PROMPT_LEN] = [1, 3, 2, 8]
     history = np.zeros((4, 16), dtype=np.int64)
     read_back(table, packed, 4, False, mirror, history)
     np.testing.assert_array_equal(table[EMITTED], [3, 1, 0, 1])
     np.testing.assert_array_equal(table[ACCEPTED], [2, 1, 0, 0])
     np.testing.assert_array_equal(table[DRAFTS_VALID], [3, 4, 0, 0])
     np.testing.assert_array_equal(table[WASTED], [0, 0, 5, 0])
-    np.testing.assert_array_equal(mirror[COMMITTED], [11, 11, 6, 0])
-    np.testing.assert_array_equal(mirror[NEXT_VALID], [0, 0, 1, 0])  # requests 0 and 1 have no tokens left
+    np.testing.assert_array_equal(mirror[HOST_COMMITTED], [11, 11, 6, 0])
+    np.testing.assert_array_equal(mirror[HOST_VALID], [0, 0, 1, 0])  # requests 0 and 1 have no tokens left
     np.testing.assert_array_equal(history[2, 5:9], [7, 8, 9, 0])  # prompt 2 + committed 3 onwards
     np.testing.assert_array_equal(history[0, 10:13], [5, 6, 0])
     np.testing.assert_array_equal(history[1, 13:15], [4, 0])
     assert history.sum() == 7 + 8 + 9 + 5 + 6 + 4  # nothing else written
     # with fill, the valid drafts verified are those the host mirrored before this step
     table[EMITTED:] = 0
-    mirror[COMMITTED] = [9, 10, 3, 0]
-    mirror[NEXT_VALID] = [2, 3, 1, 0]
+    mirror[HOST_COMMITTED] = [9, 10, 3, 0]
+    mirror[HOST_VALID] = [2, 3, 1, 0]
     read_back(table, packed, 4, True, mirror, history)
     np.testing.assert_array_equal(table[DRAFTS_VALID], [1, 2, 0, 0])
 
@@ -162,7 +165,7 @@ def test_steps_record_measured_phases(requests, model):
     steps = records.steps_frame()
     assert list(steps.columns[: len(STEP_COLUMNS)]) == STEP_COLUMNS
     assert (steps["measured"] == "prep,launch,gpu,readback").all()
-    device = steps[["gpu_prefill_s", "gpu_verify_s", "gpu_sample_s", "gpu_commit_s", "gpu_propose_s"]]
+    device = steps[DEVICE_PHASE_COLUMNS]
     assert (device >= 0).all().all()
     np.testing.assert_allclose(device.sum(axis=1), steps["gpu_end"] - steps["gpu_start"], rtol=1e-9, atol=1e-12)
     decode = steps["decode_tokens"] > 0
@@ -206,11 +209,10 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
 def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch):
     """The GPU hold before a part of a launch (CUDA only, so faked here): a spin kernel of three times the
     fastest recent enqueue plus 0.5 ms, so that a blocked enqueue cannot grow the next hold; then, when given a
-    list, the part's start event, recorded; from the third part of a step on, the host first waits for the end
-    of the part two back, so that holds cannot fill the stream's launch queue."""
-    from collections import deque
-
-    from simharness.engine import torch_backend
+    list, the part's start event, recorded; from the third part of a launch on, the host first waits for the end
+    of the part two back, so that holds cannot fill the stream's launch queue. Without a hold (the real level)
+    only the event is recorded."""
+    from simharness.engine import hold as hold_module
 
     calls = []
 
@@ -224,22 +226,29 @@ def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch)
         def synchronize(self):
             calls.append(f"wait {self.name}")
 
-    monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
-    monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
-    backend = object.__new__(TorchBackend)  # only the attributes the hold reads and writes
-    backend.sleep_cycles_per_s, backend.held = 1e9, 0.0
-    enqueue = deque([4e-3, 9e-3, 1e-3, 6e-3])
+    monkeypatch.setattr(hold_module.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
+    monkeypatch.setattr(hold_module.torch.cuda, "Event", Event)
+    monkeypatch.setattr(hold_module, "sleep_rate", lambda: 1e9)
+    timing = hold_module.PartTiming(hold=True)
+    for enqueue in [4e-3, 9e-3, 1e-3, 6e-3]:
+        timing.after("prefill", enqueue, hold=1.0)
     events = []
-    hold = backend._hold(enqueue, events)
+    hold = timing.before("prefill", events)
     assert hold == pytest.approx(3 * 1e-3 + 5e-4)
     assert calls == [int(hold * 1e9), "record"] and len(events) == 1
-    enqueue.append(5.0)  # a host blocked for seconds does not grow the hold
-    assert backend._hold(enqueue) == hold
+    timing.after("prefill", 5.0, hold)  # a host blocked for seconds does not grow the hold
+    assert timing.starved and timing.before("prefill", None) == hold
     calls.clear()
     events = [Event(name=f"{kind}{i}") for i in range(2) for kind in ("start", "end")]  # two chunks launched
-    backend._hold(deque([2e-3]), events)
-    assert calls == ["wait end0", int((3 * 2e-3 + 5e-4) * 1e9), "record"] and len(events) == 5
-    assert backend.held > 0
+    step_hold = timing.before("step", events)
+    assert step_hold == pytest.approx(3 * 3e-3 + 5e-4)  # the decode step's own first guess
+    assert calls == ["wait end0", int(step_hold * 1e9), "record"] and len(events) == 5
+    assert timing.host_s > 0
+    timing.start_launch()
+    assert timing.host_s == 0 and not timing.starved
+    calls.clear()
+    assert hold_module.PartTiming(hold=False).before("prefill", events) == float("inf")
+    assert calls == ["record"]
 
 
 def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, model, plain_greedy, monkeypatch):
@@ -249,6 +258,7 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     sum of its chunks' event intervals, the holds count as harness time, and the tokens are still right."""
     import time
 
+    from simharness.engine import hold as hold_module
     from simharness.engine import torch_backend
 
     calls = []
@@ -283,15 +293,17 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     monkeypatch.setattr(torch_backend.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", sleep)
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
+    monkeypatch.setattr(hold_module, "sleep_rate", lambda: 1e9)
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32)
-    backend = FakeCuda(sc, requests, model, resolve_mode(sc))
-    backend.cuda, backend.sleep_cycles_per_s = True, 1e9
+    mode = resolve_mode(sc)
+    backend = FakeCuda(sc, requests, model, mode, hold=True)
+    backend.cuda, backend.timing = True, hold_module.PartTiming(hold=True)
     waited_for = [None]  # the event a step with prefills is waited for at its readback (its last)
     launch_, wait_ = backend.launch, backend.loop.wait
 
     def launch(step):
         dt = launch_(step)
-        events = backend.launches[step.id].events
+        events = backend.launches[step.step].events
         waited_for[0] = events[-1] if events else None
         return dt
 
@@ -301,7 +313,7 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
         wait_(result)
 
     backend.launch, backend.loop.wait = launch, wait
-    sim = Simulation(sc, requests, None, backend=backend)
+    sim = Simulation(sc, requests, mode, backend)
     records, _ = sim.run()
     for rid, expected in enumerate(plain_greedy):
         np.testing.assert_array_equal(backend.output_tokens(rid), expected, err_msg=f"request {rid}")

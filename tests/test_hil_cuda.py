@@ -14,8 +14,10 @@ import simharness
 from simharness.engine.model import Transformer, get_config
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.instrument import phase
+from simharness.modes import resolve_mode
+from simharness.records import DEVICE_PHASE_COLUMNS
 from simharness.scenario import scenario_from_dict
-from simharness.simulation import Simulation, resolve_mode
+from simharness.simulation import Simulation
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -41,7 +43,8 @@ def requests():
 
 @pytest.fixture(scope="module")
 def model(requests):
-    slots, positions = capacity(hil_scenario(depth=3), requests, 3, 4)
+    deepest = hil_scenario(depth=3)
+    slots, positions = capacity(deepest, requests, resolve_mode(deepest))
     return Transformer(get_config("llama-3.2-1b"), max_slots=slots, max_len=positions, device="cuda", cuda_graphs=True)
 
 
@@ -51,15 +54,16 @@ MODES = list(itertools.product([1, 2, 3], ["wait", "optimistic"], ["ngram_cpu", 
 @pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
 def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
     sc = hil_scenario(depth, policy, proposer, invalid)
-    backend = TorchBackend(sc, requests, model, resolve_mode(sc))
+    mode = resolve_mode(sc)
+    backend = TorchBackend(sc, requests, model, mode, hold=True)
     with backend.syncs:
-        records, _ = Simulation(sc, requests, None, backend=backend).run()
+        records, _ = Simulation(sc, requests, mode, backend).run()
     for rid in range(N_REQUESTS):
         np.testing.assert_array_equal(backend.output_tokens(rid), requests.output_tokens[rid], err_msg=f"req {rid}")
     steps = records.steps_frame()
     assert steps["emitted"].sum() == requests.output_len.sum()
     assert steps["accepted"].sum() > 0
-    device = steps[[f"gpu_{p}_s" for p in ("prefill", "verify", "sample", "commit", "propose")]]
+    device = steps[DEVICE_PHASE_COLUMNS]
     np.testing.assert_allclose(device.sum(axis=1), steps["gpu_end"] - steps["gpu_start"], rtol=1e-9)
     assert (steps.loc[steps["decode_tokens"] > 0, "gpu_verify_s"] > 0).all()
 

@@ -9,13 +9,12 @@ from pathlib import Path
 from simharness.jit import PACKAGE, STAMP, drop_stale, sources_digest
 
 RUN_POINT = """
-from simharness.acceptance import make_acceptance
 from simharness.scenario import scenario_from_dict
-from simharness.simulation import Simulation
+from simharness.simulation import simulate
 from simharness.workload import build_requests
 sc = scenario_from_dict({"name": "jit", "workload": {"num_requests": 8, "concurrency": 4}})
 requests = build_requests(sc.workload, sc.seed)
-print(Simulation(sc, requests, make_acceptance(sc.engine.speculation, requests)).run()[1])
+print(simulate(sc, requests)[1])
 """
 
 

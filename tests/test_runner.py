@@ -45,7 +45,12 @@ def test_run_writes_the_documented_run_directory(tmp_path):
     again = simharness.run(scenario_from_dict(SMALL), out=tmp_path)
     assert again.run_dir != d and d.is_dir()
     meta = json.loads((d / "meta.json").read_text())
-    assert meta["source_digest"] == sources_digest() and meta["git_modified"] in (True, False, None)
+    assert meta["source_digest"] == sources_digest()
+    git = ["git", "-C", str(ROOT / "simharness")]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", "."], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    assert meta["git_revision"] == head and meta["git_modified"] == bool(status.strip())
     assert f"source digest `{meta['source_digest'][:12]}`" in (d / "report.md").read_text()
 
 

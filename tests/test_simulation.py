@@ -5,9 +5,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from simharness.acceptance import make_acceptance
+from simharness.engine.backend import model_backend
+from simharness.modes import resolve_mode
 from simharness.scenario import ScenarioError, scenario_from_dict
-from simharness.simulation import Simulation, resolve_mode
+from simharness.simulation import Simulation
 
 # Host phases in µs, no per-request or per-token terms, no sync cost: phases are constants.
 HOST = dict(schedule_us=100.0, schedule_per_req_us=0.0, prep_us=200.0, prep_per_req_us=0.0, prep_per_token_us=0.0,
@@ -39,7 +40,8 @@ def scenario(depth=1, k=4, proposer="ngram_gpu", acceptance=None, host=None, gpu
 
 
 def simulate(sc, requests):
-    sim = Simulation(sc, requests, make_acceptance(sc.engine.speculation, requests))
+    mode = resolve_mode(sc)
+    sim = Simulation(sc, requests, mode, model_backend(sc, requests, mode))
     records, duration = sim.run()
     return sim, records, duration
 

@@ -1,19 +1,23 @@
-"""Engine backends: what runs a launched step on the GPU stream and decides its outcome.
+"""Engine backends: what executes a launched step and decides its outcome, behind one interface.
 
-The SimPy model never knows which backend it drives (DESIGN.md). A backend owns the device-side
-truth of every request (prompt tokens in the KV cache, committed output tokens) and answers two
-questions: how many valid drafts the proposer holds for a request now (read by the host only at
-a sync), and what a step does (tokens emitted, drafts accepted, wasted slots) and how long it
-takes on the GPU.
+The engine loop (every level) talks to a `Backend` only; it never asks which one it drives. A backend owns
+the device-side truth of every request (prompt tokens in the KV cache, committed output tokens) and answers
+how many valid drafts the proposer holds for a request now (read by the host only at a sync), what a step
+does (tokens emitted, drafts accepted, wasted slots) and how long each of its phases takes. `ModelBackend`
+here answers from the acceptance and cost models (the sim level); `engine.torch_backend.TorchBackend` runs
+the real decode loop and measures (the hil and real levels).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts
+from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance
 from simharness.costmodel import CostModel, gpu_seconds
 from simharness.jit import njit
+from simharness.modes import Mode
 from simharness.policy import (
     ACCEPTED,
     COMPLETES,
@@ -25,6 +29,9 @@ from simharness.policy import (
     VERIFIED,
     WASTED,
 )
+from simharness.records import Step
+from simharness.scenario import Scenario
+from simharness.workload import Requests
 
 # Rows of the device truth, a column per request: prompt tokens, prompt tokens in the KV cache, context
 # (prompt + committed output tokens, which ends at END = prompt + output) and the valid drafts the
@@ -35,10 +42,51 @@ PROMPT, PREFILLED, CONTEXT, END, HELD = range(5)
 UNIFORM_BLOCK = 4096
 
 
+class Backend(Protocol):
+    """What the engine loop asks of whatever executes its steps. Times are seconds, returned by each call."""
+
+    # the step phases this backend measures, as recorded in each step's `measured` column ("" = all modelled)
+    measured: str
+
+    def valid_drafts(self) -> np.ndarray:
+        """Valid drafts the proposer holds now, per request id, as the host may read them at a sync."""
+        ...
+
+    def prep(self, step: Step) -> float:
+        """Build the step's inputs; returns the host time it took."""
+        ...
+
+    def launch(self, step: Step) -> float:
+        """Enqueue the step on the device; returns the host time it took."""
+        ...
+
+    def run(self, step: Step) -> tuple[float, float]:
+        """The step on the device: fill its batch table's outcome rows (and its measured device columns);
+        returns its device time and the host time of its readback."""
+        ...
+
+    def propose(self, rids: np.ndarray) -> float:
+        """The CPU n-gram proposer drafts for these requests (after their step was settled); returns its host time."""
+        ...
+
+    def release(self, rids: np.ndarray) -> None:
+        """The host saw these requests finish: free what they held."""
+        ...
+
+
+def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
+    """The sim level's backend of one point: its acceptance model, cost model and acceptance stream (seeded by
+    the scenario's seed alone, so that every point of a sweep sees the same random numbers)."""
+    acceptance = make_acceptance(sc.engine.speculation, requests)
+    cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
+    rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
+    return ModelBackend(requests, acceptance, cost, mode.k, rng)
+
+
 class ModelBackend:
     """`engine.backend: model`: outcomes from the acceptance model, durations from the cost model."""
 
-    measured = False
+    measured = ""
 
     def __init__(self, requests, acceptance: AcceptanceModel, cost: CostModel, k: int, rng: np.random.Generator):
         n = len(requests.prompt_len)
@@ -60,8 +108,22 @@ class ModelBackend:
         """Valid drafts the proposer holds now, per request id (0 for finished ones); a view to read, not keep."""
         return self.held
 
-    def run_step(self, step) -> float:
-        """Advance the device truth by one step, write its outcome into the batch table, return its GPU seconds."""
+    def prep(self, step: Step) -> float:
+        return self.cost.prep(step.batch.size, step.batch.n_tokens)
+
+    def launch(self, step: Step) -> float:
+        return self.cost.launch()
+
+    def propose(self, rids: np.ndarray) -> float:
+        # the proposer scans each request's whole history: its context (only at depth 1, so the host's view)
+        return self.cost.ngram_cpu(len(rids), int(self.truth[CONTEXT][rids].sum()))
+
+    def release(self, rids: np.ndarray) -> None:
+        pass  # the cost model holds nothing per request
+
+    def run(self, step: Step) -> tuple[float, float]:
+        """Advance the device truth by one step and write its outcome into the batch table; returns its GPU time
+        and the modelled readback."""
         b = step.batch
         if self.draws and self.next_uniform + b.size > len(self.uniforms):
             fresh = self.rng.random(max(UNIFORM_BLOCK, b.size))
@@ -72,7 +134,7 @@ class ModelBackend:
             b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
             self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates,
         )
-        return seconds
+        return seconds, self.cost.sync()
 
 
 @njit

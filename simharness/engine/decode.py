@@ -21,10 +21,12 @@ from torch import Tensor
 
 from simharness.engine.model import Transformer, steer_logits
 from simharness.instrument import phase
+from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram
 from simharness.kernels.rejection import rejection_sample
+from simharness.records import DEVICE_PHASES
 
-PHASES = ("verify", "sample", "commit", "propose")
+PHASES = DEVICE_PHASES[1:]  # the decode step's device phases, in order (a step's prefill chunks come first)
 # Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
 STEER_MARGIN = 30.0
 # Steps that may be launched and not yet read back: async queue depth (<= 3 in vLLM) plus one.
@@ -51,7 +53,7 @@ class StepOutput:
     num_emitted: np.ndarray  # [B]
     num_drafts: np.ndarray  # [B]
     next_valid: np.ndarray  # [B]: valid drafts proposed for the next step (0 without a device proposer)
-    phase_s: dict[str, float]
+    phase_s: tuple[float, ...]  # per PHASES
     packed: np.ndarray  # [B, k+4]: the four above side by side (they are its views), for one compiled call
 
 
@@ -104,9 +106,9 @@ class DecodeLoop:
         self.history = longs(slots, length)  # committed tokens (prompt, then generated)
         self.lengths = longs(slots)  # committed length
         self.prompt_lens = longs(slots)
-        self.reference = longs(slots, length, fill=-1)  # continuation to replay, from the first generated token
+        self.reference = longs(slots, length, fill=NO_DRAFT)  # continuation to replay, from the first generated token
         self.reference_lens = longs(slots)  # 0: not steered
-        self.drafts = longs(slots, k, fill=-1)  # proposed for the next step
+        self.drafts = longs(slots, k, fill=NO_DRAFT)  # proposed for the next step
         self.num_valid = torch.zeros(slots, dtype=torch.int32, device=device)
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
         self._positions = torch.arange(k + 1, device=device)
@@ -207,7 +209,7 @@ class DecodeLoop:
         step). Everything is launched on the device; nothing here waits for it. By default the device
         state is the truth: committed lengths (positions) and drafts are the device's own, which is the
         optimistic policy's GPU-side correction (vllm-notes §4.5). A host that knows better passes them:
-        `lengths` [B] after reading the accepted counts (the `wait` policy), `drafts` [B, k] (-1 = none)
+        `lengths` [B] after reading the accepted counts (the `wait` policy), `drafts` [B, k] (NO_DRAFT = none)
         from the CPU proposer, `num_drafts` [B] int32 when it trimmed the drafts to the valid ones.
         """
         k, max_len = self.k, self.max_len
@@ -227,19 +229,19 @@ class DecodeLoop:
                 drafts = self.drafts[slots]
             if num_drafts is None:
                 if not self.device_proposer:
-                    num_drafts = (drafts >= 0).sum(dim=1, dtype=torch.int32)
+                    num_drafts = (drafts != NO_DRAFT).sum(dim=1, dtype=torch.int32)
                 elif self.invalid == "pad":
                     num_drafts = self.num_valid[slots]
                 else:
                     num_drafts = self._all_drafts[: slots.shape[0]]
-            # -1 is no token id: the model sees the last token there, the sampler still sees -1 (rejected).
-            model_drafts = torch.where(drafts < 0, last[:, None], drafts) if k else drafts
+            # NO_DRAFT is no token id: the model sees the last token there, the sampler still sees it (rejected).
+            model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
             logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
             if self._steered:
                 # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
                 ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
                 ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
-                ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, -1)
+                ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, NO_DRAFT)
                 steer_logits(logits, ref_tokens, STEER_MARGIN)
             self._mark(staging, 1)
 
@@ -293,15 +295,17 @@ class DecodeLoop:
             self._staging(result).events[5].synchronize()
 
     def readback(self, result: StepResult) -> StepOutput:
-        """Wait for the step, copy its tokens and counts to the host, read its phase times (the one sync)."""
+        """Copy a finished step's tokens and counts to the host and read its phase times; call `wait` first (the
+        one sync of a step, which a caller times apart from the readback)."""
         staging = self._staging(result)
         if self.cuda:
-            staging.events[5].synchronize()
             marks = staging.events
-            phase_s = {name: marks[i].elapsed_time(marks[i + 1]) / 1e3 for i, name in enumerate(PHASES)}
+            if not marks[5].query():
+                raise RuntimeError(f"step {result.step_id} read back before `wait` returned for it")
+            phase_s = tuple(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(len(PHASES)))
         else:
             marks = staging.times
-            phase_s = {name: marks[i + 1] - marks[i] for i, name in enumerate(PHASES)}
+            phase_s = tuple(marks[i + 1] - marks[i] for i in range(len(PHASES)))
         packed = staging.host[: result.batch].numpy().copy()
         k = self.k
         return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3], phase_s, packed)

@@ -1,65 +1,43 @@
-"""`engine.backend: torch`: the real decode loop behind the SimPy model (hardware in the loop).
+"""`engine.backend: torch`: the real decode loop behind the engine loop (the hil and real levels).
 
-The engine loop calls `prep` (build the step's inputs on the host, copy them to the device) and
-`launch` (enqueue the prefills and the decode step) when it reaches those phases in virtual time;
-the GPU stream calls `run_step` when the step starts there: it waits for the real step, reads it
-back and returns the step's measured device time, which advances virtual time. Real work is
-enqueued in launch order, so the device sees exactly the order of a FIFO stream, and the emitted
-tokens and accepted counts are the rejection sampler's real output.
+The engine loop calls `prep` (build the step's inputs on the host, copy them to the device) and `launch`
+(enqueue the prefills and the decode step) when it reaches those phases, and `run` when it needs the
+step's outcome: `run` waits for the real step, reads it back and returns the step's measured device time.
+At the hil level that is when the step starts in virtual time (which its device time then advances), at
+the real level when the host blocks on it. Real work is enqueued in launch order, so the device sees the
+order of a FIFO stream, and the emitted tokens and accepted counts are the rejection sampler's real output.
 
-The host keeps a mirror of the device truth (committed tokens, valid drafts) updated from each
-read-back step, as vLLM's engine does from its outputs; it is what the host may use at a sync.
+The host keeps a mirror of the device truth (committed tokens, valid drafts) updated from each read-back
+step, as vLLM's engine does from its outputs; it is what the host may use at a sync.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from simharness.engine.decode import DecodeLoop, StepResult
-from simharness.engine.model import PRESETS, Transformer, get_config
+from simharness.engine.hold import PartTiming
+from simharness.engine.model import Transformer
 from simharness.instrument import SyncRecorder, phase
 from simharness.jit import njit
+from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram_row
+from simharness.modes import Mode
 from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
-from simharness.scenario import Engine, ScenarioError
+from simharness.records import Step
+from simharness.scenario import Scenario
+from simharness.workload import Requests
 
 # Rows of the host's mirror of the device truth, one table (a compiled call costs per argument): committed
 # output tokens, valid drafts held for the next step (0 once no tokens are left), output and prompt lengths.
-COMMITTED, NEXT_VALID, OUTPUT_LEN, PROMPT_LEN = range(4)
-# Host enqueue times kept to size the GPU hold (see `TorchBackend.launch`), and the first guesses.
-LAUNCH_WINDOW = 16
-FIRST_STEP_ENQUEUE_S = 3e-3
-FIRST_PREFILL_ENQUEUE_S = 10e-3
+HOST_COMMITTED, HOST_VALID, HOST_OUTPUT_LEN, HOST_PROMPT_LEN = range(4)
 
 
-def resolve_device(engine: Engine) -> torch.device:
-    """`engine.device` as a torch device; `auto` is CUDA when torch sees one."""
-    if engine.device == "cuda" and not torch.cuda.is_available():
-        raise ScenarioError("engine.device: cuda was asked for but torch sees no CUDA device")
-    if engine.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(engine.device)
-
-
-def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
-    """The target model of `engine.model` with random weights, its vocabulary widened to the workload's."""
-    if engine.model not in PRESETS:
-        raise ScenarioError(f"engine.model: {engine.model!r} has no torch model; known: {', '.join(PRESETS)}")
-    config = get_config(engine.model)
-    if config.vocab_size < vocab_size:
-        config = dataclasses.replace(config, vocab_size=vocab_size)
-    device = resolve_device(engine)
-    graphs = engine.cuda_graphs and device.type == "cuda"
-    return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
-
-
-def capacity(sc, requests, depth: int, k: int) -> tuple[int, int]:
+def capacity(sc: Scenario, requests: Requests, mode: Mode) -> tuple[int, int]:
     """Cache slots and positions a point needs: its most concurrent requests, and its longest request
     plus the steps a finished request may still sit in (each up to 1 + k tokens) and one spare."""
     n = len(requests.prompt_len)
@@ -67,34 +45,7 @@ def capacity(sc, requests, depth: int, k: int) -> tuple[int, int]:
     if sc.workload.arrival == "closed" or sc.workload.cap_concurrency:
         slots = min(slots, sc.workload.concurrency)
     longest = int((requests.prompt_len + requests.output_len).max())
-    return slots, longest + (depth + 1) * (k + 1) + 1
-
-
-def warm_up(sc, requests, model: Transformer, n: int = 20, tokens: int = 16) -> None:
-    """Run a point's decode-loop configuration on its first `n` requests, cut to `tokens` output tokens,
-    so that the kernels' first compilations (seconds each, per specialisation) do not land in measured
-    steps. Triton specialises integer arguments on divisibility by 16, so the closed loop runs at
-    concurrency 16 (batch sizes 1 to 16) and one prompt is cut to a multiple of 16 tokens."""
-    from simharness.simulation import Simulation, resolve_mode
-
-    m = min(n, len(requests.prompt_len))
-    cut = np.minimum(requests.output_len[:m], tokens)
-    prompt_len = requests.prompt_len[:m].copy()
-    if prompt_len[0] > 16:
-        prompt_len[0] -= prompt_len[0] % 16
-    few = dataclasses.replace(
-        requests,
-        kind=requests.kind[:m],
-        prompt_len=prompt_len,
-        output_len=cut,
-        prompt_tokens=[t[:p] for t, p in zip(requests.prompt_tokens[:m], prompt_len, strict=True)],
-        output_tokens=[t[:c] for t, c in zip(requests.output_tokens[:m], cut, strict=True)],
-        arrival_s=None,
-    )
-    workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(16, model.max_slots)})
-    small = sc.model_copy(update={"workload": workload})
-    backend = TorchBackend(small, few, model, resolve_mode(small))
-    Simulation(small, few, None, backend=backend).run()
+    return slots, longest + (mode.depth + 1) * (mode.k + 1) + 1
 
 
 @dataclass
@@ -105,7 +56,7 @@ class _Launch:
     slots: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     drafts: torch.Tensor | None = None
-    prefills: list[tuple[int, int, int, bool, torch.Tensor]] = field(default_factory=list)  # rid, start, end, last
+    prefills: list[tuple[int, int, bool, torch.Tensor]] = field(default_factory=list)  # rid, start, last chunk, ids
     result: StepResult | None = None
     first_rids: list[int] = field(default_factory=list)
     first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
@@ -115,17 +66,18 @@ class _Launch:
 
 
 class TorchBackend:
-    """Runs each launched step on the real decode loop; durations and outcomes are measured."""
+    """Runs each launched step on the real decode loop; durations and outcomes are measured. `hold` (CUDA,
+    hil) holds the GPU before each part of a launch so that its device time excludes launch gaps."""
 
-    measured = True
-
-    def __init__(self, sc, requests, model: Transformer, mode, *, steer: bool = True):
+    def __init__(self, sc: Scenario, requests: Requests, model: Transformer, mode: Mode, *, hold: bool,
+                 steer: bool = True):
         spec = sc.engine.speculation
         self.req = requests
         self.mode = mode
         self.k = mode.k
         self.steer = steer
-        # synchronizing CUDA operations in the backend's calls; the runner records inside `with backend.syncs:`
+        self.measured = "prep,launch,gpu,readback" + (",propose" if mode.ngram_cpu else "")
+        # synchronizing CUDA operations in the backend's calls; the level records inside `with backend.syncs:`
         self.syncs = SyncRecorder()
         self.cuda = model.device.type == "cuda"
         self.loop = DecodeLoop(
@@ -144,10 +96,10 @@ class TorchBackend:
         # host mirror of the device truth, as of the last read-back step that held the request; the attributes
         # are views of its rows
         self.mirror = np.zeros((4, n), dtype=np.int64)
-        self.mirror[OUTPUT_LEN], self.mirror[PROMPT_LEN] = requests.output_len, requests.prompt_len
-        self.committed, self.next_valid = self.mirror[COMMITTED], self.mirror[NEXT_VALID]
-        self.output_len, self.prompt_len = self.mirror[OUTPUT_LEN], self.mirror[PROMPT_LEN]
-        slots, positions = capacity(sc, requests, mode.depth, mode.k)
+        self.mirror[HOST_OUTPUT_LEN], self.mirror[HOST_PROMPT_LEN] = requests.output_len, requests.prompt_len
+        self.committed, self.next_valid = self.mirror[HOST_COMMITTED], self.mirror[HOST_VALID]
+        self.output_len, self.prompt_len = self.mirror[HOST_OUTPUT_LEN], self.mirror[HOST_PROMPT_LEN]
+        slots, positions = capacity(sc, requests, mode)
         if slots > model.max_slots or positions > model.max_len:
             raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
                              f"needs ({slots} x {positions})")
@@ -160,18 +112,15 @@ class TorchBackend:
         # as the CPU proposer's), or with fill (k slots verified, fillers among them) the device proposer's valid
         # count as of the previous read-back step, which the host mirrors.
         self.valid_from_mirror = self.loop.invalid == "fill"
-        self.host_drafts = np.full((n, max(mode.k, 1)), -1, dtype=np.int64)  # CPU proposer's drafts
+        self.host_drafts = np.full((n, max(mode.k, 1)), NO_DRAFT, dtype=np.int64)  # CPU proposer's drafts
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
-        self.step_enqueue: deque[float] = deque([FIRST_STEP_ENQUEUE_S], maxlen=LAUNCH_WINDOW)
-        self.prefill_enqueue: deque[float] = deque([FIRST_PREFILL_ENQUEUE_S], maxlen=LAUNCH_WINDOW)
+        self.timing = PartTiming(hold) if self.cuda else None
         self.starved_steps = 0  # steps whose enqueue outlasted the hold: their device time may hold gaps
-        self.sleep_cycles_per_s = _sleep_rate() if self.cuda else 0.0
         # harness overhead: wall time outside the engine's measured work (prep, launch, the readback wait and
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
         self.mark = time.perf_counter()
-        self.held = 0.0  # host time of the GPU holds in the current launch (harness time, `_hold`)
 
     # ---------------------------------------------------------------- host view
 
@@ -186,10 +135,10 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- engine-loop phases (measured)
 
-    def prep(self, step) -> float:
+    def prep(self, step: Step) -> float:
         """Build the step's device inputs: slot ids, positions (wait policy), CPU drafts, prompt chunks."""
         t0 = time.perf_counter()
-        self.syncs.start_step(step.id)
+        self.syncs.start_step(step.step)
         with phase("prep"):
             b = step.batch
             launch = _Launch(decode_rids=b.req[b.decode])
@@ -203,7 +152,7 @@ class TorchBackend:
                 last = bool(b.completes_prefill[i])
                 # the whole prompt goes along with the last chunk (add_request writes the history)
                 ids = self.req.prompt_tokens[rid] if last else self.req.prompt_tokens[rid][start:end]
-                launch.prefills.append((rid, start, end, last, self._to_device(ids)))
+                launch.prefills.append((rid, start, last, self._to_device(ids)))
             r = launch.decode_rids
             if len(r):
                 launch.slots = self._to_device(self.slot[r])
@@ -212,96 +161,68 @@ class TorchBackend:
                     launch.lengths = self._to_device(self.prompt_len[r] + self.committed[r])
                 if self.mode.ngram_cpu:
                     launch.drafts = self._to_device(self.host_drafts[r, : self.k]).view(len(r), self.k)
-            self.launches[step.id] = launch
+            self.launches[step.step] = launch
         return self._leave(t0)
 
-    def launch(self, step) -> float:
-        """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time."""
-        launch = self.launches[step.id]
+    def launch(self, step: Step) -> float:
+        """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time (on the CPU,
+        where the work runs inside the calls, the enqueue less that work, which is timed as the device phases)."""
+        launch = self.launches[step.step]
+        timing = self.timing
         t0 = time.perf_counter()
-        self.syncs.start_step(step.id)
-        self.held = 0.0  # the holds and their events (`_hold`, `_record_end`) are left out of the measured launch
-        starved = False
+        self.syncs.start_step(step.step)
+        if timing is not None:
+            timing.start_launch()
         with phase("launch"):
             with phase("gpu_prefill"):
-                firsts, valid = [], []
-                for rid, start, _end, last, ids in launch.prefills:
-                    if self.cuda:
-                        hold = self._hold(self.prefill_enqueue, launch.events)
-                    t = time.perf_counter()
-                    slot = int(self.slot[rid])
-                    if not last:
-                        self.loop.prefill_chunk(slot, ids, start)
-                    else:
-                        reference = self.req.output_tokens[rid] if self.steer else None
-                        firsts.append(self.loop.add_request(slot, ids, reference, cached=start))
-                        valid.append(self.loop.num_valid[slot : slot + 1].to(torch.int64))
-                        launch.first_rids.append(rid)
-                    enqueue = time.perf_counter() - t
-                    self.prefill_enqueue.append(enqueue)
-                    if self.cuda:
-                        starved |= enqueue > hold
-                        self._record_end(launch.events)  # the chunk's end on the device
-                    else:
-                        launch.prefill_s += enqueue  # on the CPU the work ran inside the call
-                if firsts:
-                    launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
+                self._launch_prefills(launch)
             step_s = 0.0
             if len(launch.decode_rids):
-                if self.cuda:
-                    hold = self._hold(self.step_enqueue)  # the decode loop's own events time the step's phases
+                hold = timing.before("step", None) if timing is not None else 0.0
                 t = time.perf_counter()
                 launch.result = self.loop.step(launch.slots, lengths=launch.lengths, drafts=launch.drafts)
                 step_s = time.perf_counter() - t
-                self.step_enqueue.append(step_s)
-                if self.cuda:
-                    starved |= step_s > hold
+                if timing is not None:
+                    timing.after("step", step_s, hold)
             if launch.first_device is not None:
                 host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
             if launch.events:
-                self._record_end(launch.events)  # after the first tokens' copy: what the readback waits for
+                timing.mark(launch.events)  # after the first tokens' copy: what the readback waits for
         self.n_launched += 1
-        wall = time.perf_counter() - t0 - self.held
+        wall = time.perf_counter() - t0
+        if timing is None:  # the CPU: the device work ran synchronously inside the launch
+            self.inside += wall
+            return max(wall - launch.prefill_s - step_s, 0.0)
+        wall -= timing.host_s  # the timing's own host time is the harness's
         self.inside += wall
-        if self.cuda:
-            self.starved_steps += starved
-            return wall
-        # On the CPU the device work ran synchronously inside the launch; it is timed as the device phases.
-        return max(wall - launch.prefill_s - step_s, 0.0)
+        self.starved_steps += timing.starved
+        return wall
 
-    def _hold(self, enqueue: deque[float], events: list | None = None) -> float:
-        """Hold the GPU (a spin kernel) while the host enqueues the next part of a step (a prefill chunk, or the
-        decode step), so that device events time its work alone, not gaps where the GPU waited for launches (~30
-        us each, eager); with `events`, record the part's start there. Returns the hold's seconds.
-
-        Three times the fastest recent enqueue of such parts, plus 0.5 ms. Not the median: an enqueue the host
-        spent blocked (a kernel's first compilation, or a full launch queue behind earlier holds) would grow
-        the next hold, which makes the GPU fall further behind and the next enqueue block longer. On the H100
-        that feedback gave a step prefilling about a dozen prompts (~60 ms of device work) 1.2-1.5 s of launch,
-        and with one hold per chunk it ran away. A step whose enqueue still outlasts its hold is counted in
-        `starved_steps`.
-
-        Each prefill chunk gets its own hold, and before it the host waits for the chunk two back to end: a
-        CUDA stream queues a bounded number of launches (about a thousand kernels, some six eager chunks), and
-        a host blocked on a full queue would time the holds' spinning as its launch. A decode-only step gets
-        the spin kernel alone: every CUDA call is tens of µs of harness time on a slow host. The hold's host
-        time, that wait included, is added to `held` (harness time)."""
-        t = time.perf_counter()
-        if events is not None and len(events) >= 4:
-            events[-3].synchronize()  # the end of the chunk two back
-        hold = 3.0 * min(enqueue) + 5e-4
-        torch.cuda._sleep(int(hold * self.sleep_cycles_per_s))
-        if events is not None:
-            _record(events)
-        self.held += time.perf_counter() - t
-        return hold
-
-    def _record_end(self, events: list) -> None:
-        """Record the end of a part of a step in `events` (CUDA); like the hold, harness time added to `held`."""
-        t = time.perf_counter()
-        _record(events)
-        self.held += time.perf_counter() - t
+    def _launch_prefills(self, launch: _Launch) -> None:
+        """Enqueue each prefill chunk (a last chunk also emits the first token and drafts); on CUDA each is timed
+        by its own start and end events."""
+        timing = self.timing
+        firsts, valid = [], []
+        for rid, start, last, ids in launch.prefills:
+            hold = timing.before("prefill", launch.events) if timing is not None else 0.0
+            t = time.perf_counter()
+            slot = int(self.slot[rid])
+            if not last:
+                self.loop.prefill_chunk(slot, ids, start)
+            else:
+                reference = self.req.output_tokens[rid] if self.steer else None
+                firsts.append(self.loop.add_request(slot, ids, reference, cached=start))
+                valid.append(self.loop.num_valid[slot : slot + 1].to(torch.int64))
+                launch.first_rids.append(rid)
+            enqueue = time.perf_counter() - t
+            if timing is None:
+                launch.prefill_s += enqueue  # on the CPU the work ran inside the call
+            else:
+                timing.after("prefill", enqueue, hold)
+                timing.mark(launch.events)  # the chunk's end on the device
+        if firsts:
+            launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
 
     def propose(self, rids: np.ndarray) -> float:
         """The CPU n-gram proposer over each request's committed tokens (after its step was settled)."""
@@ -311,7 +232,7 @@ class TorchBackend:
             for rid in rids:
                 n = self.prompt_len[rid] + self.committed[rid]
                 drafts = propose_ngram_row(self.history[rid, :n], **self.ngram_args)
-                self.host_drafts[rid, :k] = -1
+                self.host_drafts[rid, :k] = NO_DRAFT
                 self.host_drafts[rid, : len(drafts)] = drafts
                 self.next_valid[rid] = len(drafts)
         return self._leave(t0)
@@ -323,16 +244,16 @@ class TorchBackend:
             self.free_slots.extend(self.slot[rids].tolist())
             self.slot[rids] = -1
 
-    # ---------------------------------------------------------------- GPU stream
+    # ---------------------------------------------------------------- the device step
 
-    def run_step(self, step) -> float:
-        """Wait for the real step, read it back, fill in its outcome; returns its device seconds."""
+    def run(self, step: Step) -> tuple[float, float]:
+        """Wait for the real step, read it back, fill in its outcome and device columns; returns its device time
+        and the host time of the readback."""
         t0 = time.perf_counter()
-        self.syncs.start_step(step.id)
-        launch = self.launches.pop(step.id)
-        b = step.batch
+        self.syncs.start_step(step.step)
+        launch = self.launches.pop(step.step)
         with phase("readback"):
-            # The wait is the GPU's time (the hold's spin included), not the host's readback: it ends before t_read.
+            # The wait is the GPU's time (a hold's spin included), not the host's readback: it ends before t_read.
             if launch.events:
                 launch.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
             elif launch.result is not None:
@@ -345,31 +266,30 @@ class TorchBackend:
             prefill_s = launch.prefill_s + chunks_ms / 1e3
             first_rids = launch.first_rids
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
-            # wherever Python drops the last reference (a free returns memory to torch's caching allocators and
-            # destroys events, driver calls that are slow on some hosts).
+            # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
             del launch
-            step.readback_s = self._leave(t0) - (t_read - t0)
-        # The host's mirror and the step's outcome are the harness's own work, like the SimPy model's: one
-        # compiled pass over the batch writes the outcome into its table, since a few dozen small array
-        # operations would cost more than the step's own host phases on a slow host.
+            readback_s = self._leave(t0) - (t_read - t0)
+        # The host's mirror and the step's outcome are the harness's own work: one compiled pass over the batch
+        # writes the outcome into its table (a few dozen small array operations would cost more than the step's
+        # own host phases on a slow host).
+        b = step.batch
         if out is not None:
             read_back(b.table, out.packed, self.k, self.valid_from_mirror, self.mirror, self.history)
-            device_phases = (prefill_s, *out.phase_s.values())  # the step records' order: prefill, then decode's PHASES
+            step.set_device_phases((prefill_s, *out.phase_s))
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
-            device_phases = (prefill_s, 0.0, 0.0, 0.0, 0.0)
+            step.set_device_phases((prefill_s, 0.0, 0.0, 0.0, 0.0))
         if first is not None:
             rids = np.asarray(first_rids)
             self.history[rids, self.prompt_len[rids]] = first[0]
             self.committed[rids] = 1
             self.next_valid[rids] = first[1] * (self.output_len[rids] > 1)
         self.n_read += 1
-        step.device_phases = device_phases
-        step.device_syncs = self.syncs.count(step.id)
+        step.device_syncs = self.syncs.count(step.step)
         now = time.perf_counter()
         step.harness_s = (now - self.mark) - self.inside
         self.mark, self.inside = now, 0.0
-        return float(sum(device_phases))
+        return prefill_s + (sum(out.phase_s) if out is not None else 0.0), readback_s
 
     # ---------------------------------------------------------------- helpers
 
@@ -386,30 +306,6 @@ class TorchBackend:
         return dt
 
 
-def _record(events: list) -> None:
-    """Record a new timing event on the current stream and append it to `events`."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    events.append(event)
-
-
-_SLEEP_RATE: list[float] = []
-
-
-def _sleep_rate() -> float:
-    """GPU clock cycles per second of `torch.cuda._sleep`, measured once per process."""
-    if not _SLEEP_RATE:
-        cycles = 10_000_000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)  # warm-up
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
-    return _SLEEP_RATE[0]
-
-
 @njit
 def read_back(
     table: np.ndarray, packed: np.ndarray, k: int, valid_from_mirror: bool, mirror: np.ndarray, history: np.ndarray
@@ -422,8 +318,8 @@ def read_back(
     holds new_valid[i] (0 once it has no tokens left). A request that finished in an earlier step but sat in
     this one (no tokens left) emits and accepts nothing and wastes its 1 + slots positions. A prefill column
     emits its first token when its chunk is the last."""
-    committed, next_valid = mirror[COMMITTED], mirror[NEXT_VALID]
-    output_len, prompt_len = mirror[OUTPUT_LEN], mirror[PROMPT_LEN]
+    committed, next_valid = mirror[HOST_COMMITTED], mirror[HOST_VALID]
+    output_len, prompt_len = mirror[HOST_OUTPUT_LEN], mirror[HOST_PROMPT_LEN]
     tokens, num_emitted = packed[:, : k + 1], packed[:, k + 1]
     num_drafts, new_valid = packed[:, k + 2], packed[:, k + 3]
     i = 0

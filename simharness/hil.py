@@ -1,0 +1,100 @@
+"""The measured levels' set-up: the device, one target model shared by a run's points, and warm-up.
+
+Above the engine and the levels: it builds the real decode loop's model once per run (sized for every
+point), warms each point's decode-loop configuration up before anything is measured, and hands each point
+a `TorchBackend` on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from simharness.engine.model import PRESETS, Transformer, get_config
+from simharness.engine.torch_backend import TorchBackend, capacity
+from simharness.modes import Mode
+from simharness.scenario import Engine, Scenario, ScenarioError
+from simharness.simulation import Simulation
+from simharness.workload import Requests
+
+
+def resolve_device(engine: Engine) -> torch.device:
+    """`engine.device` as a torch device; `auto` is CUDA when torch sees one."""
+    if engine.device == "cuda" and not torch.cuda.is_available():
+        raise ScenarioError("engine.device: cuda was asked for but torch sees no CUDA device")
+    if engine.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(engine.device)
+
+
+def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
+    """The target model of `engine.model` with random weights, its vocabulary widened to the workload's."""
+    if engine.model not in PRESETS:
+        raise ScenarioError(f"engine.model: {engine.model!r} has no torch model; known: {', '.join(PRESETS)}")
+    config = get_config(engine.model)
+    if config.vocab_size < vocab_size:
+        config = dataclasses.replace(config, vocab_size=vocab_size)
+    device = resolve_device(engine)
+    graphs = engine.cuda_graphs and device.type == "cuda"
+    return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
+
+
+def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n: int = 20, tokens: int = 16) -> None:
+    """Run a point's decode-loop configuration on its first `n` requests, cut to `tokens` output tokens,
+    so that the kernels' first compilations (seconds each, per specialisation) do not land in measured
+    steps. Triton specialises integer arguments on divisibility by 16, so the closed loop runs at
+    concurrency 16 (batch sizes 1 to 16) and one prompt is cut to a multiple of 16 tokens."""
+    m = min(n, len(requests.prompt_len))
+    cut = np.minimum(requests.output_len[:m], tokens)
+    prompt_len = requests.prompt_len[:m].copy()
+    if prompt_len[0] > 16:
+        prompt_len[0] -= prompt_len[0] % 16
+    few = dataclasses.replace(
+        requests,
+        kind=requests.kind[:m],
+        prompt_len=prompt_len,
+        output_len=cut,
+        prompt_tokens=[t[:p] for t, p in zip(requests.prompt_tokens[:m], prompt_len, strict=True)],
+        output_tokens=[t[:c] for t, c in zip(requests.output_tokens[:m], cut, strict=True)],
+        arrival_s=None,
+    )
+    workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(16, model.max_slots)})
+    small = sc.model_copy(update={"workload": workload})
+    backend = TorchBackend(small, few, model, mode, hold=True)
+    Simulation(small, few, mode, backend).run()
+
+
+class HilEngine:
+    """One target model on one device, sized for every measured point of a run and shared by them."""
+
+    def __init__(self, points: list[tuple[Scenario, Mode]], workload: Callable[[Scenario], Requests]):
+        engines = {(sc.engine.model, sc.engine.device, sc.engine.cuda_graphs) for sc, _ in points}
+        if len(engines) > 1:
+            raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a torch run uses one model on "
+                                "one device; do not sweep them")
+        slots = positions = vocab = 0
+        for sc, mode in points:
+            requests = workload(sc)
+            s, n = capacity(sc, requests, mode)
+            slots, positions, vocab = max(slots, s), max(positions, n), max(vocab, requests.vocab_size)
+        self.model = build_model(points[0][0].engine, vocab, slots, positions)
+        warmed = set()
+        for sc, mode in points:  # each decode-loop configuration once, before anything is measured
+            spec = sc.engine.speculation
+            config = (mode.k, mode.ngram_cpu, mode.depth > 1, mode.optimistic, spec.invalid_slots, spec.min_n,
+                      spec.max_n, spec.tie_break)
+            if config not in warmed:
+                warmed.add(config)
+                warm_up(sc, workload(sc), mode, self.model)
+
+    def describe(self) -> str:
+        device = self.model.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        return f"hil: {name}, torch {torch.__version__}, model {self.model.config.n_layers} layers"
+
+    def backend(self, sc: Scenario, requests: Requests, mode: Mode) -> TorchBackend:
+        """A point's backend on the shared model (holding the GPU before each launch part, the hil timing)."""
+        return TorchBackend(sc, requests, self.model, mode, hold=True)
