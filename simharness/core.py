@@ -23,12 +23,7 @@ from simharness.records import Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 from simharness.workload import Requests
 
-_NO_RANGE = nullcontext()
-
-
-def _no_range(name: str) -> nullcontext:
-    """Stands for `instrument.phase` where nothing is measured (entering it is free)."""
-    return _NO_RANGE
+_NO_RANGE = nullcontext()  # stands for an NVTX range where nothing is measured (entering it is free)
 
 
 class EngineCore:
@@ -45,11 +40,13 @@ class EngineCore:
             )
         self.mode = mode
         self.backend = backend
-        self.n_requests = len(requests.prompt_len)
         self.output_len = requests.output_len
         self.sched = BatchScheduler(sc.scheduler, requests.prompt_len, requests.output_len)
         self.records = Records(mode.k, requests.output_len)
-        self.in_flight: deque[Step] = deque()  # launched, not yet settled, oldest first
+        self.syncs = self.records.syncs  # rows of SYNC_COLUMNS
+        # launched, not yet settled, oldest first: the loop fills it while shorter than mode.depth, else settles
+        # its oldest (popped before settling, so the update's sync points no longer see it)
+        self.in_flight: deque[Step] = deque()
         self.last_launched: Step | None = None
         self.n_steps = 0
         self.gc = sc.engine.gc
@@ -57,18 +54,16 @@ class EngineCore:
         self.phase_syncs = {ph: [sp for sp in mode.syncs if sp.phase == ph] for ph in HOST_PHASES}
         self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
                             for ph, pts in self.phase_syncs.items()}  # fmt: skip
+        # Prep cuts the verified slots of a step with decodes to the valid drafts when async and trimming: a
+        # synchronous scheduler already reserved the drafts the host holds, and with nothing in flight the
+        # device has not moved since.
+        self.trims_async = mode.trim and mode.depth > 1
         # NVTX ranges (and sync attribution) only where something is measured
-        self.range = phase if backend.measured else _no_range
+        self.measured = backend.measured
+        self.schedule_range = phase("schedule") if self.measured else _NO_RANGE
+        self.update_range = phase("update") if self.measured else _NO_RANGE
 
     # ---------------------------------------------------------------- decisions
-
-    @property
-    def finished(self) -> bool:
-        return self.sched.n_finished == self.n_requests
-
-    def can_launch(self) -> bool:
-        """Room in the batch queue (vLLM fills it before consuming any output)."""
-        return len(self.in_flight) < self.mode.depth
 
     def gc_pause(self) -> float:
         """A garbage-collection pause drawn for this loop iteration (0 for none), from the seed's own stream."""
@@ -81,11 +76,13 @@ class EngineCore:
 
     def schedule(self, gc_pause: float) -> Step | None:
         """The next step's batch, or None when nothing can be scheduled."""
-        with self.range("schedule"):
+        with self.schedule_range:
             batch = self.sched.schedule(self.mode.k, self._held())
         if not batch.size:
             return None
-        step = Step(self.n_steps, batch, gc_pause_s=gc_pause, measured=self.backend.measured)
+        step = Step(self.n_steps, batch, gc_pause_s=gc_pause)
+        if self.measured:
+            step.measured = self.measured
         self.n_steps += 1
         return step
 
@@ -109,15 +106,9 @@ class EngineCore:
             return self.in_flight[0]
         return self.last_launched
 
-    def trims(self, step: Step) -> bool:
-        """Prep cuts this step's verified slots to the valid drafts: async and trimming, with decodes in it. A
-        synchronous scheduler already reserved the drafts the host holds, and with nothing in flight the device
-        has not moved since."""
-        b = step.batch
-        return self.mode.trim and self.mode.depth > 1 and b.n_prefill < b.size
-
     def trim(self, step: Step) -> None:
-        """Cut the verified slots to the valid drafts the host reads now (after the sync that let it)."""
+        """Cut the verified slots to the valid drafts the host reads now (after the sync that let it); for a step
+        with decodes, when `trims_async`."""
         b = step.batch
         b.n_tokens += b.trim(self.backend.valid_drafts(), self.mode.k)  # a decode computes 1 + its slots
         step.trimmed = True
@@ -127,15 +118,12 @@ class EngineCore:
         step.in_flight = len(self.in_flight)
         self.last_launched = step
 
-    def pop_oldest(self) -> Step:
-        """The step to settle next (the batch queue's oldest); the sync points of its update no longer see it."""
-        return self.in_flight.popleft()
 
     # ---------------------------------------------------------------- settling
 
     def settle(self, step: Step) -> np.ndarray:
         """Process the oldest step's output (`update_from_output`); returns the ids that finished now."""
-        with self.range("update"):
+        with self.update_range:
             done = self.sched.settle(step.batch)
         self.backend.release(done)
         return done
@@ -150,4 +138,4 @@ class EngineCore:
     def record_sync(self, step: Step, sp_name: str, ph: str, waits_for: str, start: float, end: float) -> None:
         step.sync_wait_s += end - start
         step.n_syncs += 1
-        self.records.add_sync(step.step, sp_name, ph, waits_for, start, end)
+        self.syncs.append((step.step, sp_name, ph, waits_for, start, end))

@@ -128,7 +128,7 @@ class Records:
         self.k = k
         self.steps: list[tuple] = []  # per step, the HOST_COLUMNS
         self.step_counts = np.zeros((STEP_CAPACITY, N_COUNTS + k), dtype=np.int64)  # per step
-        self.syncs: list[tuple] = []
+        self.syncs: list[tuple] = []  # rows of SYNC_COLUMNS
         # Emissions: request id and tokens, compact (int32) since a run's first touch of memory costs more than
         # filling it, and in step order: the emissions of step i end at emission_ends[i], at emission_times[i].
         # An emission carries at least one of the output tokens, so there are at most sum(output_len).
@@ -150,9 +150,6 @@ class Records:
         self.emission_ends.append(self.n_emissions)
         self.emission_times.append(time)
         self.steps.append(_host_row(step))
-
-    def add_sync(self, step: int, name: str, phase: str, waits_for: str, start: float, end: float) -> None:
-        self.syncs.append((step, name, phase, waits_for, start, end))
 
     def steps_frame(self) -> pd.DataFrame:
         host = pd.DataFrame.from_records(self.steps, columns=HOST_COLUMNS)

@@ -174,10 +174,12 @@ class Simulation:
 
     def engine_loop(self):
         env, cost, core = self.env, self.cost, self.core
-        while not core.finished:
+        sched, in_flight, depth = core.sched, core.in_flight, self.mode.depth
+        gc = core.gc.probability > 0
+        while sched.n_finished < self.n:
             launched = False
-            if core.can_launch():
-                gc_pause = core.gc_pause()
+            if len(in_flight) < depth:  # fill the batch queue before consuming any output
+                gc_pause = core.gc_pause() if gc else 0.0
                 if gc_pause:
                     yield env.timeout(gc_pause)
                 step = core.schedule(gc_pause)
@@ -185,17 +187,17 @@ class Simulation:
                     step.done = Wake(env)
                     host = yield from self._schedule_prep_launch(step)
                     launched = True
-                elif core.in_flight:
+                elif in_flight:
                     # nothing to schedule: the scheduler call still costs the host its base time
                     yield env.timeout(cost.schedule(0))
-            if launched and core.can_launch():
+            if launched and len(in_flight) < depth:
                 yield self._until(host)  # schedule the next step once this launch is done
                 continue
-            if core.in_flight:
-                yield from self._settle(core.pop_oldest(), host if launched else env.now)
-            elif not core.finished:
+            if in_flight:
+                yield from self._settle(in_flight.popleft(), host if launched else env.now)
+            elif sched.n_finished < self.n:
                 self.work = env.event()
-                if not core.sched.has_waiting():
+                if not sched.has_waiting():
                     yield self.work
 
     def _schedule_prep_launch(self, step: Step):
@@ -212,7 +214,7 @@ class Simulation:
         if syncs["prep"]:
             t = yield from self._syncs(step, "prep", t)
         step.prep_start = t
-        if core.trims(step):
+        if core.trims_async and b.n_prefill < b.size:
             # Prep reads the device truth at prep_start: a launched step the GPU has not started may start
             # before then, so the host really waits there (with none, the truth cannot change until launch).
             if self.stream and t > env.now:
