@@ -127,7 +127,7 @@ class Simulation:
                 self.gpu_idle = Wake(env)
                 yield self.gpu_idle
             step = stream[0]
-            start = self._earliest_start(step.launch_end)
+            start = self._earliest_start(_ready(step))
             if start > env.now:
                 yield self._until(start)
             stream.popleft()
@@ -143,8 +143,9 @@ class Simulation:
         duration, step.readback_s = self.backend.run(step)
         step.gpu_start = start
         step.bubble_s = 0.0 if self.gpu_free_at is None else start - self.gpu_free_at
-        step.gpu_end = self.gpu_free_at = start + duration
-        step.done.at(step.gpu_end)
+        end = start + duration if step.enqueue is None else _overlapped_end(step, start)
+        step.gpu_end = self.gpu_free_at = end
+        step.done.at(end)
 
     # ---------------------------------------------------------------- engine loop
 
@@ -223,6 +224,7 @@ class Simulation:
         step.prep_end = t = t + self.backend.prep(step)
         if syncs["launch"]:
             t = yield from self._syncs(step, "launch", t)
+        step.launch_start = t
         step.launch_end = t = t + self.backend.launch(step)
         # The launch is queued now and takes effect at launch_end: the GPU does not start the step earlier, and
         # only the engine reads the in-flight queue. So the host need not wake at launch_end.
@@ -238,9 +240,10 @@ class Simulation:
         involved (one SimPy event per step instead of two). The engine is the truth's only reader and is at t
         already; it reads the truth only when trimming, so a step may start early if it starts at t (an idle
         GPU) or if the engine never trims. Otherwise the step is queued for the GPU process, woken at the step's
-        earliest start if it is waiting. A hardware backend's step then runs, and is read back, right here."""
-        start = self._earliest_start(t)
-        if not self.stream and (start == t or not self.mode.trim):
+        earliest start if it is waiting. A hardware backend's step then runs, and is read back, right here. A step
+        whose enqueue the backend reports may start before t (at its first part, `_ready`)."""
+        start = self._earliest_start(_ready(step))
+        if not self.stream and (start <= t or not self.mode.trim):
             self._start(step, start)
             return
         self.stream.append(step)
@@ -288,6 +291,24 @@ class Simulation:
         kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
         self.records.requests = self.records.requests_frame(kind, r.prompt_len, r.output_len)
         return self.records, float(np.nanmax(self.records.request_times[LAST_TOKEN_S]))
+
+
+def _ready(step: Step) -> float:
+    """When the device can start `step`: once its first part was enqueued, or, where the backend does not say
+    when its parts were enqueued, once its launch ended."""
+    return step.launch_end if step.enqueue is None else step.launch_start + step.enqueue[0][0]
+
+
+def _overlapped_end(step: Step, start: float) -> float:
+    """The device end of a step started at `start` whose parts the host enqueued one after another while the
+    device ran them (CUDA streams do so): a part starts when the previous one ended and once its enqueue began,
+    and ends no earlier than its own device time after that, nor before its enqueue ended (its last kernel
+    cannot run before it was launched). docs/hil.md gives the measurements behind this model."""
+    t0, end = step.launch_start, start
+    for (begin, enqueued), device_s in zip(step.enqueue, step.parts_s, strict=True):
+        part_start = max(end, t0 + begin)
+        end = max(part_start + device_s, t0 + enqueued)
+    return end
 
 
 def simulate(sc: Scenario, requests: Requests) -> tuple[Records, float]:

@@ -64,7 +64,8 @@ def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid
     assert steps["emitted"].sum() == requests.output_len.sum()
     assert steps["accepted"].sum() > 0
     device = steps[DEVICE_PHASE_COLUMNS]
-    np.testing.assert_allclose(device.sum(axis=1), steps["gpu_end"] - steps["gpu_start"], rtol=1e-9)
+    # the device phases fill the step's device window but for the times the device waited for the enqueue
+    assert (device.sum(axis=1) <= (steps["gpu_end"] - steps["gpu_start"]) * (1 + 1e-9)).all()
     assert (steps.loc[steps["decode_tokens"] > 0, "gpu_verify_s"] > 0).all()
 
 

@@ -64,7 +64,7 @@ class _Staging:
     device: Tensor  # [max_slots, k+4] int64: output, num_emitted, num_drafts, next_valid
     host: Tensor
     events: list = field(default_factory=list)  # CUDA: 5 phase marks + copy done
-    times: list[float] = field(default_factory=list)  # CPU: 5 perf_counter marks
+    times: list[float] = field(default_factory=list)  # host perf_counter at the 5 phase marks (CPU: the phases)
     step_id: int = -1
 
 
@@ -282,12 +282,17 @@ class DecodeLoop:
         return StepResult(output, num_emitted, num_drafts, batch, staging.step_id, ring_index)
 
     def _mark(self, staging: _Staging, i: int) -> None:
+        """Phase boundary i: a device event on CUDA, and the host's time (on CUDA, when phase i's enqueue ended)."""
         if self.cuda:
             staging.events[i].record()
-        elif i == 0:
+        if i == 0:
             staging.times = [time.perf_counter()]
         else:
             staging.times.append(time.perf_counter())
+
+    def host_marks(self, result: StepResult) -> list[float]:
+        """The host's perf_counter at the step's phase boundaries (its start, then the end of each of PHASES)."""
+        return self._staging(result).times
 
     def wait(self, result: StepResult) -> None:
         """Block until the step and its copy to the host are done (CUDA; on the CPU it ran when launched)."""

@@ -62,6 +62,7 @@ class _Launch:
     first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
     first_host: torch.Tensor | None = None
     events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
+    enqueue: list[tuple[float, float]] = field(default_factory=list)  # CUDA: see `Step.enqueue`
     prefill_s: float = 0.0  # CPU: measured on the host
 
 
@@ -166,7 +167,9 @@ class TorchBackend:
 
     def launch(self, step: Step) -> float:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time (on the CPU,
-        where the work runs inside the calls, the enqueue less that work, which is timed as the device phases)."""
+        where the work runs inside the calls, the enqueue less that work, which is timed as the device phases).
+        On CUDA it also notes when each part was enqueued (`step.enqueue`), which the hil level's device timeline
+        overlaps with the device's work."""
         launch = self.launches[step.step]
         timing = self.timing
         t0 = time.perf_counter()
@@ -175,7 +178,7 @@ class TorchBackend:
             timing.start_launch()
         with phase("launch"):
             with phase("gpu_prefill"):
-                self._launch_prefills(launch)
+                self._launch_prefills(launch, t0)
             step_s = 0.0
             if len(launch.decode_rids):
                 hold = timing.before("step", None) if timing is not None else 0.0
@@ -184,6 +187,8 @@ class TorchBackend:
                 step_s = time.perf_counter() - t
                 if timing is not None:
                     timing.after("step", step_s, hold)
+                    marks, shift = self.loop.host_marks(launch.result), t0 + timing.host_s
+                    launch.enqueue += [(marks[i] - shift, marks[i + 1] - shift) for i in range(len(marks) - 1)]
             if launch.first_device is not None:
                 host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
@@ -197,11 +202,12 @@ class TorchBackend:
         wall -= timing.host_s  # the timing's own host time is the harness's
         self.inside += wall
         self.starved_steps += timing.starved
+        step.enqueue = launch.enqueue
         return wall
 
-    def _launch_prefills(self, launch: _Launch) -> None:
+    def _launch_prefills(self, launch: _Launch, t0: float) -> None:
         """Enqueue each prefill chunk (a last chunk also emits the first token and drafts); on CUDA each is timed
-        by its own start and end events."""
+        by its own start and end events, and its enqueue noted relative to the launch's start `t0`."""
         timing = self.timing
         firsts, valid = [], []
         for rid, start, last, ids in launch.prefills:
@@ -220,6 +226,8 @@ class TorchBackend:
                 launch.prefill_s += enqueue  # on the CPU the work ran inside the call
             else:
                 timing.after("prefill", enqueue, hold)
+                begin = t - t0 - timing.host_s
+                launch.enqueue.append((begin, begin + enqueue))
                 timing.mark(launch.events)  # the chunk's end on the device
         if firsts:
             launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
@@ -262,8 +270,8 @@ class TorchBackend:
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy().copy() if launch.first_host is not None else None
             marks = launch.events  # CUDA: each prefill chunk's start and end, then the step's end
-            chunks_ms = sum(marks[i].elapsed_time(marks[i + 1]) for i in range(0, len(marks) - 1, 2))
-            prefill_s = launch.prefill_s + chunks_ms / 1e3
+            chunks_s = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(0, len(marks) - 1, 2)]
+            prefill_s = launch.prefill_s + sum(chunks_s)
             first_rids = launch.first_rids
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
             # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
@@ -273,12 +281,14 @@ class TorchBackend:
         # writes the outcome into its table (a few dozen small array operations would cost more than the step's
         # own host phases on a slow host).
         b = step.batch
+        decode_s = out.phase_s if out is not None else (0.0,) * 4
         if out is not None:
             read_back(b.table, out.packed, self.k, self.valid_from_mirror, self.mirror, self.history)
-            step.set_device_phases((prefill_s, *out.phase_s))
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
-            step.set_device_phases((prefill_s, 0.0, 0.0, 0.0, 0.0))
+        step.set_device_phases((prefill_s, *decode_s))
+        if step.enqueue is not None:  # the device time of each enqueued part, in order
+            step.parts_s = (*chunks_s, *(decode_s if out is not None else ()))
         if first is not None:
             rids = np.asarray(first_rids)
             self.history[rids, self.prompt_len[rids]] = first[0]
@@ -289,7 +299,7 @@ class TorchBackend:
         now = time.perf_counter()
         step.harness_s = (now - self.mark) - self.inside
         self.mark, self.inside = now, 0.0
-        return prefill_s + (sum(out.phase_s) if out is not None else 0.0), readback_s
+        return prefill_s + sum(decode_s), readback_s
 
     # ---------------------------------------------------------------- helpers
 
