@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from simharness.engine import torch_backend
-from simharness.hil import HilEngine
+from simharness.measured import MeasuredEngine
 from simharness.modes import resolve_mode
 from simharness.scenario import load_scenario, parse_value, sweep_points
 from simharness.simulation import Simulation
@@ -44,7 +44,7 @@ def timed(obj, name: str, totals: dict[str, float], key: str | None = None) -> N
     setattr(obj, name, wrapper)
 
 
-def run_point(sc, requests, hil: HilEngine, *, breakdown: bool) -> tuple[object, dict[str, float], float]:
+def run_point(sc, requests, hil: MeasuredEngine, *, breakdown: bool) -> tuple[object, dict[str, float], float]:
     """Run one point on the real decode loop; with `breakdown`, also time the harness's pieces (the
     wrappers add a little host time of their own, so the headline figures come from a run without them)."""
     mode = resolve_mode(sc)
@@ -97,7 +97,7 @@ def run_point(sc, requests, hil: HilEngine, *, breakdown: bool) -> tuple[object,
     return records.steps_frame(), totals, time.perf_counter() - t
 
 
-def measure(sc, requests, hil: HilEngine, *, breakdown: bool) -> dict[str, float]:
+def measure(sc, requests, hil: MeasuredEngine, *, breakdown: bool) -> dict[str, float]:
     """One point: medians over its decode steps of device time, harness time and their ratio, the ratio of
     the run's totals, and (with `breakdown`) the mean host time per step of each harness piece (µs)."""
     steps, _, wall = run_point(sc, requests, hil, breakdown=False)
@@ -140,7 +140,7 @@ def main() -> None:
     points = sweep_points(load_scenario(args.scenario, overrides))
     first = points[0].scenario
     requests = build_requests(first.workload, first.seed)
-    hil = HilEngine([(p.scenario, resolve_mode(p.scenario)) for p in points], lambda sc: requests)
+    hil = MeasuredEngine([(p.scenario, resolve_mode(p.scenario)) for p in points], lambda sc: requests)
     print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {hil.model.device}", flush=True)
     cols = ["steps", "decode_steps", "device_us", "harness_us", "ratio_median", "ratio_total", "wall_per_step_us"]
     if args.breakdown:

@@ -23,7 +23,7 @@ from simharness.trace import trace_events, write_trace
 from simharness.workload import Requests, build_requests
 
 if TYPE_CHECKING:
-    from simharness.hil import HilEngine
+    from simharness.measured import MeasuredEngine
 
 
 @dataclass
@@ -72,18 +72,18 @@ def run(
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
     workloads = _Workloads()
-    measured = [(p.scenario, modes[p.index]) for p in todo if p.scenario.engine.backend == "torch"]
-    hil = None
+    measured = [(p.scenario, modes[p.index]) for p in todo if p.scenario.engine.backend != "model"]
+    engine = None
     if measured:
-        from simharness.hil import HilEngine  # torch and Triton: only where a point runs on them
+        from simharness.measured import MeasuredEngine  # torch and Triton: only where a point runs on them
 
-        hil = HilEngine(measured, workloads.get)
-    device = hil.describe() if hil else "sim (virtual time, cost model)"
+        engine = MeasuredEngine(measured, workloads.get)
+    device = engine.describe() if engine else "sim (virtual time, cost model)"
     results.write_meta(run_dir, scenario, device=device)
     if progress is not None:
         progress(run_dir, len(points) - len(todo), len(points), "")
     for n, point in enumerate(todo):
-        _run_point(run_dir, point, modes[point.index], workloads.get(point.scenario), hil)
+        _run_point(run_dir, point, modes[point.index], workloads.get(point.scenario), engine)
         if progress is not None:
             progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
     summary, tables = results.combine(run_dir)
@@ -106,15 +106,17 @@ class _Workloads:
         return self.requests
 
 
-# Fields a hil point reads nowhere: its device and step times are measured, its acceptance is the real sampler's.
-HIL_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance")
+# The level of each engine.backend.
+LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
+# Fields a measured point reads nowhere: its device and step times are measured, its acceptance is the sampler's.
+MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance")
 
 
 def ignored_fields(sc: Scenario) -> list[str]:
-    """The fields of a hil point set away from their defaults, which it ignores."""
+    """The fields of a measured point set away from their defaults, which it ignores."""
     default = Scenario(name=sc.name)
     changed = []
-    for path in HIL_IGNORES:
+    for path in MEASURED_IGNORES:
         mine, theirs = sc, default
         for part in path.split("."):
             mine, theirs = getattr(mine, part), getattr(theirs, part)
@@ -123,25 +125,24 @@ def ignored_fields(sc: Scenario) -> list[str]:
     return changed
 
 
-def _run_point(run_dir: Path, point: Point, mode: Mode, requests: Requests, hil: HilEngine | None) -> None:
+def _run_point(run_dir: Path, point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> None:
     sc = point.scenario
     notes = [mode.note]
-    if hil is not None and sc.engine.backend == "torch":
-        backend = hil.backend(sc, requests, mode)
-        with backend.syncs:
-            records, duration = Simulation(sc, requests, mode, backend).run()
-        device_syncs, level = backend.syncs.frame(), "hil"
-        if backend.starved_steps:
+    level = LEVELS[sc.engine.backend]
+    if level != "sim":
+        records, duration, backend = measured.run(sc, requests, mode)
+        device_syncs = backend.syncs.frame()
+        if level == "hil" and backend.starved_steps:
             notes.append(f"{backend.starved_steps} steps' enqueue outlasted the GPU hold (their device times may "
                          "include launch gaps)")
         ignored = ignored_fields(sc)
         if ignored:
-            message = f"{', '.join(ignored)}: set, but a hil point measures what they model; ignored"
+            message = f"{', '.join(ignored)}: set, but a {level} point measures what they model; ignored"
             warnings.warn(f"sweep point {point.id}: {message}", stacklevel=2)
             notes.append(message)
     else:
         records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
-        device_syncs, level = device_syncs_frame([]), "sim"
+        device_syncs = device_syncs_frame([])
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(
         records.requests,

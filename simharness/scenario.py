@@ -158,10 +158,13 @@ class GcPauses(Strict):
 
 
 class Engine(Strict):
-    """What executes a step: the cost model (`model`, the sim level) or the real decode loop (`torch`,
-    hardware in the loop: target verify, rejection sampler and n-gram proposer really run)."""
+    """What executes a step: the cost model (`model`, the sim level) or the real decode loop, driven in virtual
+    time (`torch`, hardware in the loop) or in wall-clock time with real overlap (`real`): target verify, rejection
+    sampler and n-gram proposer really run."""
 
-    backend: Literal["model", "torch"] = "model"
+    backend: Literal["model", "torch", "real"] = Field(
+        "model", description="model: the sim level; torch: hil (virtual time, measured steps); real: wall clock"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the decode loop runs")
     cuda_graphs: bool = Field(True, description="torch backend on CUDA: replay the verify forward as CUDA graphs")
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")

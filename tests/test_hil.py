@@ -213,7 +213,7 @@ def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch)
     list, the part's start event, recorded; from the third part of a launch on, the host first waits for the end
     of the part two back, so that holds cannot fill the stream's launch queue. Without a hold (the real level)
     only the event is recorded."""
-    from simharness.engine import hold as hold_module
+    from simharness.engine import timing as timing_module
 
     calls = []
 
@@ -227,10 +227,10 @@ def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch)
         def synchronize(self):
             calls.append(f"wait {self.name}")
 
-    monkeypatch.setattr(hold_module.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
-    monkeypatch.setattr(hold_module.torch.cuda, "Event", Event)
-    monkeypatch.setattr(hold_module, "sleep_rate", lambda: 1e9)
-    timing = hold_module.PartTiming(hold=True)
+    monkeypatch.setattr(timing_module.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
+    monkeypatch.setattr(timing_module.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing_module, "sleep_rate", lambda: 1e9)
+    timing = timing_module.PartTiming(hold=True)
     for enqueue in [4e-3, 9e-3, 1e-3, 6e-3]:
         timing.after("prefill", enqueue, hold=1.0)
     events = []
@@ -248,7 +248,7 @@ def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch)
     timing.start_launch()
     assert timing.host_s == 0 and not timing.starved
     calls.clear()
-    assert hold_module.PartTiming(hold=False).before("prefill", events) == float("inf")
+    assert timing_module.PartTiming(hold=False).before("prefill", events) == float("inf")
     assert calls == ["record"]
 
 
@@ -259,7 +259,7 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     sum of its chunks' event intervals, the holds count as harness time, and the tokens are still right."""
     import time
 
-    from simharness.engine import hold as hold_module
+    from simharness.engine import timing as timing_module
     from simharness.engine import torch_backend
 
     calls = []
@@ -294,11 +294,11 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     monkeypatch.setattr(torch_backend.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", sleep)
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
-    monkeypatch.setattr(hold_module, "sleep_rate", lambda: 1e9)
+    monkeypatch.setattr(timing_module, "sleep_rate", lambda: 1e9)
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32)
     mode = resolve_mode(sc)
     backend = FakeCuda(sc, requests, model, mode, hold=True)
-    backend.cuda, backend.timing = True, hold_module.PartTiming(hold=True)
+    backend.cuda, backend.timing = True, timing_module.PartTiming(hold=True)
     waited_for = [None]  # the event a step with prefills is waited for at its readback (its last)
     launch_, wait_ = backend.launch, backend.loop.wait
 

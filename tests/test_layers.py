@@ -14,10 +14,10 @@ LAYERS = [
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records
-    ["engine", "engine.model", "engine.hold", "engine.decode", "engine.backend", "engine.torch_backend"],
+    ["engine", "engine.model", "engine.timing", "engine.decode", "engine.backend", "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
-    ["simulation"],  # the levels: where time comes from
-    ["hil", "kernels.bench"],  # set-up of the measured levels, benchmarks
+    ["simulation", "realloop"],  # the levels: where time comes from
+    ["measured", "kernels.bench"],  # set-up of the measured levels, benchmarks
     ["metrics", "trace", "results", "report", "compare"],  # outputs
     ["runner"],  # drivers
     ["cli", "__main__", "__init__"],  # interfaces

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from simharness.engine.decode import DecodeLoop, StepResult
-from simharness.engine.hold import PartTiming
 from simharness.engine.model import Transformer
+from simharness.engine.timing import DeviceClock, PartTiming
 from simharness.instrument import SyncRecorder, phase
 from simharness.jit import njit
 from simharness.kernels import NO_DRAFT
@@ -63,6 +63,7 @@ class _Launch:
     first_host: torch.Tensor | None = None
     events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
     enqueue: list[tuple[float, float]] = field(default_factory=list)  # CUDA: see `Step.enqueue`
+    window: list = field(default_factory=list)  # with a device clock: marks before and after the step's work
     prefill_s: float = 0.0  # CPU: measured on the host
 
 
@@ -117,11 +118,20 @@ class TorchBackend:
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
         self.timing = PartTiming(hold) if self.cuda else None
+        self.clock: DeviceClock | None = None  # the real level's: device timestamps of each step (`start_clock`)
         self.starved_steps = 0  # steps whose enqueue outlasted the hold: their device time may hold gaps
         # harness overhead: wall time outside the engine's measured work (prep, launch, the readback wait and
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
         self.mark = time.perf_counter()
+
+    def start_clock(self, t0: float) -> None:
+        """Time each step's device work on the host's clock from `t0` on (the real level)."""
+        self.clock = DeviceClock(self.cuda, t0)
+
+    def engine_time(self, seconds: float) -> None:
+        """Host time of engine work done outside the backend (the real level's modelled phases): not harness time."""
+        self.inside += seconds
 
     # ---------------------------------------------------------------- host view
 
@@ -176,6 +186,8 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         if timing is not None:
             timing.start_launch()
+        if self.clock is not None:
+            launch.window = [self.clock.mark()]  # before the step's first kernel
         with phase("launch"):
             with phase("gpu_prefill"):
                 self._launch_prefills(launch, t0)
@@ -194,6 +206,8 @@ class TorchBackend:
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
             if launch.events:
                 timing.mark(launch.events)  # after the first tokens' copy: what the readback waits for
+            if self.clock is not None:
+                launch.window.append(self.clock.mark())  # after its last
         self.n_launched += 1
         wall = time.perf_counter() - t0
         if timing is None:  # the CPU: the device work ran synchronously inside the launch
@@ -262,11 +276,10 @@ class TorchBackend:
         launch = self.launches.pop(step.step)
         with phase("readback"):
             # The wait is the GPU's time (a hold's spin included), not the host's readback: it ends before t_read.
-            if launch.events:
-                launch.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
-            elif launch.result is not None:
-                self.loop.wait(launch.result)
+            self._wait(launch)
             t_read = time.perf_counter()
+            if launch.window:
+                step.gpu_start, step.gpu_end = (self.clock.seconds(m) for m in launch.window)
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy().copy() if launch.first_host is not None else None
             marks = launch.events  # CUDA: each prefill chunk's start and end, then the step's end
@@ -300,6 +313,15 @@ class TorchBackend:
         step.harness_s = (now - self.mark) - self.inside
         self.mark, self.inside = now, 0.0
         return prefill_s + sum(decode_s), readback_s
+
+    def _wait(self, launch: _Launch) -> None:
+        """Block until a launched step's device work is done."""
+        if launch.window and self.cuda:
+            launch.window[-1].synchronize()  # after everything the step enqueued
+        elif launch.events:
+            launch.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
+        elif launch.result is not None:
+            self.loop.wait(launch.result)
 
     # ---------------------------------------------------------------- helpers
 

@@ -1,8 +1,8 @@
-"""The measured levels' set-up: the device, one target model shared by a run's points, and warm-up.
+"""The measured levels' set-up: the device, one target model shared by a run's points, warm-up, the level.
 
 Above the engine and the levels: it builds the real decode loop's model once per run (sized for every
-point), warms each point's decode-loop configuration up before anything is measured, and hands each point
-a `TorchBackend` on it.
+point), warms each point up right before it is measured, and runs it on a `TorchBackend` at its level (hil
+in virtual time, real in wall-clock time).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 from simharness.engine.model import PRESETS, Transformer, get_config
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.modes import Mode
+from simharness.realloop import RealLoop
+from simharness.records import Records
 from simharness.scenario import Engine, Scenario, ScenarioError
 from simharness.simulation import Simulation
 from simharness.workload import Requests
@@ -43,10 +45,11 @@ def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -
 
 
 def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n: int = 20, tokens: int = 16) -> None:
-    """Run a point's decode-loop configuration on its first `n` requests, cut to `tokens` output tokens,
-    so that the kernels' first compilations (seconds each, per specialisation) do not land in measured
-    steps. Triton specialises integer arguments on divisibility by 16, so the closed loop runs at
-    concurrency 16 (batch sizes 1 to 16) and one prompt is cut to a multiple of 16 tokens."""
+    """Run a point on its first `n` requests, cut to `tokens` output tokens, at its own level, right before it is
+    measured: the kernels' first compilations (seconds each, per specialisation) stay out of measured steps,
+    and the device's clocks are up. Triton specialises integer arguments on divisibility by 16, so the closed
+    loop runs at concurrency 16 (batch sizes 1 to 16 cover every class of larger ones too) and one prompt is cut
+    to a multiple of 16 tokens."""
     m = min(n, len(requests.prompt_len))
     cut = np.minimum(requests.output_len[:m], tokens)
     prompt_len = requests.prompt_len[:m].copy()
@@ -62,39 +65,41 @@ def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n:
         arrival_s=None,
     )
     workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(16, model.max_slots)})
-    small = sc.model_copy(update={"workload": workload})
-    backend = TorchBackend(small, few, model, mode, hold=True)
-    Simulation(small, few, mode, backend).run()
+    run_level(sc.model_copy(update={"workload": workload}), few, mode, model)
 
 
-class HilEngine:
+def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> tuple[Records, float, TorchBackend]:
+    """One point on the real decode loop at its level: hil (virtual time, the GPU held before each launch part so
+    that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
+    hil = sc.engine.backend == "torch"
+    backend = TorchBackend(sc, requests, model, mode, hold=hil)
+    level = Simulation(sc, requests, mode, backend) if hil else RealLoop(sc, requests, mode, backend)
+    with backend.syncs:
+        records, duration = level.run()
+    return records, duration, backend
+
+
+class MeasuredEngine:
     """One target model on one device, sized for every measured point of a run and shared by them."""
 
     def __init__(self, points: list[tuple[Scenario, Mode]], workload: Callable[[Scenario], Requests]):
         engines = {(sc.engine.model, sc.engine.device, sc.engine.cuda_graphs) for sc, _ in points}
         if len(engines) > 1:
-            raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a torch run uses one model on "
-                                "one device; do not sweep them")
+            raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a measured run uses one model "
+                                "on one device; do not sweep them")
         slots = positions = vocab = 0
         for sc, mode in points:
             requests = workload(sc)
             s, n = capacity(sc, requests, mode)
             slots, positions, vocab = max(slots, s), max(positions, n), max(vocab, requests.vocab_size)
         self.model = build_model(points[0][0].engine, vocab, slots, positions)
-        warmed = set()
-        for sc, mode in points:  # each decode-loop configuration once, before anything is measured
-            spec = sc.engine.speculation
-            config = (mode.k, mode.ngram_cpu, mode.depth > 1, mode.optimistic, spec.invalid_slots, spec.min_n,
-                      spec.max_n, spec.tie_break)
-            if config not in warmed:
-                warmed.add(config)
-                warm_up(sc, workload(sc), mode, self.model)
 
     def describe(self) -> str:
         device = self.model.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        return f"hil: {name}, torch {torch.__version__}, model {self.model.config.n_layers} layers"
+        return f"{name}, torch {torch.__version__}, model {self.model.config.n_layers} layers"
 
-    def backend(self, sc: Scenario, requests: Requests, mode: Mode) -> TorchBackend:
-        """A point's backend on the shared model (holding the GPU before each launch part, the hil timing)."""
-        return TorchBackend(sc, requests, self.model, mode, hold=True)
+    def run(self, sc: Scenario, requests: Requests, mode: Mode) -> tuple[Records, float, TorchBackend]:
+        """Warm the point up, then measure it at its level."""
+        warm_up(sc, requests, mode, self.model)
+        return run_level(sc, requests, mode, self.model)

@@ -1,4 +1,4 @@
-"""Device timing of a launch's parts on CUDA: events around each prefill chunk, and at the hil level a GPU hold.
+"""Device timing: the parts of a launch on CUDA (with the hil level's GPU hold), and the real level's device clock.
 
 A launch enqueues its parts one after another: each prefill chunk, then the decode step (whose phases the
 decode loop's own events time). With `hold` (hil) each part is preceded by a spin kernel
@@ -92,3 +92,32 @@ def sleep_rate() -> float:
         end.synchronize()
         _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
     return _SLEEP_RATE[0]
+
+
+class DeviceClock:
+    """Device timestamps on the host's clock, in seconds since `t0` (the real level): CUDA events timed from a
+    reference event recorded, on an idle device, when the clock started; on the CPU, where the work runs
+    inside the host's calls, the host's own clock."""
+
+    def __init__(self, cuda: bool, t0: float):
+        self.cuda, self.t0 = cuda, t0
+        if cuda:
+            torch.cuda.synchronize()
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+            self.reference.synchronize()
+            self.reference_s = time.perf_counter() - t0
+
+    def mark(self):
+        """A mark at this point of the stream (an event recorded on it), or of the host on the CPU."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        """When the device passed `mark` (it must have: wait for it first)."""
+        if not self.cuda:
+            return mark - self.t0
+        return self.reference_s + self.reference.elapsed_time(mark) / 1e3

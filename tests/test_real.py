@@ -1,0 +1,103 @@
+"""The real level on the CPU (tiny model): the wall-clock engine loop makes the same decisions as hil, so greedy
+speculative decoding emits exactly the tokens of plain greedy decoding, and of hil, in every mode."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_hil import MODES, N_REQUESTS, hil_scenario, model, plain_greedy, requests, run_hil  # noqa: F401
+
+import simharness
+from simharness.engine.torch_backend import TorchBackend
+from simharness.modes import resolve_mode
+from simharness.realloop import RealLoop
+from simharness.records import DEVICE_PHASE_COLUMNS, STEP_COLUMNS
+from simharness.scenario import load_scenario
+
+
+def run_real(sc, requests, model):  # noqa: F811
+    mode = resolve_mode(sc)
+    backend = TorchBackend(sc, requests, model, mode, hold=False)
+    with backend.syncs:
+        records, duration = RealLoop(sc, requests, mode, backend).run()
+    return backend, records, duration
+
+
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
+def test_real_emits_the_tokens_of_plain_greedy_and_of_hil(depth, policy, proposer, invalid, requests, model,  # noqa: F811
+                                                           plain_greedy):  # noqa: F811
+    sc = hil_scenario(depth, policy, proposer, invalid).model_copy(deep=True)
+    sc.engine.backend = "real"
+    backend, records, _ = run_real(sc, requests, model)
+    hil, hil_records = run_hil(hil_scenario(depth, policy, proposer, invalid), requests, model)
+    for rid, expected in enumerate(plain_greedy):
+        np.testing.assert_array_equal(backend.output_tokens(rid), expected, err_msg=f"request {rid}")
+    steps = records.steps_frame()
+    assert steps["emitted"].sum() == requests.output_len.sum()
+    assert steps["accepted"].sum() > 0
+    # per request the same drafts verified and accepted as hil (when requests arrive may differ with timing)
+    columns = ["output_tokens", "draft_tokens", "accepted_tokens"]
+    np.testing.assert_array_equal(records.requests[columns].to_numpy(), hil_records.requests[columns].to_numpy())
+
+
+def test_real_makes_the_decisions_of_hil_step_by_step(requests, model):  # noqa: F811
+    """With every request sent at once, nothing depends on timing: the same batches, outcomes and syncs, step by
+    step (the engine core is one piece of code)."""
+    n = model.max_slots  # as many requests as the closed loop's users
+    first = dataclasses.replace(requests, kind=requests.kind[:n], prompt_len=requests.prompt_len[:n],
+                                output_len=requests.output_len[:n], prompt_tokens=requests.prompt_tokens[:n],
+                                output_tokens=requests.output_tokens[:n])  # fmt: skip
+    for depth, policy in [(1, "wait"), (3, "optimistic"), (2, "wait")]:
+        hil_sc = hil_scenario(depth, policy, "ngram_gpu", "trim")
+        sc = hil_sc.model_copy(deep=True)
+        sc.engine.backend = "real"
+        _, records, _ = run_real(sc, first, model)
+        _, hil_records = run_hil(hil_sc, first, model)
+        counts = STEP_COLUMNS[1:10]
+        steps, hil_steps = records.steps_frame(), hil_records.steps_frame()
+        np.testing.assert_array_equal(steps[counts].to_numpy(), hil_steps[counts].to_numpy())
+        assert records.syncs_frame()["name"].tolist() == hil_records.syncs_frame()["name"].tolist()
+
+
+def test_real_timeline_is_wall_clock_and_ordered(requests, model):  # noqa: F811
+    sc = hil_scenario(2, "wait", "ngram_gpu", "trim").model_copy(deep=True)
+    sc.engine.backend = "real"
+    _, records, duration = run_real(sc, requests, model)
+    steps = records.steps_frame()
+    order = ["schedule_start", "schedule_end", "prep_start", "prep_end", "launch_end"]
+    for a, b in zip(order, order[1:], strict=False):
+        assert (steps[b] >= steps[a]).all(), (a, b)
+    # on the CPU the device work runs inside the launch: the device window lies in the host's launch
+    assert (steps["gpu_start"] >= steps["prep_end"]).all() and (steps["gpu_end"] <= steps["launch_end"]).all()
+    assert (steps["update_start"] >= steps["gpu_end"]).all()
+    assert (steps[DEVICE_PHASE_COLUMNS].sum(axis=1) <= (steps["gpu_end"] - steps["gpu_start"]) * (1 + 1e-9)).all()
+    # the modelled host work is really spun: each schedule phase lasts at least its modelled cost
+    cost = sc.engine.host_costs
+    modelled = (cost.schedule_us + cost.schedule_per_req_us * steps["n_reqs"]) * 1e-6
+    assert ((steps["schedule_end"] - steps["schedule_start"]) >= modelled).all()
+    assert duration == pytest.approx(records.requests["last_token_s"].max())
+    syncs = records.syncs_frame()
+    assert set(syncs["name"]) == {"output_readback", "accepted_counts", "valid_draft_counts"}
+
+
+def test_open_loop_arrivals_are_honoured_in_wall_clock_time(requests, model):  # noqa: F811
+    sc = hil_scenario(2, "optimistic", "ngram_gpu", "fill").model_copy(deep=True)
+    sc.engine.backend = "real"
+    sc.workload.arrival, sc.workload.cap_concurrency = "poisson", True  # as many in flight as the model has slots
+    arrivals = np.array([0.0, 0.02, 0.04, 0.6, 0.62])[:N_REQUESTS]  # the first three are long done at 0.6 s
+    timed = dataclasses.replace(requests, arrival_s=arrivals)
+    _, records, duration = run_real(sc, timed, model)
+    got = records.requests["arrival_s"].to_numpy()
+    np.testing.assert_array_equal(got, arrivals)
+    assert (records.requests["first_token_s"].to_numpy() > arrivals).all() and duration > 0.62
+
+
+def test_real_level_through_the_public_api(tmp_path):
+    """The CI variant of the hil scenario at the real level: the same tables as the other levels."""
+    overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
+    real = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "real"}), tmp_path)
+    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "model"}), tmp_path)
+    assert list(real.summary["level"]) == ["real"]
+    for name in ("summary", "requests", "steps", "syncs", "emissions", "device_syncs"):
+        assert list(getattr(real, name).columns) == list(getattr(sim, name).columns), name
+    assert real.steps["gpu_verify_s"].notna().all()
