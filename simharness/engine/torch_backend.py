@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from simharness.engine.checkpoint import load_checkpoint
 from simharness.engine.decode import DecodeLoop, StepResult
-from simharness.engine.model import PRESETS, Transformer, get_config
+from simharness.engine.model import Transformer
 from simharness.instrument import SyncRecorder, phase
 from simharness.jit import njit
 from simharness.kernels.ngram import propose_ngram_row
+from simharness.models import checkpoint_dir, model_config
 from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
 from simharness.scenario import Engine, ScenarioError
 
@@ -48,14 +50,16 @@ def resolve_device(engine: Engine) -> torch.device:
 
 
 def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
-    """The target model of `engine.model` with random weights, its vocabulary widened to the workload's."""
-    if engine.model not in PRESETS:
-        raise ScenarioError(f"engine.model: {engine.model!r} has no torch model; known: {', '.join(PRESETS)}")
-    config = get_config(engine.model)
-    if config.vocab_size < vocab_size:
-        config = dataclasses.replace(config, vocab_size=vocab_size)
+    """The target model of `engine.model`: a checkpoint's, or a catalogue shape with random weights and its
+    vocabulary widened to the workload's."""
     device = resolve_device(engine)
     graphs = engine.cuda_graphs and device.type == "cuda"
+    checkpoint = checkpoint_dir(engine.model)
+    if checkpoint is not None:
+        return load_checkpoint(checkpoint, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
+    config = model_config(engine.model)
+    if config.vocab_size < vocab_size:
+        config = dataclasses.replace(config, vocab_size=vocab_size)
     return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
 
 
