@@ -12,6 +12,7 @@ import pandas as pd
 from simharness import results
 from simharness.acceptance import make_acceptance
 from simharness.metrics import compute_metrics
+from simharness.models import checkpoint_dir
 from simharness.records import Records, device_syncs_frame
 from simharness.report import write_report
 from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, sweep_points
@@ -66,7 +67,8 @@ def run(
     todo = [p for p in points if p.index not in done]
     hil = _Hil(todo) if any(p.scenario.engine.backend == "torch" for p in todo) else None
     device = hil.describe() if hil else "sim (virtual time, cost model)"
-    results.write_meta(run_dir, scenario, device=device)
+    loaded = hil.model.load_stats if hil else None
+    results.write_meta(run_dir, scenario, device=device, extra={"checkpoint_load": loaded} if loaded else None)
     if progress is not None:
         progress(run_dir, len(points) - len(todo), len(points), "")
     workloads: dict[str, object] = {}
@@ -80,10 +82,10 @@ def run(
 
 
 def _workload(sc: Scenario, cache: dict):
-    key = sc.workload.model_dump_json() + str(sc.seed)
+    key = sc.workload.model_dump_json() + str(sc.seed) + sc.engine.model
     if key not in cache:
         cache.clear()  # keep one workload in memory: sweeps usually vary the workload last
-        cache[key] = build_requests(sc.workload, sc.seed)
+        cache[key] = build_requests(sc.workload, sc.seed, checkpoint_dir(sc.engine.model))
     return cache[key]
 
 
@@ -125,7 +127,7 @@ class _Hil:
 
     def simulate(self, sc: Scenario, requests) -> tuple[Simulation, Records, float, pd.DataFrame]:
         """Run one point on the real decode loop, recording its synchronizing CUDA operations."""
-        backend = self.tb.TorchBackend(sc, requests, self.model, resolve_mode(sc))
+        backend = self.tb.TorchBackend(sc, requests, self.model, resolve_mode(sc), steer=sc.engine.steer)
         sim = Simulation(sc, requests, None, backend=backend)
         with backend.syncs:
             records, duration = sim.run()

@@ -97,7 +97,7 @@ def warm_up(sc, requests, model: Transformer, n: int = 20, tokens: int = 16) -> 
     )
     workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(16, model.max_slots)})
     small = sc.model_copy(update={"workload": workload})
-    backend = TorchBackend(small, few, model, resolve_mode(small))
+    backend = TorchBackend(small, few, model, resolve_mode(small), steer=sc.engine.steer)
     Simulation(small, few, None, backend=backend).run()
 
 
