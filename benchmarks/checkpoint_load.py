@@ -1,12 +1,12 @@
 """Loading a Hugging Face checkpoint onto the device, and a hil point on it.
 
 Writes a random-weight checkpoint of a catalogue shape (llama-3.2-1b by default) into DIR as the Hub lays it
-out: config.json, bf16 safetensors shards with model.safetensors.index.json, and a byte-level BPE
-tokenizer.json trained on the corpus. Then a fresh process runs one small hil point on it through
-`simharness.run` (engine.model = DIR, engine.steer false): the run's meta.json reports the loading time and
-the host memory the load added at its peak (RSS), printed here next to the checkpoint's size. The goal on
-CUDA is a peak below 1.2x the checkpoint; on the CPU the fp32 model itself lives in host memory, so the
-figure there is the model's size plus the load's own. Usage:
+out (`engine.checkpoint.save_checkpoint`): config.json, bf16 safetensors shards with their index, and a
+byte-level BPE tokenizer.json trained on the corpus. Then a fresh process runs one small hil point on it
+through `simharness.run` (engine.model = DIR, engine.steer false): the run's meta.json reports the loading
+time and the host memory the load added at its peak (RSS), printed here next to the checkpoint's size. The
+goal on CUDA is a peak below 1.2x the checkpoint; on the CPU the fp32 model itself lives in host memory, so
+the figure there is the model's size plus the load's own. Usage:
 
     python benchmarks/checkpoint_load.py DIR [--model llama-3.2-1b] [--shard-mb 500] [--device auto] [--out OUT]
 """
@@ -21,60 +21,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from simharness.corpus import documents
-from simharness.engine.checkpoint import INDEX, tensor_targets
+from simharness.engine.checkpoint import save_checkpoint
 from simharness.engine.model import Transformer
-from simharness.models import MODELS, ModelConfig, checkpoint_config
-
-
-def hf_config(c: ModelConfig) -> dict:
-    """config.json of a catalogue shape, as transformers writes it for the matching architecture."""
-    arch, model_type = ("Qwen3ForCausalLM", "qwen3") if c.qk_norm else ("Qwen2ForCausalLM", "qwen2") if c.qkv_bias \
-        else ("LlamaForCausalLM", "llama")  # fmt: skip
-    s = c.rope_scaling
-    rope = None if s is None else {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                                   "high_freq_factor": s.high_freq_factor,
-                                   "original_max_position_embeddings": s.original_max_position}  # fmt: skip
-    return {
-        "architectures": [arch], "model_type": model_type, "hidden_size": c.dim, "intermediate_size": c.ffn_dim,
-        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim, "vocab_size": c.vocab_size, "tie_word_embeddings": c.tie_embeddings,
-        "rope_theta": c.rope_theta, "rope_scaling": rope, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
-        "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-    }  # fmt: skip
-
-
-def write_checkpoint(path: Path, config: ModelConfig, shard_bytes: int) -> None:
-    """Random bf16 weights (std 1/sqrt(fan_in), norms 1) in shards of at most `shard_bytes` (a larger tensor gets
-    its own), written one shard at a time so that the writer holds one shard in memory."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf_config(config), indent=1))
-    assert checkpoint_config(path) == config, "config.json does not read back as the catalogue shape"
-    shapes = {name: t.shape for name, t in tensor_targets(Transformer(config, max_slots=1, max_len=1, device="meta",
-                                                                      seed=None)).items()}  # fmt: skip
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = 2 * shape.numel()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    gen = torch.Generator().manual_seed(0)
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: (torch.randn(shapes[name], generator=gen, dtype=torch.bfloat16) * shapes[name][-1] ** -0.5
-                          if len(shapes[name]) == 2 else torch.ones(shapes[name], dtype=torch.bfloat16))
-                   for name in names}  # fmt: skip
-        save_file(tensors, path / file, metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(names, file)
-    total = sum(2 * shape.numel() for shape in shapes.values())
-    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+from simharness.models import MODELS
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> int:
@@ -122,7 +74,12 @@ def main() -> int:
 
     config = MODELS[args.model]
     t0 = time.perf_counter()
-    write_checkpoint(args.dir, config, int(args.shard_mb * 1e6))
+    # random weights drawn on the device (bf16 on CUDA), written one shard at a time
+    device = "cuda" if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available() else "cpu"
+    model = Transformer(config, max_slots=1, max_len=1, device=device)
+    save_checkpoint(model, args.dir, int(args.shard_mb * 1e6))
+    del model
+    torch.cuda.empty_cache()  # the hil process needs the device memory
     vocab = write_tokenizer(args.dir, config.vocab_size)
     shards = sorted(args.dir.glob("*.safetensors"))
     print(f"wrote {args.model}: {len(shards)} shards, tokenizer of {vocab} tokens, {time.perf_counter() - t0:.1f} s")

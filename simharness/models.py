@@ -1,5 +1,5 @@
 """The model catalogue: decoder shapes of the Llama family, the sizes derived from them, and the shape of a
-local Hugging Face checkpoint read from its config.json.
+local Hugging Face checkpoint read from (or written to) its config.json.
 
 One table for both levels: the sim level's roofline (`costmodel`) reads the sizes, the torch model
 (`engine.model`) is built from the same entry. No torch here: the sim level runs without it.
@@ -187,3 +187,20 @@ def checkpoint_config(path: Path) -> ModelConfig:
         )  # fmt: skip
     except KeyError as e:
         raise ValueError(f"checkpoint {path}: config.json lacks {e.args[0]}") from None
+
+
+def hf_config(config: ModelConfig) -> dict:
+    """config.json of a shape, as transformers writes it for the matching architecture (`checkpoint_config`
+    reads it back as the same shape)."""
+    c, s = config, config.rope_scaling
+    arch = next(a for a, variant in ARCHITECTURES.items() if variant == (c.qkv_bias, c.qk_norm))
+    rope = None if s is None else {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                                   "high_freq_factor": s.high_freq_factor,
+                                   "original_max_position_embeddings": s.original_max_position}  # fmt: skip
+    return {
+        "architectures": [arch], "model_type": arch.removesuffix("ForCausalLM").lower(), "hidden_size": c.dim,
+        "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+        "tie_word_embeddings": c.tie_embeddings, "rope_theta": c.rope_theta, "rope_scaling": rope,
+        "rms_norm_eps": c.norm_eps, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    }  # fmt: skip

@@ -4,6 +4,7 @@ Weights go straight to the device in its dtype (bf16 on CUDA): each tensor is re
 a memory map whose pages are the only host copy and are released when it closes, and copied into its slice of
 the preallocated, fused parameters (q/k/v into wqkv, gate/up into w13). Host memory so never holds a second
 full copy of the weights; the loading time and the peak host memory are measured and kept in `load_stats`.
+`save_checkpoint` writes a model the same way round (the GPU benchmark's random checkpoints, the tests').
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from simharness.engine.model import Transformer
-from simharness.models import checkpoint_config
+from simharness.models import checkpoint_config, hf_config
 from simharness.scenario import ScenarioError
 
 INDEX = "model.safetensors.index.json"
@@ -55,6 +57,30 @@ def load_checkpoint(
         "host_peak_added_bytes": _peak_rss() - rss_before,
     }
     return model
+
+
+def save_checkpoint(model: Transformer, path: Path, shard_bytes: int) -> None:
+    """Write `model` as a Hugging Face checkpoint: config.json, bf16 safetensors shards of at most `shard_bytes`
+    (a larger tensor gets one of its own) and their index. One shard at a time is held in host memory."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config(model.config), indent=1))
+    targets = tensor_targets(model)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, target in targets.items():
+        if shards[-1] and size + 2 * target.numel() > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += 2 * target.numel()
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: targets[name].to("cpu", torch.bfloat16).contiguous() for name in names}
+        save_file(tensors, path / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(names, file)
+    total = sum(2 * target.numel() for target in targets.values())
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
 def tensor_targets(model: Transformer) -> dict[str, Tensor]:
