@@ -101,14 +101,14 @@ class _Hil:
         if len(engines) > 1:
             raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a torch run uses one model on "
                                 "one device; do not sweep them")
-        slots = positions = vocab = 0
+        slots = positions = 0
         cache: dict[str, object] = {}
         for sc in torch_points:
             requests = _workload(sc, cache)
             mode = resolve_mode(sc)
             s, n = torch_backend.capacity(sc, requests, mode.depth, mode.k)
-            slots, positions, vocab = max(slots, s), max(positions, n), max(vocab, requests.vocab_size)
-        self.model = torch_backend.build_model(torch_points[0].engine, vocab, slots, positions)
+            slots, positions = max(slots, s), max(positions, n)
+        self.model = torch_backend.build_model(torch_points[0].engine, slots, positions)
         warmed = set()
         for sc in torch_points:  # each decode-loop configuration once, before anything is measured
             spec, mode = sc.engine.speculation, resolve_mode(sc)

@@ -27,6 +27,7 @@ from simharness.engine.model import (
     steer_logits,
 )
 from simharness.models import MODELS, RopeScaling
+from simharness.tokenizer import DEFAULT_VOCAB_SIZE
 
 TINY = dataclasses.replace(get_config("tiny"), vocab_size=512)
 # The architecture variants: Qwen2's q/k/v biases (tied head), Qwen3's q/k head norms with a head_dim that is not
@@ -154,6 +155,11 @@ def test_sizes_match_the_parameters() -> None:
     qwen = MODELS["qwen3-1.7b"]  # its model card: 1.7 B parameters, 1.4 B without the embedding
     assert model_sizes(qwen)["params"] - qwen.vocab_size * qwen.dim == pytest.approx(1.4e9, rel=0.01)
     assert get_config("llama-3.2-1b", n_layers=2).n_layers == 2
+
+
+def test_catalogue_models_embed_the_builtin_tokenizer() -> None:
+    """The hil builds a catalogue model as listed: the built-in tokenizer's ids must have embedding rows."""
+    assert min(c.vocab_size for c in MODELS.values()) >= DEFAULT_VOCAB_SIZE == MODELS["tiny"].vocab_size
 
 
 def test_steer_logits() -> None:

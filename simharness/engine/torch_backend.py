@@ -49,17 +49,15 @@ def resolve_device(engine: Engine) -> torch.device:
     return torch.device(engine.device)
 
 
-def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
-    """The target model of `engine.model`: a checkpoint's, or a catalogue shape with random weights and its
-    vocabulary widened to the workload's."""
+def build_model(engine: Engine, max_slots: int, max_len: int) -> Transformer:
+    """The target model of `engine.model`: a checkpoint's, or a catalogue shape with random weights (every
+    catalogue vocabulary holds the built-in tokenizer's ids)."""
     device = resolve_device(engine)
     graphs = engine.cuda_graphs and device.type == "cuda"
     checkpoint = checkpoint_dir(engine.model)
     if checkpoint is not None:
         return load_checkpoint(checkpoint, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
     config = model_config(engine.model)
-    if config.vocab_size < vocab_size:
-        config = dataclasses.replace(config, vocab_size=vocab_size)
     return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
 
 
