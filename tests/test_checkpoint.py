@@ -31,7 +31,7 @@ from simharness.costmodel import CostModel
 from simharness.engine.checkpoint import load_checkpoint, save_checkpoint
 from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer
-from simharness.models import MODELS, RopeScaling, checkpoint_config
+from simharness.models import MODELS, RopeScaling, checkpoint_config, hf_config
 from simharness.scenario import scenario_from_dict
 from simharness.tokenizer import checkpoint_tokenizer
 from simharness.workload import build_requests
@@ -358,3 +358,16 @@ def test_tokenizer_larger_than_the_embedding(tmp_path: Path) -> None:
 def test_unknown_model_name(tmp_path: Path) -> None:
     assert_one_message(run_cli(tmp_path, {"name": "x", "engine": {"model": "llama-9"}}),
                        "engine.model", "'llama-9' is neither a known model", *MODELS)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "LlamaForCausalLM with rope_type yarn is not supported"),
+    ({"use_sliding_window": True}, "with use_sliding_window is not supported"),
+    ({"attention_bias": True, "hidden_act": "gelu"}, "with attention_bias, hidden_act gelu is not supported"),
+    ({"intermediate_size": None}, "config.json lacks intermediate_size"),
+])  # fmt: skip
+def test_config_features_we_do_not_implement(change: dict, message: str, tmp_path: Path) -> None:
+    config = {k: v for k, v in {**hf_config(OURS["llama"]), **change}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        checkpoint_config(tmp_path)
