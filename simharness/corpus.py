@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from simharness.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
+from simharness.tokenizer import DEFAULT_VOCAB_SIZE, CheckpointTokenizer, Tokenizer, checkpoint_tokenizer
 
 # Sorted; paths relative to the stdlib directory.
 FILES = (
@@ -101,7 +101,7 @@ class Stream:
 
 @dataclass(frozen=True, eq=False)
 class Corpus:
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | CheckpointTokenizer
     names: tuple[str, ...]  # the files that were found, in FILES order
     code: Stream
     prose: Stream
@@ -164,7 +164,7 @@ def documents() -> tuple[Document, ...]:
     return tuple(docs)
 
 
-def _stream(tokenizer: Tokenizer, passages_by_doc: list[tuple[str, ...]]) -> Stream:
+def _stream(tokenizer: Tokenizer | CheckpointTokenizer, passages_by_doc: list[tuple[str, ...]]) -> Stream:
     parts, doc_of = [], []
     for d, passages in enumerate(passages_by_doc):
         for text in passages:
@@ -178,11 +178,14 @@ def _stream(tokenizer: Tokenizer, passages_by_doc: list[tuple[str, ...]]) -> Str
 
 
 @functools.lru_cache(maxsize=4)
-def load_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Corpus:
-    """The corpus tokenised with a vocabulary trained on it (cached per process)."""
+def load_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, checkpoint: Path | None = None) -> Corpus:
+    """The corpus tokenised with a vocabulary trained on it, or with a checkpoint directory's own tokenizer
+    (cached per process)."""
     docs = documents()
-    texts = [t for d in docs for t in d.code + d.prose]
-    tokenizer = Tokenizer.train(texts, vocab_size)
+    if checkpoint is None:
+        tokenizer = Tokenizer.train([t for d in docs for t in d.code + d.prose], vocab_size)
+    else:
+        tokenizer = checkpoint_tokenizer(checkpoint)
     return Corpus(
         tokenizer=tokenizer,
         names=tuple(d.name for d in docs),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simharness.jit import njit
+from simharness.models import ModelConfig, model_config
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
 
@@ -23,47 +24,6 @@ class GpuSpec:
     bf16_tflops: float  # dense bf16 tensor-core peak
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer's shape; enough for bytes and FLOPs per token."""
-
-    name: str
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab: int
-    tied_embeddings: bool
-
-    @property
-    def params(self) -> int:
-        attn = self.dim * self.n_heads * self.head_dim * 2 + self.dim * self.n_kv_heads * self.head_dim * 2
-        mlp = 3 * self.dim * self.ffn_dim
-        embed = self.vocab * self.dim * (1 if self.tied_embeddings else 2)
-        return self.n_layers * (attn + mlp + 2 * self.dim) + embed + self.dim
-
-    @property
-    def weight_bytes(self) -> int:
-        """bf16 weights read once per forward (the embedding table is gathered, not streamed)."""
-        return 2 * (self.params - (0 if self.tied_embeddings else self.vocab * self.dim))
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 2
-
-    @property
-    def linear_flops_per_token(self) -> int:
-        """2 FLOPs per weight of every matmul, the LM head included."""
-        return 2 * (self.params - self.vocab * self.dim * (0 if self.tied_embeddings else 1) - self.dim)
-
-    @property
-    def attn_flops_per_pair(self) -> int:
-        """FLOPs of QK^T and AV for one (query token, context token) pair over all layers."""
-        return 4 * self.n_layers * self.n_heads * self.head_dim
-
-
 # Public spec-sheet numbers (dense bf16, SXM parts where there is a choice).
 GPUS: dict[str, GpuSpec] = {
     "H100": GpuSpec("H100", 3350.0, 989.0),
@@ -71,16 +31,6 @@ GPUS: dict[str, GpuSpec] = {
     "A100": GpuSpec("A100", 2039.0, 312.0),
     "L40S": GpuSpec("L40S", 864.0, 362.0),
 }
-
-# Shapes from the models' published configs.
-MODEL_SHAPES: dict[str, ModelShape] = {
-    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, True),
-    "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, False),
-    "qwen3-1.7b": ModelShape("qwen3-1.7b", 28, 2048, 16, 8, 128, 6144, 151936, True),
-    # the torch backend's CPU test model (engine/model.py preset `tiny`, vocabulary widened to the corpus')
-    "tiny": ModelShape("tiny", 2, 64, 4, 2, 16, 128, 32000, False),
-}
-
 
 def lookup(table: dict, name: str, what: str):
     """Case-insensitive catalogue lookup with an error listing the known names."""
@@ -95,7 +45,7 @@ class CostModel:
 
     def __init__(self, engine: Engine, *, optimistic_correction: bool):
         self.gpu = lookup(GPUS, engine.gpu, "GPU")
-        self.shape: ModelShape = lookup(MODEL_SHAPES, engine.model, "model")
+        self.shape: ModelConfig = model_config(engine.model)  # the catalogue (simharness.models)
         g: GpuCosts = engine.gpu_costs
         self.g = g
         self.h: HostCosts = engine.host_costs
@@ -115,7 +65,7 @@ class CostModel:
         # the roofline's coefficients, read by the compiled step (`gpu_seconds`): the shape's sizes, then rates
         s = self.shape
         self.sizes = np.array([s.weight_bytes, s.kv_bytes_per_token, s.linear_flops_per_token, s.attn_flops_per_pair,
-                               s.vocab * 4], dtype=np.int64)
+                               s.vocab_size * 4], dtype=np.int64)
         ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9 if self.ngram_gpu else 0.0
         self.rates = np.array([self.fixed_s, self.sec_per_byte, self.sec_per_flop, ngram_s_per_token])
 

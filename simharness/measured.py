@@ -13,8 +13,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from simharness.engine.model import PRESETS, Transformer, get_config
+from simharness.engine.checkpoint import load_checkpoint
+from simharness.engine.model import Transformer
 from simharness.engine.torch_backend import TorchBackend, capacity
+from simharness.models import checkpoint_dir, model_config
 from simharness.modes import Mode
 from simharness.realloop import RealLoop
 from simharness.records import Records
@@ -32,16 +34,16 @@ def resolve_device(engine: Engine) -> torch.device:
     return torch.device(engine.device)
 
 
-def build_model(engine: Engine, vocab_size: int, max_slots: int, max_len: int) -> Transformer:
-    """The target model of `engine.model` with random weights, its vocabulary widened to the workload's."""
-    if engine.model not in PRESETS:
-        raise ScenarioError(f"engine.model: {engine.model!r} has no torch model; known: {', '.join(PRESETS)}")
-    config = get_config(engine.model)
-    if config.vocab_size < vocab_size:
-        config = dataclasses.replace(config, vocab_size=vocab_size)
+def build_model(engine: Engine, max_slots: int, max_len: int) -> Transformer:
+    """The target model of `engine.model`: a checkpoint's, or a catalogue shape with random weights (every
+    catalogue vocabulary holds the built-in tokenizer's ids)."""
     device = resolve_device(engine)
     graphs = engine.cuda_graphs and device.type == "cuda"
-    return Transformer(config, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
+    checkpoint = checkpoint_dir(engine.model)
+    if checkpoint is not None:
+        return load_checkpoint(checkpoint, max_slots=max_slots, max_len=max_len, device=device, cuda_graphs=graphs)
+    return Transformer(model_config(engine.model), max_slots=max_slots, max_len=max_len, device=device,
+                       cuda_graphs=graphs)
 
 
 def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n: int = 20, tokens: int = 16) -> None:
@@ -72,7 +74,7 @@ def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) 
     """One point on the real decode loop at its level: hil (virtual time, the GPU held before each launch part so
     that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
     hil = sc.engine.backend == "torch"
-    backend = TorchBackend(sc, requests, model, mode, hold=hil)
+    backend = TorchBackend(sc, requests, model, mode, hold=hil, steer=sc.engine.steer)
     level = Simulation(sc, requests, mode, backend) if hil else RealLoop(sc, requests, mode, backend)
     with backend.syncs:
         records, duration = level.run()
@@ -87,12 +89,11 @@ class MeasuredEngine:
         if len(engines) > 1:
             raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a measured run uses one model "
                                 "on one device; do not sweep them")
-        slots = positions = vocab = 0
+        slots = positions = 0
         for sc, mode in points:
-            requests = workload(sc)
-            s, n = capacity(sc, requests, mode)
-            slots, positions, vocab = max(slots, s), max(positions, n), max(vocab, requests.vocab_size)
-        self.model = build_model(points[0][0].engine, vocab, slots, positions)
+            s, n = capacity(sc, workload(sc), mode)
+            slots, positions = max(slots, s), max(positions, n)
+        self.model = build_model(points[0][0].engine, slots, positions)
 
     def describe(self) -> str:
         device = self.model.device

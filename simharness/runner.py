@@ -14,6 +14,7 @@ import pandas as pd
 from simharness import results
 from simharness.engine.backend import model_backend
 from simharness.metrics import compute_metrics
+from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
 from simharness.records import device_syncs_frame
 from simharness.report import write_report
@@ -79,7 +80,8 @@ def run(
 
         engine = MeasuredEngine(measured, workloads.get)
     device = engine.describe() if engine else "sim (virtual time, cost model)"
-    results.write_meta(run_dir, scenario, device=device)
+    loaded = engine.model.load_stats if engine else None
+    results.write_meta(run_dir, scenario, device=device, extra={"checkpoint_load": loaded} if loaded else None)
     if progress is not None:
         progress(run_dir, len(points) - len(todo), len(points), "")
     for n, point in enumerate(todo):
@@ -92,17 +94,17 @@ def run(
 
 
 class _Workloads:
-    """Each point's requests, built from its workload section and seed; one is kept in memory, since sweeps
-    usually vary the workload last."""
+    """Each point's requests, built from its workload section and seed (in a checkpoint's tokens when the model is
+    one); one is kept in memory, since sweeps usually vary the workload last."""
 
     def __init__(self) -> None:
         self.key: str | None = None
         self.requests: Requests | None = None
 
     def get(self, sc: Scenario) -> Requests:
-        key = sc.workload.model_dump_json() + str(sc.seed)
+        key = sc.workload.model_dump_json() + str(sc.seed) + sc.engine.model
         if key != self.key:
-            self.key, self.requests = key, build_requests(sc.workload, sc.seed)
+            self.key, self.requests = key, build_requests(sc.workload, sc.seed, checkpoint_dir(sc.engine.model))
         return self.requests
 
 

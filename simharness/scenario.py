@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from simharness.models import model_config
+
 
 class ScenarioError(ValueError):
     """Bad scenario input; the message names the field and the problem."""
@@ -169,12 +171,25 @@ class Engine(Strict):
     cuda_graphs: bool = Field(True, description="torch backend on CUDA: replay the verify forward as CUDA graphs")
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
     model: str = Field(
-        "llama-3-8b", description="model shape: llama-3.2-1b, llama-3-8b, qwen3-1.7b, tiny (torch: random weights)"
+        "llama-3-8b",
+        description="a catalogue model (simharness.models: llama-3.2-1b, llama-3-8b, qwen3-1.7b, tiny; torch: random "
+        "weights) or a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), whose "
+        "tokenizer then cuts the workload's text",
+    )
+    steer: bool = Field(
+        True, description="torch backend: steer the logits to the reference text (false: the model's own greedy "
+        "predictions decide what is accepted)"
     )
     speculation: Speculation = Speculation()
     gpu_costs: GpuCosts = GpuCosts()
     host_costs: HostCosts = HostCosts()
     gc: GcPauses = GcPauses()
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
+        return v
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,15 +12,24 @@ Ids: 0..255 are the raw bytes (the fallback for any piece outside the vocabulary
 round-trips); 256.. are the training text's multi-byte pieces, most frequent first (ties by the
 piece's text), up to `vocab_size`. The default 32000 keeps ids inside a real target model's
 vocabulary (Llama 3: 128256).
+
+With a checkpoint (`engine.model` a directory) the workload's text is cut by the checkpoint's own
+tokenizer instead (`CheckpointTokenizer`, its tokenizer.json through the `tokenizers` library): the served
+model's tokens decide what an n-gram is.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
+import tokenizers
+
+from simharness.models import checkpoint_config
+from simharness.scenario import ScenarioError
 
 DEFAULT_VOCAB_SIZE = 32000
 NUM_BYTE_TOKENS = 256
@@ -58,6 +67,10 @@ class Tokenizer:
         multi_byte.sort(key=lambda p: (-counts[p], p))
         return cls(multi_byte[: vocab_size - NUM_BYTE_TOKENS], vocab_size)
 
+    def vocabulary(self) -> Iterator[tuple[int, str]]:
+        """Id and text of each vocabulary piece (the byte tokens are not listed)."""
+        return enumerate(self.pieces, start=NUM_BYTE_TOKENS)
+
     def encode(self, text: str) -> np.ndarray:
         """Token ids (int32): a vocabulary piece is one id, any other piece its UTF-8 bytes."""
         ids: list[int] = []
@@ -73,3 +86,40 @@ class Tokenizer:
         """Text of a token sequence (invalid UTF-8 from a cut byte sequence shows as U+FFFD)."""
         table = self._bytes
         return b"".join(table[i] for i in np.asarray(ids, dtype=np.int64).tolist()).decode(errors="replace")
+
+
+class CheckpointTokenizer:
+    """A checkpoint's tokenizer.json behind the built-in tokenizer's interface. `pieces` holds every id's text
+    (a byte-level token that is part of a UTF-8 character shows as U+FFFD)."""
+
+    def __init__(self, file: Path):
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        ids = [[i] for i in range(self.vocab_size)]
+        self.pieces = tuple(self._tokenizer.decode_batch(ids, skip_special_tokens=False))
+
+    def vocabulary(self) -> Iterator[tuple[int, str]]:
+        return enumerate(self.pieces)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int32) of the text alone: no special tokens are added."""
+        return np.array(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
+
+
+def checkpoint_tokenizer(path: Path) -> CheckpointTokenizer:
+    """The tokenizer of checkpoint directory `path`, checked against its model: every id needs an embedding row."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise ScenarioError(f"checkpoint {path}: no tokenizer.json")
+    try:
+        tokenizer = CheckpointTokenizer(file)
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise ScenarioError(f"checkpoint {path}: cannot read tokenizer.json ({e})") from None
+    rows = checkpoint_config(path).vocab_size
+    if tokenizer.vocab_size > rows:
+        raise ScenarioError(f"checkpoint {path}: tokenizer.json has {tokenizer.vocab_size} tokens, more than the "
+                            f"{rows} rows of the model's embedding (config.json vocab_size)")
+    return tokenizer

@@ -22,12 +22,12 @@ import keyword
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from simharness.corpus import Corpus, Stream, load_corpus
 from simharness.scenario import LengthDist, Workload
-from simharness.tokenizer import NUM_BYTE_TOKENS
 
 KINDS = ("code_edit", "summarize", "free")
 
@@ -59,9 +59,10 @@ class Requests:
         return len(self.kind)
 
 
-def build_requests(cfg: Workload, seed: int) -> Requests:
-    """`cfg.num_requests` requests, deterministic for `seed`."""
-    corpus = load_corpus()
+def build_requests(cfg: Workload, seed: int, checkpoint: Path | None = None) -> Requests:
+    """`cfg.num_requests` requests, deterministic for `seed`; their text is cut into tokens by the built-in
+    tokenizer or, given a checkpoint directory, by the checkpoint's (lengths are then in its tokens)."""
+    corpus = load_corpus(checkpoint=checkpoint)
     tables = _tables(corpus)
     n = cfg.num_requests
     kind_seed, arrival_seed, content_seed = np.random.SeedSequence(seed).spawn(3)
@@ -141,8 +142,8 @@ def _tables(corpus: Corpus) -> _Tables:
     tok = corpus.tokenizer
     ids: dict[str, list[int]] = {}
     has_newline = np.zeros(tok.vocab_size, dtype=bool)
-    has_newline[ord("\n")] = True
-    for i, piece in enumerate(tok.pieces, start=NUM_BYTE_TOKENS):
+    has_newline[tok.encode("\n")] = True
+    for i, piece in tok.vocabulary():
         has_newline[i] = "\n" in piece
         m = _IDENTIFIER.fullmatch(piece)
         if m and m.group(1) not in _RESERVED:

@@ -8,13 +8,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    ["jit", "scenario", "tokenizer", "kernels"],  # the scenario and leaf utilities
+    ["jit", "models", "scenario", "tokenizer", "kernels"],  # the scenario, the model catalogue, leaf utilities
     ["corpus", "workload"],  # requests
     ["kernels.ngram", "kernels.rejection"],  # the decode loop's kernels
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records
-    ["engine", "engine.model", "engine.timing", "engine.decode", "engine.backend", "engine.torch_backend"],
+    ["engine", "engine.model", "engine.checkpoint", "engine.timing", "engine.decode", "engine.backend",
+     "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "kernels.bench"],  # set-up of the measured levels, benchmarks

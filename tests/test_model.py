@@ -16,16 +16,29 @@ from helpers import interpreted_kernels, single_thread
 
 from simharness.engine import model as model_module
 from simharness.engine.model import (
-    PRESETS,
     Transformer,
     get_config,
     model_sizes,
+    qk_norm_torch,
+    qk_norm_triton,
     rope_attention_torch,
     rope_attention_triton,
+    rope_frequencies,
     steer_logits,
 )
+from simharness.models import MODELS, RopeScaling
+from simharness.tokenizer import DEFAULT_VOCAB_SIZE
 
-TINY = get_config("tiny")
+TINY = dataclasses.replace(get_config("tiny"), vocab_size=512)
+# The architecture variants: Qwen2's q/k/v biases (tied head), Qwen3's q/k head norms with a head_dim that is not
+# dim / n_heads, Llama 3's RoPE scaling (an original context short enough that every frequency regime occurs).
+VARIANTS = {
+    "untied": TINY,
+    "tied": dataclasses.replace(TINY, tie_embeddings=True),
+    "qkv_bias": dataclasses.replace(TINY, qkv_bias=True, tie_embeddings=True),
+    "qk_norm": dataclasses.replace(TINY, qk_norm=True, head_dim=32, norm_eps=1e-6),
+    "rope_scaling": dataclasses.replace(TINY, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)),
+}
 # Triton 3.6's interpreter (the GPU machine's image) hands loaded scalars to range() as 1-element arrays, which
 # NumPy 2 rejects; 3.9 (CI) runs the attention kernel's loops. The compiled kernels are tested on CUDA there.
 old_interpreter = pytest.mark.skipif(
@@ -43,13 +56,11 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] of one sequence from position 0, recomputed from the weights in float64, no cache."""
     c = model.config
     n, hd, group = tokens.shape[0], c.head_dim, c.n_heads // c.n_kv_heads
-    angles = torch.arange(n, dtype=torch.float64)[:, None] * c.rope_theta ** (
-        -torch.arange(0, hd, 2, dtype=torch.float64) / hd
-    )
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * rope_frequencies(c, "cpu")
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
 
-    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w.double()
+    def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        return x if w is None else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * w.double()
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
@@ -58,10 +69,12 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     x = model.tok_embeddings.double()[tokens]
     for layer in model.layers:
-        q, k, v = (norm(x, layer.attn_norm) @ layer.wqkv.double().T).split(
-            [c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd], dim=-1
-        )
-        q, k = rope(q.view(n, c.n_heads, hd)), rope(k.view(n, c.n_kv_heads, hd))
+        qkv = norm(x, layer.attn_norm) @ layer.wqkv.double().T
+        if layer.bqkv is not None:
+            qkv = qkv + layer.bqkv.double()
+        q, k, v = qkv.split([c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd], dim=-1)
+        q = rope(norm(q.view(n, c.n_heads, hd), layer.q_norm))
+        k = rope(norm(k.view(n, c.n_kv_heads, hd), layer.k_norm))
         k, v = k.repeat_interleave(group, dim=1), v.view(n, c.n_kv_heads, hd).repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
         weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
@@ -76,9 +89,20 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert err < 1e-5, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_cached_verify_steps_equal_full_recompute(tied: bool) -> None:
-    model = Transformer(dataclasses.replace(TINY, tie_embeddings=tied), max_slots=3, max_len=64, device="cpu")
+def random_model(config, **kwargs) -> Transformer:
+    """A model of `config` whose q/k head norms (ones by default) are random too."""
+    model = Transformer(config, device="cpu", **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    for layer in model.layers:
+        for weight in (layer.q_norm, layer.k_norm):
+            if weight is not None:
+                weight.copy_(torch.rand(weight.shape, generator=gen) + 0.5)
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_verify_steps_equal_full_recompute(variant: str) -> None:
+    model = random_model(VARIANTS[variant], max_slots=3, max_len=64)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(TINY.vocab_size, (40,), generator=gen) for _ in range(2)]
     slots, lens = torch.tensor([2, 0]), [11, 6]
@@ -119,17 +143,23 @@ def test_reused_slot_prefill_ignores_the_previous_request() -> None:
 
 
 def test_sizes_match_the_parameters() -> None:
-    for tied in (False, True):
-        config = dataclasses.replace(TINY, tie_embeddings=tied)
+    for config in VARIANTS.values():
         model = Transformer(config, max_slots=3, max_len=16, device="cpu")
         sizes = model_sizes(config, max_slots=3, max_len=16, dtype=torch.float32)
         assert sizes["params"] == sum(p.numel() for p in model.parameters())
         assert sizes["weight_read_bytes"] == model.weight_bytes()
         assert sizes["kv_cache_bytes"] == 2 * model.k_cache.numel() * 4
     # The public models' parameter counts: Llama 3.2 1B has 1.24 B, Llama 3 8B 8.03 B.
-    assert model_sizes(PRESETS["llama-3.2-1b"])["params"] == pytest.approx(1.236e9, rel=1e-3)
-    assert model_sizes(PRESETS["llama-3-8b"])["params"] == pytest.approx(8.030e9, rel=1e-3)
+    assert model_sizes(MODELS["llama-3.2-1b"])["params"] == pytest.approx(1.236e9, rel=1e-3)
+    assert model_sizes(MODELS["llama-3-8b"])["params"] == pytest.approx(8.030e9, rel=1e-3)
+    qwen = MODELS["qwen3-1.7b"]  # its model card: 1.7 B parameters, 1.4 B without the embedding
+    assert model_sizes(qwen)["params"] - qwen.vocab_size * qwen.dim == pytest.approx(1.4e9, rel=0.01)
     assert get_config("llama-3.2-1b", n_layers=2).n_layers == 2
+
+
+def test_catalogue_models_embed_the_builtin_tokenizer() -> None:
+    """The hil builds a catalogue model as listed: the built-in tokenizer's ids must have embedding rows."""
+    assert min(c.vocab_size for c in MODELS.values()) >= DEFAULT_VOCAB_SIZE == MODELS["tiny"].vocab_size
 
 
 def test_steer_logits() -> None:
@@ -148,13 +178,16 @@ def test_steer_logits() -> None:
 @old_interpreter
 def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
     """The CUDA path's Triton kernels, run by Triton's CPU interpreter (it must be on before they are
-    decorated, hence a subprocess): same prefill and verify logits and the same cache as the torch ops."""
+    decorated, hence a subprocess): same prefill and verify logits and the same cache as the torch ops, for
+    Llama and for a model with Qwen's q/k/v biases and q/k head norms."""
     code = textwrap.dedent("""
+        import dataclasses
         import torch
         from simharness.engine.model import Transformer, get_config
         torch.set_num_threads(1)
-        models = [Transformer(get_config("tiny"), max_slots=3, max_len=48, device="cpu", triton_kernels=t)
-                  for t in (False, True)]
+        qwen = dataclasses.replace(get_config("tiny"), qkv_bias=True, qk_norm=True, head_dim=32)
+        models = [Transformer(c, max_slots=3, max_len=48, device="cpu", triton_kernels=t)
+                  for c in (get_config("tiny"), qwen) for t in (False, True)]
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(512, (n,), generator=gen) for n in (20, 13)]
         tokens = torch.randint(512, (2, 5), generator=gen)
@@ -162,9 +195,9 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
         for m in models:
             prefill = [m.prefill(slot, p) for slot, p in zip((2, 0), prompts)]
             outs.append((prefill, m.verify(tokens, torch.tensor([2, 0]), torch.tensor([20, 13])), m.k_cache, m.v_cache))
-        (p0, v0, k0, c0), (p1, v1, k1, c1) = outs
-        for a, b in [*zip(p0, p1), (v0, v1), (k0, k1), (c0, c1)]:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for (p0, v0, k0, c0), (p1, v1, k1, c1) in (outs[:2], outs[2:]):
+            for a, b in [*zip(p0, p1), (v0, v1), (k0, k1), (c0, c1)]:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -176,6 +209,29 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
 def interpreted() -> Iterator[None]:
     """The attention kernel in Triton's CPU interpreter, in this process."""
     yield from interpreted_kernels(model_module, ("_rope_attention_kernel", "_rotated"))
+
+
+@pytest.fixture
+def interpreted_qk_norm() -> Iterator[None]:
+    yield from interpreted_kernels(model_module, ("_qk_norm_kernel",))
+
+
+def test_qk_norm_matches_torch(interpreted_qk_norm: None) -> None:
+    """Qwen3's per-head q and k norms: the Triton kernel (interpreted) against the torch op; v is untouched and
+    a normed head divided by its weight has an RMS of 1."""
+    gen = torch.Generator().manual_seed(3)
+    n_heads, n_kv_heads, head_dim = 6, 2, 32  # 8 q and k heads: no padding; 6 + 1 below: padded to 8
+    for kv in (n_kv_heads, 1):
+        qkv = torch.randn(5, (n_heads + 2 * kv) * head_dim, generator=gen) * 3
+        q_weight, k_weight = torch.rand(2, head_dim, generator=gen) + 0.5
+        expected, got = qkv.clone(), qkv.clone()
+        qk_norm_torch(expected, q_weight, k_weight, n_heads, kv, 1e-6)
+        qk_norm_triton(got, q_weight, k_weight, n_heads, kv, 1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        heads = expected.view(5, -1, head_dim)
+        assert torch.equal(heads[:, n_heads + kv :], qkv.view(5, -1, head_dim)[:, n_heads + kv :])  # v as it was
+        torch.testing.assert_close((heads[:, 0] / q_weight).pow(2).mean(-1), torch.ones(5))
+        torch.testing.assert_close((heads[:, n_heads] / k_weight).pow(2).mean(-1), torch.ones(5))
 
 
 @old_interpreter

@@ -1,7 +1,9 @@
-"""Llama-shaped target model with a static per-slot KV cache, for the real decode loop.
+"""Llama-family target model with a static per-slot KV cache, for the real decode loop.
 
-gpt-fast style: RMSNorm, RoPE (rotate-half pairing, as HF Llama), grouped-query attention, SwiGLU, tied
-or untied LM head, random seeded weights. The cache is allocated once, `[layers, slots + 1, max_len,
+gpt-fast style: RMSNorm, RoPE (rotate-half pairing, as HF Llama; Llama 3's frequency scaling), grouped-query
+attention, SwiGLU, tied or untied LM head; Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorm. Shapes come
+from the catalogue (`simharness.models`); weights are random and seeded, or a checkpoint's
+(`simharness.engine.checkpoint`). The cache is allocated once, `[layers, slots + 1, max_len,
 kv_heads, head_dim]`; the extra slot is scratch for the padding rows of a CUDA-graph batch bucket.
 
 `verify` runs T = 1 + k tokens per batch row, each row at its own slot and start position (tensors, so
@@ -12,6 +14,7 @@ floor; elsewhere the same ops run as plain torch.
 """
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -23,37 +26,12 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512, rope_theta=10000.0),
-    # Shapes of the public models; Llama 3's long-context RoPE scaling is left out (random weights).
-    "llama-3.2-1b": ModelConfig(
-        n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256, tie_embeddings=True
-    ),
-    "llama-3-8b": ModelConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-}
+from simharness.models import MODELS, ModelConfig
 
 
 def get_config(preset: str, n_layers: int | None = None) -> ModelConfig:
-    """A preset, optionally with fewer (or more) layers."""
-    config = PRESETS[preset]
+    """A catalogue model, optionally with fewer (or more) layers."""
+    config = MODELS[preset]
     return config if n_layers is None else dataclasses.replace(config, n_layers=n_layers)
 
 
@@ -61,21 +39,29 @@ def model_sizes(
     config: ModelConfig, *, max_slots: int = 0, max_len: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, int]:
     """Parameter count and bytes, the bytes a forward must read, and KV-cache bytes (per token, total)."""
-    c, elem = config, dtype.itemsize
-    attn = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim
-    per_layer = attn + 3 * c.dim * c.ffn_dim + 2 * c.dim
-    embedding = c.vocab_size * c.dim
-    params = c.n_layers * per_layer + embedding + c.dim + (0 if c.tie_embeddings else embedding)
-    # An untied embedding table is only gathered (B x T rows), so a forward does not read all of it.
-    read = params - (0 if c.tie_embeddings else embedding)
-    kv_per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * elem
+    elem = dtype.itemsize
+    kv_per_token = config.kv_per_token * elem
     return {
-        "params": params,
-        "param_bytes": params * elem,
-        "weight_read_bytes": read * elem,
+        "params": config.params,
+        "param_bytes": config.params * elem,
+        "weight_read_bytes": (config.params - config.untied_embedding) * elem,
         "kv_bytes_per_token": kv_per_token,
         "kv_cache_bytes": kv_per_token * (max_slots + 1) * max_len,
     }
+
+
+def rope_frequencies(config: ModelConfig, device: torch.device | str) -> Tensor:
+    """RoPE inverse frequencies [head_dim / 2] (float64), with Llama 3's scaling where the config has it: a
+    frequency that turns many times over the original context is kept, one that turns few times is divided
+    by `factor`, and those between are blended linearly in the number of turns."""
+    c = config
+    inv_freq = c.rope_theta ** -(torch.arange(0, c.head_dim, 2, device=device, dtype=torch.float64) / c.head_dim)
+    s = c.rope_scaling
+    if s is None:
+        return inv_freq
+    turns = s.original_max_position * inv_freq / (2 * math.pi)
+    keep = ((turns - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0.0, 1.0)
+    return inv_freq * keep + inv_freq / s.factor * (1.0 - keep)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,6 +76,14 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float, residual: Tensor | Non
         x = residual
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def qk_norm_torch(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, n_heads: int, n_kv_heads: int, eps: float) -> None:
+    """RMSNorm of each q and each k head of `qkv [N, (Hq + 2 Hkv) * D]` over its D values, in place (Qwen3)."""
+    heads = qkv.view(qkv.shape[0], -1, q_weight.shape[0])
+    q, k = heads[:, :n_heads], heads[:, n_heads : n_heads + n_kv_heads]
+    q.copy_(rms_norm_torch(q, q_weight, eps))
+    k.copy_(rms_norm_torch(k, k_weight, eps))
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -173,6 +167,29 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, residual: Tensor | No
         ADD_RESIDUAL=add, num_warps=4,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    BLOCK_H: tl.constexpr):  # fmt: skip
+    # One program per token: its q heads, then its k heads (contiguous in the qkv row), each normed over D.
+    n = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, D)[None, :]
+    mask = h < HQ + HKV
+    ptrs = qkv_ptr + n * (HQ + 2 * HKV) * D + h * D + d
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.where(h < HQ, tl.load(qw_ptr + d).to(tl.float32), tl.load(kw_ptr + d).to(tl.float32))
+    tl.store(ptrs, (x * rstd[:, None] * w).to(qkv_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_norm_triton(qkv: Tensor, q_weight: Tensor, k_weight: Tensor, n_heads: int, n_kv_heads: int, eps: float) -> None:
+    head_dim = q_weight.shape[0]
+    _qk_norm_kernel[(qkv.shape[0],)](
+        qkv, q_weight, k_weight, eps, HQ=n_heads, HKV=n_kv_heads, D=head_dim,
+        BLOCK_H=triton.next_power_of_2(n_heads + n_kv_heads), num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -384,13 +401,14 @@ def silu_mul_triton(gate_up: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class _Ops:
     rms_norm: Callable[..., Tensor]
+    qk_norm: Callable[..., None]
     rope_write_kv: Callable[..., Tensor]  # prefill: the attention itself is torch's
     rope_attention: Callable[..., Tensor]
     silu_mul: Callable[[Tensor], Tensor]
 
 
-TORCH_OPS = _Ops(rms_norm_torch, rope_write_kv_torch, rope_attention_torch, silu_mul_torch)
-TRITON_OPS = _Ops(rms_norm_triton, rope_write_kv_triton, rope_attention_triton, silu_mul_triton)
+TORCH_OPS = _Ops(rms_norm_torch, qk_norm_torch, rope_write_kv_torch, rope_attention_torch, silu_mul_torch)
+TRITON_OPS = _Ops(rms_norm_triton, qk_norm_triton, rope_write_kv_triton, rope_attention_triton, silu_mul_triton)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,13 +417,16 @@ TRITON_OPS = _Ops(rms_norm_triton, rope_write_kv_triton, rope_attention_triton, 
 
 
 class Block(nn.Module):
-    """One decoder layer's weights; q/k/v and gate/up are fused into one matrix each (fewer launches)."""
+    """One decoder layer's weights; q/k/v and gate/up are fused into one matrix each (fewer launches). The
+    q/k/v bias (Qwen2) and the q and k head norms (Qwen3) are None where the model has none."""
 
     def __init__(self, c: ModelConfig, normal: Callable[[int, int], Tensor], ones: Callable[[int], Tensor]):
         super().__init__()
-        qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         self.attn_norm = nn.Parameter(ones(c.dim), requires_grad=False)
-        self.wqkv = nn.Parameter(normal(qkv_rows, c.dim), requires_grad=False)
+        self.wqkv = nn.Parameter(normal(c.qkv_rows, c.dim), requires_grad=False)
+        self.bqkv = nn.Parameter(normal(c.qkv_rows, 1, 0.1).view(-1), requires_grad=False) if c.qkv_bias else None
+        self.q_norm = nn.Parameter(ones(c.head_dim), requires_grad=False) if c.qk_norm else None
+        self.k_norm = nn.Parameter(ones(c.head_dim), requires_grad=False) if c.qk_norm else None
         self.wo = nn.Parameter(normal(c.dim, c.n_heads * c.head_dim), requires_grad=False)
         self.ffn_norm = nn.Parameter(ones(c.dim), requires_grad=False)
         self.w13 = nn.Parameter(normal(2 * c.ffn_dim, c.dim), requires_grad=False)  # gate rows, then up rows
@@ -422,11 +443,12 @@ class _Graph:
 
 
 class Transformer(nn.Module):
-    """Random-weight Llama-shaped model with a static KV cache of `max_slots` slots x `max_len` positions.
+    """Llama-family model with a static KV cache of `max_slots` slots x `max_len` positions.
 
-    bf16 on CUDA, fp32 elsewhere. With `cuda_graphs`, `verify` replays a graph captured per batch-size
-    bucket (and per T); the first verify with a new T captures all buckets (call `capture_graphs` to do it
-    up front, since capture synchronises).
+    bf16 on CUDA, fp32 elsewhere. Weights are random, drawn from `seed`; with `seed=None` they are left
+    uninitialised for a checkpoint to be copied in (`engine.checkpoint.load_checkpoint`). With `cuda_graphs`,
+    `verify` replays a graph captured per batch-size bucket (and per T); the first verify with a new T captures
+    all buckets (call `capture_graphs` to do it up front, since capture synchronises).
     """
 
     def __init__(
@@ -436,7 +458,7 @@ class Transformer(nn.Module):
         max_slots: int,
         max_len: int,
         device: torch.device | str,
-        seed: int = 0,
+        seed: int | None = 0,
         cuda_graphs: bool = False,
         triton_kernels: bool | None = None,
     ):
@@ -452,9 +474,11 @@ class Transformer(nn.Module):
 
         # Weights are drawn on the device itself (fast for 8B shapes), in a fixed order from one generator.
         # Scale 1/sqrt(fan_in) keeps activations O(1); with a tied head the logits are O(sqrt(dim)).
-        gen = torch.Generator(device=device).manual_seed(seed)
+        gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
         def normal(rows: int, cols: int, std: float | None = None) -> Tensor:
+            if gen is None:
+                return torch.empty(rows, cols, device=device, dtype=dtype)
             w = torch.randn(rows, cols, generator=gen, device=device, dtype=dtype)
             return w.mul_(cols**-0.5 if std is None else std)
 
@@ -472,8 +496,7 @@ class Transformer(nn.Module):
         cache_shape = (c.n_layers, max_slots + 1, max_len, c.n_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
-        inv_freq = c.rope_theta ** -(torch.arange(0, c.head_dim, 2, device=device, dtype=torch.float64) / c.head_dim)
-        angles = torch.arange(max_len, device=device, dtype=torch.float64)[:, None] * inv_freq
+        angles = torch.arange(max_len, device=device, dtype=torch.float64)[:, None] * rope_frequencies(c, device)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [max_len, head_dim / 2]
         self.slot_ids = torch.arange(max_slots + 1, device=device)
         # Arrival counters of the attention kernel's chunk merge (one per (row, kv head) of a launch): zero between
@@ -482,6 +505,7 @@ class Transformer(nn.Module):
         self._graph_sizes = sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.load_stats: dict[str, float | str] | None = None  # a checkpoint's loading time and memory
 
     @property
     def device(self) -> torch.device:
@@ -505,7 +529,9 @@ class Transformer(nn.Module):
         x = ops.rms_norm(residual, self.layers[0].attn_norm, c.norm_eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
-            qkv = F.linear(x, layer.wqkv)
+            qkv = F.linear(x, layer.wqkv, layer.bqkv)
+            if c.qk_norm:
+                ops.qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
             if prefill_slot is None and not masked:
                 attn = ops.rope_attention(
                     qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads, self.counters

@@ -1,0 +1,166 @@
+"""Load a local Hugging Face checkpoint (config.json, model.safetensors or a sharded index) into `Transformer`.
+
+Weights go straight to the device in its dtype (bf16 on CUDA): each tensor is read through its own `safe_open`,
+a memory map whose pages are the only host copy and are released when it closes, and copied into its slice of
+the preallocated, fused parameters (q/k/v into wqkv, gate/up into w13). Host memory so never holds a second
+full copy of the weights; the loading time and the peak host memory are measured and kept in `load_stats`.
+`save_checkpoint` writes a model the same way round (the GPU benchmark's random checkpoints, the tests').
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from simharness.engine.model import Transformer
+from simharness.models import checkpoint_config, hf_config
+from simharness.scenario import ScenarioError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def load_checkpoint(
+    path: Path, *, max_slots: int, max_len: int, device: torch.device | str, cuda_graphs: bool = False
+) -> Transformer:
+    """The checkpoint's model with a cache of `max_slots` x `max_len`; ScenarioError names what does not fit."""
+    device = torch.device(device)
+    try:
+        config = checkpoint_config(path)
+    except ValueError as e:
+        raise ScenarioError(str(e)) from None
+    if device.type == "cuda":
+        torch.empty(0, device=device)  # start the CUDA runtime first: its host memory is not the loading's
+    rss_before = _reset_peak_rss()
+    t0 = time.perf_counter()
+    model = Transformer(config, max_slots=max_slots, max_len=max_len, device=device, seed=None,
+                        cuda_graphs=cuda_graphs)  # fmt: skip
+    targets = tensor_targets(model)
+    files = _check_tensors(path, targets, tied=config.tie_embeddings)
+    for name, target in targets.items():
+        with safe_open(files[name], framework="pt", device="cpu") as f:
+            target.copy_(f.get_tensor(name))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    model.load_stats = {
+        "checkpoint": str(path),
+        "checkpoint_bytes": sum(file.stat().st_size for file in set(files.values())),
+        "load_s": time.perf_counter() - t0,
+        "host_rss_before_bytes": rss_before,
+        "host_peak_added_bytes": _peak_rss() - rss_before,
+    }
+    return model
+
+
+def save_checkpoint(model: Transformer, path: Path, shard_bytes: int) -> None:
+    """Write `model` as a Hugging Face checkpoint: config.json, bf16 safetensors shards of at most `shard_bytes`
+    (a larger tensor gets one of its own) and their index. One shard at a time is held in host memory."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config(model.config), indent=1))
+    targets = tensor_targets(model)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, target in targets.items():
+        if shards[-1] and size + 2 * target.numel() > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += 2 * target.numel()
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: targets[name].to("cpu", torch.bfloat16).contiguous() for name in names}
+        save_file(tensors, path / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(names, file)
+    total = sum(2 * target.numel() for target in targets.values())
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def tensor_targets(model: Transformer) -> dict[str, Tensor]:
+    """Each checkpoint tensor's Hugging Face name and the parameter (or the rows of a fused one) it fills."""
+    c = model.config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+    targets = {"model.embed_tokens.weight": model.tok_embeddings, "model.norm.weight": model.norm}
+    if not c.tie_embeddings:
+        targets["lm_head.weight"] = model.output
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        targets[prefix + "input_layernorm.weight"] = layer.attn_norm
+        for proj, r in rows.items():
+            targets[prefix + f"self_attn.{proj}_proj.weight"] = layer.wqkv[r]
+            if c.qkv_bias:
+                targets[prefix + f"self_attn.{proj}_proj.bias"] = layer.bqkv[r]
+        if c.qk_norm:
+            targets[prefix + "self_attn.q_norm.weight"] = layer.q_norm
+            targets[prefix + "self_attn.k_norm.weight"] = layer.k_norm
+        targets[prefix + "self_attn.o_proj.weight"] = layer.wo
+        targets[prefix + "post_attention_layernorm.weight"] = layer.ffn_norm
+        targets[prefix + "mlp.gate_proj.weight"] = layer.w13[: c.ffn_dim]
+        targets[prefix + "mlp.up_proj.weight"] = layer.w13[c.ffn_dim :]
+        targets[prefix + "mlp.down_proj.weight"] = layer.w2
+    return targets
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[Path, list[int]]]:
+    """Every tensor of the checkpoint: the file that holds it and its shape (read from the files' headers)."""
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ScenarioError(f"checkpoint {path}: {INDEX} has no readable weight_map ({e})") from None
+        files = sorted({path / name for name in weight_map.values()})
+    elif (path / SINGLE).is_file():
+        files = [path / SINGLE]
+    else:
+        raise ScenarioError(f"checkpoint {path}: neither {SINGLE} nor {INDEX}")
+    shapes = {}
+    for file in files:
+        if not file.is_file():
+            raise ScenarioError(f"checkpoint {path}: {INDEX} names {file.name}, which does not exist")
+        with safe_open(file, framework="pt", device="cpu") as f:
+            shapes |= {name: (file, f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    return shapes
+
+
+def _check_tensors(path: Path, targets: dict[str, Tensor], *, tied: bool) -> dict[str, Path]:
+    """The file of each target tensor, once every tensor is there with the shape config.json implies and the
+    checkpoint holds nothing else (a tied model's checkpoint may still carry the LM head)."""
+    found = tensor_shapes(path)
+    for name, target in targets.items():
+        if name not in found:
+            raise ScenarioError(f"checkpoint {path}: tensor {name} is missing")
+        if found[name][1] != list(target.shape):
+            raise ScenarioError(f"checkpoint {path}: tensor {name} has shape {found[name][1]}, but config.json "
+                                f"implies {list(target.shape)}")  # fmt: skip
+    extra = sorted(set(found) - set(targets) - ({"lm_head.weight"} if tied else set()))
+    if extra:
+        raise ScenarioError(f"checkpoint {path}: unexpected tensor {extra[0]}" + (
+            f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))  # fmt: skip
+    return {name: found[name][0] for name in targets}
+
+
+def _status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (kB there) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _reset_peak_rss() -> int:
+    """Restart the kernel's peak-RSS mark of this process at its current RSS, which is returned. Where the
+    reset is not allowed the peak stays the process's, an upper bound."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
