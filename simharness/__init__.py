@@ -7,16 +7,19 @@
 """
 
 from simharness.compare import compare
+from simharness.fidelity import FidelityResult, run_fidelity
 from simharness.runner import RunResult, run
 from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 
 __all__ = [
+    "FidelityResult",
     "RunResult",
     "Scenario",
     "ScenarioError",
     "compare",
     "load_scenario",
     "run",
+    "run_fidelity",
     "scenario_from_dict",
     "sweep_points",
 ]

@@ -74,6 +74,46 @@ def run_cmd(
     out.print(f"report: {result.report}")
 
 
+@app.command("fidelity")
+def fidelity_cmd(
+    scenario: Annotated[Path, typer.Argument(help="scenario YAML file")],
+    levels: Annotated[str, typer.Option(help="levels to run, comma-separated; real is the reference")] = "sim,hil,real",
+    out_dir: Annotated[Path, typer.Option("--out", help="results root")] = Path("results/fidelity"),
+    sets: Annotated[list[str], typer.Option("--set", help="override a field: KEY=VALUE (repeatable)")] = [],  # noqa: B006
+    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run")] = None,
+) -> None:
+    """Run every point at each level on the same requests and seed; report each level's error against the real
+    level. Exit 1 when an error exceeds the scenario's fidelity.tolerances, 2 on bad input."""
+    from simharness.fidelity import run_fidelity
+
+    try:
+        sc = load_scenario(scenario, parse_sets(sets))
+        with Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[point]}"), console=err, transient=True,
+        ) as bar:
+            task = bar.add_task(f"{sc.name} fidelity", total=None, point="")
+
+            def progress(run_dir: Path, done: int, total: int, point_id: str) -> None:
+                bar.update(task, total=total, completed=done, point=point_id)
+
+            result = run_fidelity(sc, out_dir, levels=[lv.strip() for lv in levels.split(",") if lv.strip()],
+                                  resume=resume, progress=progress)
+    except ScenarioError as e:
+        fail(str(e))
+    table = Table(title="fidelity: |error| against the real level", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("level", "metric", "median", "worst", "worst point"):
+        table.add_column(column, justify="left" if column in ("level", "metric", "worst point") else "right")
+    for r in result.stats.itertuples():
+        table.add_row(r.level, r.metric, f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}", str(r.worst_point))
+    out.print(table)
+    for violation in result.violations:
+        err.print(f"[bold red]tolerance exceeded:[/] {violation}", highlight=False)
+    out.print(f"report: {result.report}")
+    if result.violations:
+        raise typer.Exit(1)
+
+
 def summary_table(summary, swept: list[str]) -> Table:
     """The run's headline metrics, a row per point, labelled by its swept values as in the report. The numbers
     never wrap (their two-line headers are as narrow as they are); the label takes the width that is left."""
@@ -103,6 +143,11 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")])
         results.load_run_scenario(run_dir)
     except ScenarioError as e:
         fail(str(e))
+    if (run_dir / "fidelity.json").is_file():  # a fidelity run's report
+        from simharness.fidelity import write_fidelity
+
+        out.print(f"report: {write_fidelity(run_dir).report}")
+        return
     results.combine(run_dir)
     out.print(f"report: {write_report(run_dir)}")
 

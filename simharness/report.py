@@ -160,7 +160,7 @@ def _header(run_dir: Path, scenario: Scenario, n_points: int) -> str:
     setup = (
         f"**Setup:** `{e.model}` on {e.gpu} (`{e.backend}` backend); proposer `{spec.proposer}`, k={spec.k}, "
         f"acceptance `{spec.acceptance.model}`, invalid slots `{spec.invalid_slots}`; scheduler depth {s.depth}, "
-        f"policy `{s.policy}`; workload `{w.arrival}`, concurrency {w.concurrency}, {w.num_requests} requests."
+        f"policy `{s.policy}`; workload `{w.arrival}`, concurrency {w.concurrency}, {w.total_requests} requests."
     )
     if scenario.sweep:
         axes = " × ".join(f"`{p}` ∈ {{{', '.join(str(v) for v in vs)}}}" for p, vs in scenario.sweep.items())

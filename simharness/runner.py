@@ -56,11 +56,28 @@ def run(
     point_id)` is called once at the start and after each point."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
-    points = sweep_points(scenario)
+    run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress)
+    summary, tables = results.combine(run_dir)
+    write_report(run_dir)
+    return RunResult(run_dir, summary, **tables)
+
+
+def execute(
+    scenario: Scenario,
+    points: list[Point],
+    out: str | Path,
+    *,
+    resume: str | Path | None = None,
+    progress: Callable[[Path, int, int, str], None] | None = None,
+) -> Path:
+    """Run `points` (derived from `scenario`, which the run directory records) into a new run directory under
+    `out`, or the points still missing in `resume`; returns the run directory. Every point is validated first."""
     modes = {}
-    for p in points:  # validate every point before running any
+    for p in points:  # validate every point before writing anything
         try:
             modes[p.index] = resolve_mode(p.scenario)
+            if p.scenario.engine.backend != "model":
+                _require_device(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
     if resume is not None:
@@ -88,9 +105,17 @@ def run(
         _run_point(run_dir, point, modes[point.index], workloads.get(point.scenario), engine)
         if progress is not None:
             progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
-    summary, tables = results.combine(run_dir)
-    write_report(run_dir)
-    return RunResult(run_dir, summary, **tables)
+    return run_dir
+
+
+def _require_device(sc: Scenario) -> None:
+    """A measured point asking for CUDA where torch sees none is bad input, found before anything is written."""
+    if sc.engine.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ScenarioError(f"engine.device: cuda was asked for (engine.backend: {sc.engine.backend}) but torch "
+                                "sees no CUDA device here")
 
 
 class _Workloads:

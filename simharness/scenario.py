@@ -66,6 +66,10 @@ class Workload(Strict):
         False, description="open loop: cap in-flight requests at `concurrency` (vLLM --max-concurrency)"
     )
     num_requests: int = Field(200, ge=1)
+    requests_per_user: int | None = Field(
+        None, ge=1, description="instead of num_requests: concurrency x this many, so a sweep over concurrency "
+        "keeps the number of waves"
+    )
     prompt_len: LengthDist = LengthDist(dist="uniform", min=128, max=1024)
     output_len: LengthDist = LengthDist(dist="fixed", value=128)
     kinds: dict[Literal["code_edit", "summarize", "free"], NonNegFloat] = Field(
@@ -79,6 +83,19 @@ class Workload(Strict):
         if not v or sum(v.values()) <= 0:
             raise ValueError("at least one request kind needs a positive weight")
         return v
+
+    @model_validator(mode="after")
+    def _one_count(self) -> Workload:
+        if self.requests_per_user is not None and self.num_requests != Workload.model_fields["num_requests"].default:
+            raise ValueError("set num_requests or requests_per_user, not both")
+        return self
+
+    @property
+    def total_requests(self) -> int:
+        """How many requests the workload has."""
+        if self.requests_per_user is not None:
+            return self.concurrency * self.requests_per_user
+        return self.num_requests
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,6 +262,30 @@ class Report(Strict):
 
 
 # --------------------------------------------------------------------------------------------
+# fidelity
+
+FidelityMetric = Literal["mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms",
+                         "output_throughput", "mean_acceptance_length"]  # fmt: skip
+
+
+class Tolerance(Strict):
+    """The largest relative error allowed against the real level: of the median point of the grid, and of its
+    worst point (None: not checked)."""
+
+    median: float | None = Field(None, gt=0, le=10)
+    worst: float | None = Field(None, gt=0, le=10)
+
+
+class Fidelity(Strict):
+    """How `simharness fidelity` checks the levels against the real level."""
+
+    runs: int = Field(2, ge=1, le=20, description="runs of each measured point (hil and real); sim runs once")
+    tolerances: dict[Literal["sim", "hil"], dict[FidelityMetric, Tolerance]] = Field(
+        default_factory=dict, description="per level and metric; exceeding one makes the command exit 1"
+    )
+
+
+# --------------------------------------------------------------------------------------------
 # scenario
 
 
@@ -256,6 +297,7 @@ class Scenario(Strict):
     scheduler: Scheduler = Scheduler()
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     report: Report = Report()
+    fidelity: Fidelity = Fidelity()
 
     @model_validator(mode="after")
     def _check_sweep(self) -> Scenario:

@@ -60,11 +60,11 @@ class Requests:
 
 
 def build_requests(cfg: Workload, seed: int, checkpoint: Path | None = None) -> Requests:
-    """`cfg.num_requests` requests, deterministic for `seed`; their text is cut into tokens by the built-in
+    """`cfg.total_requests` requests, deterministic for `seed`; their text is cut into tokens by the built-in
     tokenizer or, given a checkpoint directory, by the checkpoint's (lengths are then in its tokens)."""
     corpus = load_corpus(checkpoint=checkpoint)
     tables = _tables(corpus)
-    n = cfg.num_requests
+    n = cfg.total_requests
     kind_seed, arrival_seed, content_seed = np.random.SeedSequence(seed).spawn(3)
     kind = _draw_kinds(cfg.kinds, n, np.random.default_rng(kind_seed))
     builders = {"code_edit": _code_edit, "summarize": _summarize, "free": _free}

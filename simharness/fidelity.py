@@ -1,0 +1,176 @@
+"""Fidelity: every point of a sweep at each level, on the same requests and seed, and each prediction's error.
+
+The real level (wall clock, real overlap) is the reference. Each sweep point runs once at the sim level (it is
+deterministic) and `fidelity.runs` times at the measured levels (hil, real); a measured level's value of a
+metric is its median over those runs. The relative error of a level at a point is (level - real) / real; per
+level and metric the run reports the median and the worst absolute error over the grid, which the scenario's
+`fidelity.tolerances` gate (the command exits 1 when one is exceeded). The spread of the real level itself
+(max - min over its runs, relative to their median) says how small an error can be told from noise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_args
+
+import numpy as np
+import pandas as pd
+
+from simharness import results
+from simharness.runner import execute
+from simharness.scenario import FidelityMetric, Point, Scenario, ScenarioError, sweep_points
+
+METRICS: tuple[str, ...] = get_args(FidelityMetric)
+LEVELS = {"sim": "model", "hil": "torch", "real": "real"}  # level -> engine.backend
+REFERENCE = "real"
+
+
+@dataclass
+class FidelityResult:
+    """A finished fidelity run: where it lives, every run's summary row, the per-point errors, the per-level
+    statistics and the tolerances exceeded (empty when the run passes)."""
+
+    run_dir: Path
+    summary: pd.DataFrame
+    errors: pd.DataFrame
+    stats: pd.DataFrame
+    violations: list[str]
+
+    @property
+    def report(self) -> Path:
+        return self.run_dir / "report.md"
+
+
+def check_levels(sc: Scenario, levels: list[str]) -> None:
+    """The levels a fidelity run compares: known names, the real level and at least one other."""
+    unknown = [lv for lv in levels if lv not in LEVELS]
+    if unknown:
+        raise ScenarioError(f"--levels: unknown level {unknown[0]!r}; known: {', '.join(LEVELS)}")
+    if REFERENCE not in levels or len(set(levels)) < 2:
+        raise ScenarioError("--levels: needs the real level (the reference) and at least one level to check")
+    if "engine.backend" in sc.sweep:
+        raise ScenarioError("sweep.engine.backend: a fidelity run chooses the level of each point; do not sweep it")
+
+
+def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
+    """Every sweep point at each level: once at the sim level, `fidelity.runs` times at a measured one."""
+    points = []
+    for p in sweep_points(sc):
+        for level in levels:
+            for run in range(1 if level == "sim" else sc.fidelity.runs):
+                scenario = p.scenario.model_copy(deep=True)
+                scenario.engine.backend = LEVELS[level]
+                point_id = f"level={level},run={run}" + ("" if p.id == "base" else f",{p.id}")
+                values = {"config": p.id, "level": level, "run": run, **p.values}
+                points.append(Point(id=point_id, index=len(points), values=values, scenario=scenario))
+    return points
+
+
+def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: list[str] | None = None,
+                 resume: str | Path | None = None, progress=None) -> FidelityResult:
+    """Run `sc` at each of `levels` (default sim, hil, real) into a run directory and write its fidelity report."""
+    levels = levels or list(LEVELS)
+    check_levels(sc, levels)
+    run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress)
+    return write_fidelity(run_dir, levels)
+
+
+def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityResult:
+    """Compute a fidelity run's errors from its finished points and write fidelity.csv/json, plots and report.md."""
+    sc = results.load_run_scenario(run_dir)
+    summary, tables = results.combine(run_dir)
+    levels = levels or [lv for lv in LEVELS if lv in set(summary["level"])]
+    errors = error_table(summary)
+    stats = error_stats(errors)
+    violations = check_tolerances(stats, sc)
+    errors.to_csv(run_dir / "fidelity.csv", index=False)
+    facts = {"levels": levels, "stats": stats.to_dict(orient="records"), "violations": violations,
+             "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
+             "agreement": agreement(summary).to_dict(orient="records"),
+             "real_overhead": overhead(summary, tables["steps"]).to_dict(orient="records")}  # fmt: skip
+    (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
+    from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
+
+    write_fidelity_report(run_dir, sc, summary, errors, stats, facts)
+    return FidelityResult(run_dir, summary, errors, stats, violations)
+
+
+def level_values(summary: pd.DataFrame) -> pd.DataFrame:
+    """Each level's value of every metric at every point: the median over its runs."""
+    return summary.groupby(["config", "level"], sort=False)[list(METRICS)].median()
+
+
+def error_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per point, level (other than the reference) and metric: the level's value, the real value and the
+    relative error (NaN where the real value is 0 or missing)."""
+    values = level_values(summary)
+    real = values.xs(REFERENCE, level="level")
+    rows = []
+    for (config, level), row in values.iterrows():
+        if level == REFERENCE or config not in real.index:
+            continue
+        for metric in METRICS:
+            truth, predicted = real.at[config, metric], row[metric]
+            error = predicted / truth - 1 if truth and np.isfinite(truth) else np.nan
+            rows.append({"config": config, "level": level, "metric": metric, "predicted": predicted,
+                         "real": truth, "rel_error": error})  # fmt: skip
+    return pd.DataFrame(rows, columns=["config", "level", "metric", "predicted", "real", "rel_error"])
+
+
+def error_stats(errors: pd.DataFrame) -> pd.DataFrame:
+    """Per level and metric: the median and worst absolute relative error over the points, and the worst point."""
+    rows = []
+    for (level, metric), group in errors.groupby(["level", "metric"], sort=False):
+        absolute = group["rel_error"].abs().dropna()
+        worst = group.loc[absolute.idxmax(), "config"] if len(absolute) else None
+        rows.append({"level": level, "metric": metric, "points": len(absolute),
+                     "median_abs_error": float(absolute.median()) if len(absolute) else np.nan,
+                     "worst_abs_error": float(absolute.max()) if len(absolute) else np.nan, "worst_point": worst})
+    return pd.DataFrame(rows, columns=["level", "metric", "points", "median_abs_error", "worst_abs_error",
+                                       "worst_point"])  # fmt: skip
+
+
+def check_tolerances(stats: pd.DataFrame, sc: Scenario) -> list[str]:
+    """The scenario's tolerances that the statistics exceed, one line each."""
+    exceeded = []
+    for level, metrics in sc.fidelity.tolerances.items():
+        for metric, tolerance in metrics.items():
+            row = stats[(stats["level"] == level) & (stats["metric"] == metric)]
+            if row.empty:
+                continue  # the level did not run
+            for stat, limit in (("median", tolerance.median), ("worst", tolerance.worst)):
+                value = float(row[f"{stat}_abs_error"].iloc[0])
+                if limit is not None and not value <= limit:
+                    exceeded.append(f"{level} {metric}: {stat} error {value:.1%} > {limit:.1%}")
+    return exceeded
+
+
+def spread(summary: pd.DataFrame, level: str) -> pd.DataFrame:
+    """Per point, how far a level's runs are apart: (max - min) / median of each metric over its runs."""
+    runs = summary[summary["level"] == level].groupby("config", sort=False)[list(METRICS)]
+    out = (runs.max() - runs.min()) / runs.median()
+    out.insert(0, "runs", runs.size())
+    return out.reset_index()
+
+
+def agreement(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per point, whether every hil and real run emitted the same tokens and accepted the same drafts."""
+    measured = summary[summary["level"].isin(["hil", "real"])]
+    counts = measured.groupby("config", sort=False)[["total_output_tokens", "accepted_tokens"]].nunique()
+    return pd.DataFrame({"config": counts.index, "identical": (counts == 1).all(axis=1).to_numpy()})
+
+
+def overhead(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per point, the real level's own host time per decode step (everything but the engine phases it times),
+    median over its decode steps, against the median device step."""
+    real = summary.loc[summary["level"] == REFERENCE, ["point", "config"]]
+    rows = []
+    for point, config in real.itertuples(index=False):
+        s = steps[(steps["point"] == point) & (steps["n_prefill_reqs"] == 0)]
+        device = float((s["gpu_end"] - s["gpu_start"]).median()) if len(s) else np.nan
+        harness = float(s["harness_s"].median()) if len(s) else np.nan
+        rows.append({"config": config, "point": point, "harness_us": harness * 1e6, "device_us": device * 1e6,
+                     "ratio": harness / device if device else np.nan})
+    return pd.DataFrame(rows, columns=["config", "point", "harness_us", "device_us", "ratio"])

@@ -1,0 +1,126 @@
+"""`simharness fidelity`: the error arithmetic by hand, the command end to end on a small CPU grid, bad input."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from simharness.cli import app
+from simharness.fidelity import (
+    METRICS,
+    check_tolerances,
+    error_stats,
+    error_table,
+    fidelity_points,
+    run_fidelity,
+    spread,
+)
+from simharness.scenario import load_scenario, scenario_from_dict
+
+SMALL = {"sweep": {"scheduler.depth": [1, 2]}, "workload.num_requests": 3,
+         "workload.output_len": {"dist": "fixed", "value": 8}}  # fmt: skip
+
+
+def summary_rows(config: str, level: str, tpots: list[float]) -> list[dict]:
+    """Summary rows of one point's runs at a level, every metric = 10 except mean TPOT."""
+    return [{"config": config, "level": level, "run": r, **dict.fromkeys(METRICS, 10.0), "mean_tpot_ms": t}
+            for r, t in enumerate(tpots)]
+
+
+def test_errors_by_hand():
+    runs = {("a", "real"): [2.0, 2.2, 1.8], ("a", "hil"): [2.1, 2.3], ("a", "sim"): [1.0],
+            ("b", "real"): [4.0, 4.0], ("b", "hil"): [3.0, 5.0], ("b", "sim"): [5.0]}  # fmt: skip
+    summary = pd.DataFrame([row for (config, level), tpots in runs.items() for row in summary_rows(config, level, tpots)])
+    errors = error_table(summary)
+    tpot = errors[errors["metric"] == "mean_tpot_ms"].set_index(["config", "level"])
+    # a level's value is its median over runs: real a = 2.0, hil a = 2.2 -> +10%; sim a = 1.0 -> -50%
+    assert tpot.loc[("a", "hil"), "rel_error"] == pytest.approx(0.1)
+    assert tpot.loc[("a", "sim"), "rel_error"] == pytest.approx(-0.5)
+    assert tpot.loc[("b", "hil"), "rel_error"] == pytest.approx(0.0)  # median of 3 and 5 is 4
+    assert tpot.loc[("b", "sim"), "rel_error"] == pytest.approx(0.25)
+    assert (errors[errors["metric"] != "mean_tpot_ms"]["rel_error"] == 0).all()
+    stats = error_stats(errors).set_index(["level", "metric"])
+    assert stats.loc[("hil", "mean_tpot_ms"), "median_abs_error"] == pytest.approx(0.05)
+    assert stats.loc[("hil", "mean_tpot_ms"), "worst_abs_error"] == pytest.approx(0.1)
+    assert stats.loc[("hil", "mean_tpot_ms"), "worst_point"] == "a"
+    assert stats.loc[("sim", "mean_tpot_ms"), "median_abs_error"] == pytest.approx(0.375)
+    sc = scenario_from_dict({"name": "t", "fidelity": {"tolerances": {
+        "hil": {"mean_tpot_ms": {"median": 0.06, "worst": 0.08}}, "sim": {"p99_tpot_ms": {"median": 0.01}}}}})
+    assert check_tolerances(error_stats(errors), sc) == ["hil mean_tpot_ms: worst error 10.0% > 8.0%"]
+    real = spread(summary, "real").set_index("config")
+    assert real.loc["a", "mean_tpot_ms"] == pytest.approx(0.4 / 2.0) and real.loc["a", "runs"] == 3
+    assert real.loc["b", "mean_tpot_ms"] == 0
+
+
+def test_points_run_each_level_on_the_same_requests():
+    sc = load_scenario("scenarios/fidelity-cpu.yaml", SMALL)
+    points = fidelity_points(sc, ["sim", "hil", "real"])
+    assert len(points) == 2 * (1 + 2 + 2)  # sim once, the measured levels fidelity.runs = 2 times
+    assert {p.scenario.engine.backend for p in points} == {"model", "torch", "real"}
+    assert {p.scenario.seed for p in points} == {sc.seed}
+    assert len({p.id for p in points}) == len(points) and [p.index for p in points] == list(range(len(points)))
+
+
+def test_fidelity_end_to_end_on_the_cpu(tmp_path):
+    sc = load_scenario("scenarios/fidelity-cpu.yaml", SMALL)
+    result = run_fidelity(sc, tmp_path)
+    assert sorted(set(result.summary["level"])) == ["hil", "real", "sim"]
+    assert len(result.errors) == 2 * 2 * len(METRICS)  # 2 points x 2 levels checked x metrics
+    assert result.errors["rel_error"].notna().all()
+    for name in ("report.md", "fidelity.csv", "fidelity.json", "plots/fidelity_scatter.png",
+                 "plots/fidelity_errors.png", "summary.csv", "steps.parquet"):
+        assert (result.run_dir / name).is_file(), name
+    facts = json.loads((result.run_dir / "fidelity.json").read_text())
+    assert all(r["identical"] for r in facts["agreement"])  # hil and real emitted the same tokens
+    assert len(facts["real_overhead"]) == 2 * 2
+    report = result.report.read_text()
+    assert "## Error per level and metric" in report and "hil" in report
+    # resume: nothing left to run, the same errors
+    again = run_fidelity(sc, tmp_path, resume=result.run_dir)
+    pd.testing.assert_frame_equal(again.errors[["config", "level", "metric"]], result.errors[["config", "level",
+                                                                                                 "metric"]])
+    # the report command re-renders a fidelity run's report
+    out = CliRunner().invoke(app, ["report", str(result.run_dir)])
+    assert out.exit_code == 0 and "report:" in out.output
+
+
+def test_a_tolerance_exceeded_exits_1(tmp_path):
+    scenario = tmp_path / "tight.yaml"
+    data = load_scenario("scenarios/fidelity-cpu.yaml", {**SMALL, "sweep": {"scheduler.depth": [1]},
+                                                         "fidelity.runs": 1}).model_dump(mode="json")
+    data["fidelity"]["tolerances"] = {"sim": {"mean_tpot_ms": {"median": 0.001}}}  # sim is far off on a CPU
+    scenario.write_text(json.dumps(data))
+    out = CliRunner().invoke(app, ["fidelity", str(scenario), "--out", str(tmp_path / "out")])
+    assert out.exit_code == 1, out.output
+    assert "tolerance exceeded" in out.output and "sim mean_tpot_ms" in out.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--levels", "sim,hil,gpu"], "unknown level 'gpu'"),
+    (["--levels", "sim,hil"], "needs the real level"),
+    (["--levels", "real"], "needs the real level"),
+    (["--set", "sweep={engine.backend: [model, real]}"], "sweep.engine.backend"),
+    (["--set", "fidelity.runs=0"], "fidelity.runs"),
+    (["--set", "fidelity.tolerances.hil.mean_tpot_ms.median=-1"], "fidelity.tolerances.hil.mean_tpot_ms.median"),
+    (["--set", "engine.device=cuda"], "engine.device: cuda"),
+])  # fmt: skip
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
+    import torch
+
+    if "engine.device=cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = CliRunner().invoke(app, ["fidelity", "scenarios/fidelity-cpu.yaml", "--out", str(tmp_path / "o"), *args])
+    assert out.exit_code == 2, out.output
+    assert message in out.output and "Traceback" not in out.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_levels_of_a_point_agree_on_its_emitted_tokens():
+    """The per-point token check compares every measured run: a differing count is reported."""
+    from simharness.fidelity import agreement
+
+    summary = pd.DataFrame({"config": ["a"] * 3 + ["b"] * 2, "level": ["sim", "hil", "real", "hil", "real"],
+                            "total_output_tokens": [1, 5, 5, 7, 8], "accepted_tokens": [0, 3, 3, 4, 4]})
+    got = agreement(summary).set_index("config")["identical"]
+    assert got.to_dict() == {"a": True, "b": False}

@@ -1,0 +1,110 @@
+"""The real level on CUDA (run on the GPU machine): the 1B-shaped target replays its steered reference in every
+scheduling mode, and the wall-clock loop overlaps host and device as CUDA does: a step costs about host +
+device at depth 1 and about max(host, device) at depth 2."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import hil_requests
+
+from simharness.engine.decode import DecodeLoop
+from simharness.engine.model import Transformer
+from simharness.engine.timing import sleep_rate
+from simharness.engine.torch_backend import TorchBackend, capacity
+from simharness.models import model_config
+from simharness.modes import resolve_mode
+from simharness.realloop import RealLoop
+from simharness.scenario import scenario_from_dict
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N_REQUESTS = 6
+VOCAB = 512
+
+
+def real_scenario(depth=1, policy="optimistic", proposer="ngram_gpu", invalid="trim", concurrency=4, **host):
+    return scenario_from_dict({
+        "name": "real-cuda-test",
+        "workload": {"arrival": "closed", "concurrency": concurrency, "num_requests": N_REQUESTS},
+        "engine": {"backend": "real", "device": "cuda", "model": "llama-3.2-1b",
+                   "speculation": {"proposer": proposer, "k": 4, "invalid_slots": invalid},
+                   **({"host_costs": host} if host else {})},
+        "scheduler": {"depth": depth, "policy": policy, "max_num_batched_tokens": 64},
+    })
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return hil_requests(N_REQUESTS, VOCAB, steer_all=True)
+
+
+@pytest.fixture(scope="module")
+def model(requests):
+    deepest = real_scenario(depth=3)
+    slots, positions = capacity(deepest, requests, resolve_mode(deepest))
+    return Transformer(model_config("llama-3.2-1b"), max_slots=slots, max_len=positions, device="cuda",
+                       cuda_graphs=True)
+
+
+def run_real(sc, requests, model):
+    mode = resolve_mode(sc)
+    backend = TorchBackend(sc, requests, model, mode, hold=False)
+    with backend.syncs:
+        records, _ = RealLoop(sc, requests, mode, backend).run()
+    return backend, records
+
+
+MODES = list(itertools.product([1, 2, 3], ["wait", "optimistic"], ["ngram_cpu", "ngram_gpu"], ["trim", "fill"]))
+
+
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
+def test_real_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
+    backend, records = run_real(real_scenario(depth, policy, proposer, invalid), requests, model)
+    for rid in range(N_REQUESTS):
+        np.testing.assert_array_equal(backend.output_tokens(rid), requests.output_tokens[rid], err_msg=f"req {rid}")
+    steps = records.steps_frame()
+    assert steps["emitted"].sum() == requests.output_len.sum()
+    assert (steps["gpu_end"] > steps["gpu_start"]).all()
+    assert (steps["gpu_start"] >= steps["prep_start"]).all()  # the device starts no earlier than the launch
+    assert (steps["update_start"] >= steps["gpu_end"]).all()  # outputs are settled after the device finished
+
+
+def decode_steps(records):
+    steps = records.steps_frame()
+    return steps[steps["n_prefill_reqs"] == 0]
+
+
+def cycle(records) -> tuple[float, float, float, float]:
+    """Medians over the decode steps: the step cycle (between consecutive schedule starts), the host's busy time
+    outside the launch (schedule, prep, update) and in it, and the device time."""
+    s = decode_steps(records)
+    period = float(np.median(np.diff(s["schedule_start"].to_numpy())[2:]))
+    outside = sum(s[f"{p}_end"] - s[f"{p}_start"] for p in ("schedule", "prep", "update"))
+    return (period, float(np.median(outside)), float(np.median(s["launch_end"] - s["prep_end"])),
+            float(np.median(s["gpu_end"] - s["gpu_start"])))
+
+
+def test_overlap_host_bound_and_device_bound(requests, model, monkeypatch):
+    """Host-bound (8 ms of modelled update work per step) and device-bound (each decode step first sleeps 8 ms on
+    the GPU): at depth 2 the cycle is the larger of host and device, at depth 1 about their sum (the device
+    runs a step while the host launches it, so the launch overlaps)."""
+    host_bound = {d: cycle(run_real(real_scenario(d, invalid="fill", update_us=8000.0), requests, model)[1])
+                  for d in (1, 2)}  # fmt: skip
+    (p1, outside1, launch1, device1), (p2, outside2, launch2, _) = host_bound[1], host_bound[2]
+    assert p2 == pytest.approx(outside2 + launch2, rel=0.15)
+    assert p1 == pytest.approx(outside1 + max(launch1, device1), rel=0.15)
+
+    rate = sleep_rate()  # GPU cycles per second of the sleep kernel
+    step = DecodeLoop.step
+
+    def slow_step(self, *args, **kwargs):
+        torch.cuda._sleep(int(8e-3 * rate))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLoop, "step", slow_step)
+    device_bound = {d: cycle(run_real(real_scenario(d, invalid="fill"), requests, model)[1]) for d in (1, 2)}
+    (p1, outside1, launch1, device1), (p2, _, _, device2) = device_bound[1], device_bound[2]
+    assert device2 > 8e-3 and p2 == pytest.approx(device2, rel=0.1)
+    assert p1 == pytest.approx(outside1 + max(launch1, device1), rel=0.15)
