@@ -31,7 +31,7 @@ def summary_rows(config: str, level: str, tpots: list[float]) -> list[dict]:
 def test_errors_by_hand():
     runs = {("a", "real"): [2.0, 2.2, 1.8], ("a", "hil"): [2.1, 2.3], ("a", "sim"): [1.0],
             ("b", "real"): [4.0, 4.0], ("b", "hil"): [3.0, 5.0], ("b", "sim"): [5.0]}  # fmt: skip
-    summary = pd.DataFrame([row for (config, level), tpots in runs.items() for row in summary_rows(config, level, tpots)])
+    summary = pd.DataFrame([row for (config, level), t in runs.items() for row in summary_rows(config, level, t)])
     errors = error_table(summary)
     tpot = errors[errors["metric"] == "mean_tpot_ms"].set_index(["config", "level"])
     # a level's value is its median over runs: real a = 2.0, hil a = 2.2 -> +10%; sim a = 1.0 -> -50%
