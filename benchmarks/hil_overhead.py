@@ -5,7 +5,7 @@ depth 1/2/3) on the real decode loop and reads the steps table: `harness_s` is t
 step spent outside the engine's measured work (the SimPy model, the scheduler, the host's mirror of the
 device, the records). The goal is below 10% of the step's device time at concurrency 64 on the GPU machine.
 A breakdown times the scheduler's calls, the backend's bookkeeping after each readback, the slot
-release and the GPU hold's setup (CUDA) by wrapping them; the rest is the SimPy model and the records. Usage:
+release and the GPU gates (CUDA) by wrapping them; the rest is the SimPy model and the records. Usage:
 
     python benchmarks/hil_overhead.py [--scenario scenarios/hil.yaml] [--set K=V]... [--depths 1 2 3]
 """
@@ -50,14 +50,14 @@ def run_point(sc, requests, hil: MeasuredEngine, *, breakdown: bool) -> tuple[ob
     mode = resolve_mode(sc)
     backend = hil.backend(sc, requests, mode)
     sim = Simulation(sc, requests, mode, backend)
-    totals = dict.fromkeys(["schedule", "settle", "release", "hold", "run_step", "run_step_measured", "read_back"],
+    totals = dict.fromkeys(["schedule", "settle", "release", "gate", "run_step", "run_step_measured", "read_back"],
                            0.0)  # fmt: skip
     if breakdown:
         timed(sim.core.sched, "schedule", totals)
         timed(sim.core.sched, "settle", totals)
         timed(backend, "release", totals)
-        if backend.timing is not None:  # CUDA only: the GPU hold's setup before each launch part
-            timed(backend.timing, "before", totals, "hold")
+        if backend.timing is not None:  # CUDA only: the GPU gate before each launch part
+            timed(backend.timing, "before", totals, "gate")
         # bookkeeping after a readback = run's wall time less what it counts as measured (wait and copy)
         inside_run_step = [False]
         run_step, leave = backend.run, backend._leave
@@ -119,7 +119,7 @@ def measure(sc, requests, hil: MeasuredEngine, *, breakdown: bool) -> dict[str, 
         n = len(steps)
         bookkeeping = totals["run_step"] - totals["run_step_measured"]
         pieces = {"schedule": totals["schedule"], "settle": totals["settle"], "bookkeeping": bookkeeping,
-                  "release": totals["release"], "hold": totals["hold"]}
+                  "release": totals["release"], "gate": totals["gate"]}
         pieces["rest"] = float(steps.harness_s.sum()) - sum(pieces.values())  # the SimPy model and the records
         pieces["read_back"] = totals["read_back"]  # part of bookkeeping: its compiled pass
         row.update({f"{k}_us": v / n * 1e6 for k, v in pieces.items()})
@@ -144,7 +144,7 @@ def main() -> None:
     print(f"# {args.scenario} with {overrides}; model {first.engine.model} on {hil.model.device}", flush=True)
     cols = ["steps", "decode_steps", "device_us", "harness_us", "ratio_median", "ratio_total", "wall_per_step_us"]
     if args.breakdown:
-        cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "hold_us", "rest_us"]
+        cols += ["schedule_us", "settle_us", "bookkeeping_us", "read_back_us", "release_us", "gate_us", "rest_us"]
     print("| point | run | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for p in points:

@@ -71,10 +71,10 @@ def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n:
 
 
 def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> tuple[Records, float, TorchBackend]:
-    """One point on the real decode loop at its level: hil (virtual time, the GPU held before each launch part so
-    that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
+    """One point on the real decode loop at its level: hil (virtual time, the device gated in front of each launch
+    part so that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
     hil = sc.engine.backend == "torch"
-    backend = TorchBackend(sc, requests, model, mode, hold=hil, steer=sc.engine.steer)
+    backend = TorchBackend(sc, requests, model, mode, gate=hil, steer=sc.engine.steer)
     level = Simulation(sc, requests, mode, backend) if hil else RealLoop(sc, requests, mode, backend)
     with backend.syncs:
         records, duration = level.run()

@@ -160,8 +160,8 @@ def _run_point(run_dir: Path, point: Point, mode: Mode, requests: Requests, meas
         records, duration, backend = measured.run(sc, requests, mode)
         device_syncs = backend.syncs.frame()
         if level == "hil" and backend.starved_steps:
-            notes.append(f"{backend.starved_steps} steps' enqueue outlasted the GPU hold (their device times may "
-                         "include launch gaps)")
+            notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
+                         "may include launch gaps)")
         ignored = ignored_fields(sc)
         if ignored:
             message = f"{', '.join(ignored)}: set, but a {level} point measures what they model; ignored"

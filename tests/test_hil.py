@@ -89,7 +89,7 @@ def plain_greedy(model: Transformer, requests: Requests) -> list[np.ndarray]:
 
 def run_hil(sc, requests, model):
     mode = resolve_mode(sc)
-    backend = TorchBackend(sc, requests, model, mode, hold=True)
+    backend = TorchBackend(sc, requests, model, mode, gate=True)
     sim = Simulation(sc, requests, mode, backend)
     with backend.syncs:
         records, _ = sim.run()
@@ -207,12 +207,11 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
     assert "## Device sync sites" in report and "## Measured vs modelled" in report
 
 
-def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch):
-    """The GPU hold before a part of a launch (CUDA only, so faked here): a spin kernel of three times the
-    fastest recent enqueue plus 0.5 ms, so that a blocked enqueue cannot grow the next hold; then, when given a
-    list, the part's start event, recorded; from the third part of a launch on, the host first waits for the end
-    of the part two back, so that holds cannot fill the stream's launch queue. Without a hold (the real level)
-    only the event is recorded."""
+def test_part_timing_gates_each_part_until_enqueued(monkeypatch):
+    """The gate in front of a part of a launch (CUDA only, so faked here): closed before the part's start event,
+    opened once the part is enqueued; from the third part of a launch on, the host first waits for the end of the
+    part two back, so that it cannot fill the stream's launch queue. An enqueue too long for the gate's polls
+    marks the launch starved. Without a gate (the real level) only the event is recorded."""
     from simharness.engine import timing as timing_module
 
     calls = []
@@ -227,36 +226,41 @@ def test_gpu_hold_is_three_fastest_enqueues_plus_half_a_millisecond(monkeypatch)
         def synchronize(self):
             calls.append(f"wait {self.name}")
 
-    monkeypatch.setattr(timing_module.torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
+    class Gate:
+        def close(self):
+            calls.append("close")
+
+        def open(self):
+            calls.append("open")
+
     monkeypatch.setattr(timing_module.torch.cuda, "Event", Event)
-    monkeypatch.setattr(timing_module, "sleep_rate", lambda: 1e9)
-    timing = timing_module.PartTiming(hold=True)
-    for enqueue in [4e-3, 9e-3, 1e-3, 6e-3]:
-        timing.after("prefill", enqueue, hold=1.0)
+    monkeypatch.setattr(timing_module, "Gate", Gate)
+    timing = timing_module.PartTiming(gate=True)
     events = []
-    hold = timing.before("prefill", events)
-    assert hold == pytest.approx(3 * 1e-3 + 5e-4)
-    assert calls == [int(hold * 1e9), "record"] and len(events) == 1
-    timing.after("prefill", 5.0, hold)  # a host blocked for seconds does not grow the hold
-    assert timing.starved and timing.before("prefill", None) == hold
+    timing.before(events)
+    timing.after(1e-3)
+    assert calls == ["close", "record", "open"] and len(events) == 1 and not timing.starved
+    timing.after(timing_module.STARVED_S * 2)  # a host blocked longer than the gate polls
+    assert timing.starved
     calls.clear()
     events = [Event(name=f"{kind}{i}") for i in range(2) for kind in ("start", "end")]  # two chunks launched
-    step_hold = timing.before("step", events)
-    assert step_hold == pytest.approx(3 * 3e-3 + 5e-4)  # the decode step's own first guess
-    assert calls == ["wait end0", int(step_hold * 1e9), "record"] and len(events) == 5
+    timing.before(events)
+    assert calls == ["wait end0", "close", "record"] and len(events) == 5
     assert timing.host_s > 0
     timing.start_launch()
     assert timing.host_s == 0 and not timing.starved
     calls.clear()
-    assert timing_module.PartTiming(hold=False).before("prefill", events) == float("inf")
-    assert calls == ["record"]
+    plain = timing_module.PartTiming(gate=False)
+    plain.before(events)
+    plain.after(10.0)
+    assert calls == ["record"] and not plain.starved
 
 
-def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, model, plain_greedy, monkeypatch):
+def test_cuda_launch_gates_each_prefill_chunk_and_the_decode_step(requests, model, plain_greedy, monkeypatch):
     """The CUDA path of launch and readback, run on the CPU with the spin kernel and the timing events faked:
-    every prefill chunk gets its own hold and a start and end event, the decode step one hold and no event of
+    every prefill chunk gets its own gate and a start and end event, the decode step one gate and no event of
     the backend's, a step with prefills one last event that the readback waits for; the prefill phase is the
-    sum of its chunks' event intervals, the holds count as harness time, and the tokens are still right."""
+    sum of its chunks' event intervals, the gates count as harness time, and the tokens are still right."""
     import time
 
     from simharness.engine import timing as timing_module
@@ -282,9 +286,13 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
                 time.sleep(GPU_WAIT_S)
             calls.append("wait")
 
-    def sleep(cycles: int) -> None:
-        time.sleep(2e-3)  # host time the hold costs, which must land in harness_s
-        calls.append("hold")
+    class Gate:
+        def close(self) -> None:
+            time.sleep(2e-3)  # host time the gate costs, which must land in harness_s
+            calls.append("gate")
+
+        def open(self) -> None:
+            calls.append("open")
 
     class FakeCuda(TorchBackend):
         def _to_device(self, values):  # no pinned memory without CUDA
@@ -292,13 +300,12 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
 
     empty = torch.empty
     monkeypatch.setattr(torch_backend.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
-    monkeypatch.setattr(torch_backend.torch.cuda, "_sleep", sleep)
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
-    monkeypatch.setattr(timing_module, "sleep_rate", lambda: 1e9)
+    monkeypatch.setattr(timing_module, "Gate", Gate)
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32)
     mode = resolve_mode(sc)
-    backend = FakeCuda(sc, requests, model, mode, hold=True)
-    backend.cuda, backend.timing = True, timing_module.PartTiming(hold=True)
+    backend = FakeCuda(sc, requests, model, mode, gate=True)
+    backend.cuda, backend.timing = True, timing_module.PartTiming(gate=True)
     waited_for = [None]  # the event a step with prefills is waited for at its readback (its last)
     launch_, wait_ = backend.launch, backend.loop.wait
 
@@ -322,7 +329,7 @@ def test_cuda_launch_holds_each_prefill_chunk_and_the_decode_step(requests, mode
     chunks, decodes = int(steps["n_prefill_reqs"].sum()), int((steps["decode_tokens"] > 0).sum())
     with_prefill = int((steps["n_prefill_reqs"] > 0).sum())
     assert chunks > N_REQUESTS  # some prompt took more than one chunk
-    assert calls.count("hold") == chunks + decodes
+    assert calls.count("gate") == calls.count("open") == chunks + decodes
     assert calls.count("record") == 2 * chunks + with_prefill
     # every step is waited for at its readback, and from its third prefill chunk on each chunk waits for the end
     # of the chunk two back

@@ -55,7 +55,7 @@ MODES = list(itertools.product([1, 2, 3], ["wait", "optimistic"], ["ngram_cpu", 
 def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
     sc = hil_scenario(depth, policy, proposer, invalid)
     mode = resolve_mode(sc)
-    backend = TorchBackend(sc, requests, model, mode, hold=True)
+    backend = TorchBackend(sc, requests, model, mode, gate=True)
     with backend.syncs:
         records, _ = Simulation(sc, requests, mode, backend).run()
     for rid in range(N_REQUESTS):

@@ -4,11 +4,13 @@ reference / torch versions, keep the target distribution, and the n-gram paths m
 Run this file in its own pytest process: the CPU kernel tests set TRITON_INTERPRET=1 for the process."""
 
 import os
+import time
 
 import pytest
 import torch
 from helpers import chisquare_pvalue
 
+from simharness.kernels.gate import Gate
 from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
 from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
 
@@ -175,3 +177,17 @@ def test_rejection_random_rows_preserve_the_target_at_every_position() -> None:
             cells, probabilities = tokens, p[K]
         observed = torch.bincount(cells, minlength=len(probabilities)).numpy()
         assert chisquare_pvalue(observed, probabilities.numpy()) > 1e-4, f"position {i}"
+
+
+def test_closed_gate_holds_the_stream_until_opened():
+    """The hil level's gate (kernels/gate.py): the device waits at a closed gate until the host opens it."""
+    gate = Gate()
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    gate.close()
+    after.record()
+    time.sleep(0.05)
+    assert not after.query()  # the device still waits at the gate
+    gate.open()
+    after.synchronize()
+    assert before.elapsed_time(after) >= 45.0  # ms: the gate held the stream while the host slept

@@ -17,7 +17,7 @@ from simharness.scenario import load_scenario
 
 def run_real(sc, requests, model):  # noqa: F811
     mode = resolve_mode(sc)
-    backend = TorchBackend(sc, requests, model, mode, hold=False)
+    backend = TorchBackend(sc, requests, model, mode, gate=False)
     with backend.syncs:
         records, duration = RealLoop(sc, requests, mode, backend).run()
     return backend, records, duration

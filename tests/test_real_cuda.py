@@ -11,7 +11,6 @@ from helpers import hil_requests
 
 from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer
-from simharness.engine.timing import sleep_rate
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.models import model_config
 from simharness.modes import resolve_mode
@@ -50,7 +49,7 @@ def model(requests):
 
 def run_real(sc, requests, model):
     mode = resolve_mode(sc)
-    backend = TorchBackend(sc, requests, model, mode, hold=False)
+    backend = TorchBackend(sc, requests, model, mode, gate=False)
     with backend.syncs:
         records, _ = RealLoop(sc, requests, mode, backend).run()
     return backend, records
@@ -96,7 +95,7 @@ def test_overlap_host_bound_and_device_bound(requests, model, monkeypatch):
     assert p2 == pytest.approx(outside2 + launch2, rel=0.15)
     assert p1 == pytest.approx(outside1 + max(launch1, device1), rel=0.15)
 
-    rate = sleep_rate()  # GPU cycles per second of the sleep kernel
+    rate = sleep_rate()
     step = DecodeLoop.step
 
     def slow_step(self, *args, **kwargs):
@@ -108,3 +107,15 @@ def test_overlap_host_bound_and_device_bound(requests, model, monkeypatch):
     (p1, outside1, launch1, device1), (p2, _, _, device2) = device_bound[1], device_bound[2]
     assert device2 > 8e-3 and p2 == pytest.approx(device2, rel=0.1)
     assert p1 == pytest.approx(outside1 + max(launch1, device1), rel=0.15)
+
+
+def sleep_rate() -> float:
+    """GPU clock cycles per second of `torch.cuda._sleep` (the device-bound step's extra work)."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # warm-up
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)

@@ -1,67 +1,57 @@
-"""Device timing: the parts of a launch on CUDA (with the hil level's GPU hold), and the real level's device clock.
+"""Device timing: the parts of a launch on CUDA (with the hil level's gate), and the real level's device clock.
 
 A launch enqueues its parts one after another: each prefill chunk, then the decode step (whose phases the
-decode loop's own events time). With `hold` (hil) each part is preceded by a spin kernel
-(`torch.cuda._sleep`) long enough that the host finishes enqueueing the part before the device reaches it,
-so its events time the device work alone, not gaps where the device waited for eager launches; docs/hil.md
-says how the hold is sized and what went wrong before. Without it (the real level) the device runs each
-kernel as it arrives and the events time what really happened. Either way the timing's own host time is
-harness time, kept in `host_s` and left out of the measured launch.
+decode loop's own events time). With the gate (hil) the device waits in front of each part until the host has
+enqueued all of it (`kernels.gate`), so the part's events time the device work alone, not gaps where the
+device waited for eager launches, a compile or a blocked host; docs/hil.md says why a gate and not a spin of
+fixed length. Without it (the real level) the device runs each kernel as it arrives and the events time what
+really happened. Either way the timing's own host time is harness time, kept in `host_s` and left out of the
+measured launch.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 
 import torch
 
-# Host enqueue times kept to size the hold, and the first guesses.
-ENQUEUE_WINDOW = 16
-FIRST_STEP_ENQUEUE_S = 3e-3
-FIRST_PREFILL_ENQUEUE_S = 10e-3
-HOLD_FACTOR = 3.0  # times the fastest recent enqueue
-HOLD_MARGIN_S = 5e-4
+from simharness.kernels.gate import MAX_POLLS, Gate
+
+# An enqueue longer than this may have outlasted the gate's polls (about a microsecond each on the H100).
+STARVED_S = MAX_POLLS * 0.25e-6
 
 
 class PartTiming:
-    """Times the parts of each launch on one CUDA stream; `hold` adds the GPU hold before each part."""
+    """Times the parts of each launch on one CUDA stream; `gate` (hil) closes a gate in front of each part."""
 
-    def __init__(self, hold: bool):
-        self.hold = hold
-        self.enqueue = {"prefill": deque([FIRST_PREFILL_ENQUEUE_S], maxlen=ENQUEUE_WINDOW),
-                        "step": deque([FIRST_STEP_ENQUEUE_S], maxlen=ENQUEUE_WINDOW)}  # fmt: skip
-        self.cycles_per_s = sleep_rate() if hold else 0.0
+    def __init__(self, gate: bool):
+        self.gate = Gate() if gate else None
         self.host_s = 0.0  # host time of the timing itself in the current launch (harness time)
-        self.starved = False  # the current launch had a part whose enqueue outlasted its hold
+        self.starved = False  # the current launch had a part whose enqueue may have outlasted its gate
 
     def start_launch(self) -> None:
         self.host_s, self.starved = 0.0, False
 
-    def before(self, part: str, events: list | None) -> float:
-        """Before a part is enqueued: hold the GPU (hil) and, given `events`, record the part's start there.
-        Returns the hold's length (inf without one).
-
-        The hold is three times the fastest recent enqueue of such parts plus 0.5 ms: an enqueue the host spent
-        blocked must not grow the next hold. From the third prefill chunk of a launch on, the host first waits
-        for the end of the chunk two back, so that holds cannot fill the stream's launch queue."""
+    def before(self, events: list | None) -> None:
+        """Before a part is enqueued: close the gate (hil) and, given `events`, record the part's start there.
+        From the third prefill chunk of a launch on, the host first waits for the end of the chunk two back, so
+        that a host far ahead of the device does not fill the stream's launch queue and block in its enqueue."""
         t = time.perf_counter()
-        hold = math.inf
-        if self.hold:
+        if self.gate is not None:
             if events is not None and len(events) >= 4:
                 events[-3].synchronize()  # the end of the chunk two back
-            hold = HOLD_FACTOR * min(self.enqueue[part]) + HOLD_MARGIN_S
-            torch.cuda._sleep(int(hold * self.cycles_per_s))
+            self.gate.close()
         if events is not None:
             record(events)
         self.host_s += time.perf_counter() - t
-        return hold
 
-    def after(self, part: str, enqueue_s: float, hold: float) -> None:
-        """A part took `enqueue_s` of host time to enqueue after a hold of `hold` seconds."""
-        self.enqueue[part].append(enqueue_s)
-        self.starved |= enqueue_s > hold
+    def after(self, enqueue_s: float) -> None:
+        """The host enqueued the part in `enqueue_s`: open the gate (hil)."""
+        if self.gate is not None:
+            t = time.perf_counter()
+            self.gate.open()
+            self.starved |= enqueue_s > STARVED_S
+            self.host_s += time.perf_counter() - t
 
     def mark(self, events: list) -> None:
         """Record the end of a part (or of the launch) in `events`."""
@@ -75,23 +65,6 @@ def record(events: list) -> None:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     events.append(event)
-
-
-_SLEEP_RATE: list[float] = []
-
-
-def sleep_rate() -> float:
-    """GPU clock cycles per second of `torch.cuda._sleep`, measured once per process."""
-    if not _SLEEP_RATE:
-        cycles = 10_000_000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)  # warm-up
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SLEEP_RATE.append(cycles / (start.elapsed_time(end) / 1e3))
-    return _SLEEP_RATE[0]
 
 
 class DeviceClock:

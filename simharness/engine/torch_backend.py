@@ -68,10 +68,11 @@ class _Launch:
 
 
 class TorchBackend:
-    """Runs each launched step on the real decode loop; durations and outcomes are measured. `hold` (CUDA,
-    hil) holds the GPU before each part of a launch so that its device time excludes launch gaps."""
+    """Runs each launched step on the real decode loop; durations and outcomes are measured. `gate` (CUDA,
+    hil) holds the device in front of each part of a launch until it is enqueued, so that its device time
+    excludes launch gaps."""
 
-    def __init__(self, sc: Scenario, requests: Requests, model: Transformer, mode: Mode, *, hold: bool,
+    def __init__(self, sc: Scenario, requests: Requests, model: Transformer, mode: Mode, *, gate: bool,
                  steer: bool = True):
         spec = sc.engine.speculation
         self.req = requests
@@ -117,9 +118,9 @@ class TorchBackend:
         self.host_drafts = np.full((n, max(mode.k, 1)), NO_DRAFT, dtype=np.int64)  # CPU proposer's drafts
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
-        self.timing = PartTiming(hold) if self.cuda else None
+        self.timing = PartTiming(gate) if self.cuda else None
         self.clock: DeviceClock | None = None  # the real level's: device timestamps of each step (`start_clock`)
-        self.starved_steps = 0  # steps whose enqueue outlasted the hold: their device time may hold gaps
+        self.starved_steps = 0  # steps whose enqueue may have outlasted a gate: their device time may hold gaps
         # harness overhead: wall time outside the engine's measured work (prep, launch, the readback wait and
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
@@ -193,12 +194,13 @@ class TorchBackend:
                 self._launch_prefills(launch, t0)
             step_s = 0.0
             if len(launch.decode_rids):
-                hold = timing.before("step", None) if timing is not None else 0.0
+                if timing is not None:
+                    timing.before(None)
                 t = time.perf_counter()
                 launch.result = self.loop.step(launch.slots, lengths=launch.lengths, drafts=launch.drafts)
                 step_s = time.perf_counter() - t
                 if timing is not None:
-                    timing.after("step", step_s, hold)
+                    timing.after(step_s)
                     marks, shift = self.loop.host_marks(launch.result), t0 + timing.host_s
                     launch.enqueue += [(marks[i] - shift, marks[i + 1] - shift) for i in range(len(marks) - 1)]
             if launch.first_device is not None:
@@ -225,7 +227,8 @@ class TorchBackend:
         timing = self.timing
         firsts, valid = [], []
         for rid, start, last, ids in launch.prefills:
-            hold = timing.before("prefill", launch.events) if timing is not None else 0.0
+            if timing is not None:
+                timing.before(launch.events)
             t = time.perf_counter()
             slot = int(self.slot[rid])
             if not last:
@@ -239,7 +242,7 @@ class TorchBackend:
             if timing is None:
                 launch.prefill_s += enqueue  # on the CPU the work ran inside the call
             else:
-                timing.after("prefill", enqueue, hold)
+                timing.after(enqueue)
                 begin = t - t0 - timing.host_s
                 launch.enqueue.append((begin, begin + enqueue))
                 timing.mark(launch.events)  # the chunk's end on the device
@@ -275,7 +278,7 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         launch = self.launches.pop(step.step)
         with phase("readback"):
-            # The wait is the GPU's time (a hold's spin included), not the host's readback: it ends before t_read.
+            # The wait is the GPU's time (gates included), not the host's readback: it ends before t_read.
             self._wait(launch)
             t_read = time.perf_counter()
             if launch.window:
