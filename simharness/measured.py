@@ -70,6 +70,20 @@ def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n:
     run_level(sc.model_copy(update={"workload": workload}), few, mode, model)
 
 
+def warm_prefill_shapes(model: Transformer, longest: int) -> None:
+    """On CUDA, once per process: a prefill chunk of every length up to `longest`, fresh and after a cached
+    prefix. A GEMM of a new shape may use a cuBLAS kernel not used before, and CUDA loads kernels lazily, on
+    first use, synchronizing the device to do so: in a measured step that blocks the host mid-enqueue (in hil,
+    behind a closed gate, until the gate gives up). docs/hil.md has the H100 measurement."""
+    if model.device.type != "cuda":
+        return
+    tokens = torch.zeros(longest, dtype=torch.int64, device=model.device)
+    for n in range(1, min(longest, model.max_len - 1) + 1):
+        model.prefill(0, tokens[:n])
+        model.prefill(0, tokens[:n], start=1)
+    torch.cuda.synchronize()
+
+
 def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> tuple[Records, float, TorchBackend]:
     """One point on the real decode loop at its level: hil (virtual time, the device gated in front of each launch
     part so that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
@@ -94,6 +108,8 @@ class MeasuredEngine:
             s, n = capacity(sc, workload(sc), mode)
             slots, positions = max(slots, s), max(positions, n)
         self.model = build_model(points[0][0].engine, slots, positions)
+        longest = max(min(int(workload(sc).prompt_len.max()), sc.scheduler.max_num_batched_tokens) for sc, _ in points)
+        warm_prefill_shapes(self.model, longest)
 
     def describe(self) -> str:
         device = self.model.device

@@ -61,6 +61,9 @@ def decode(loop: DecodeLoop, references: list[list[int]] | None = None, temperat
         result = loop.step(torch.tensor([active[i] for i in batch]))
         out = loop.readback(result)
         assert len(out.phase_s) == len(PHASES) and min(out.phase_s) >= 0
+        # the verify's inputs and its forward are separate parts, which add up to its phase
+        assert len(out.parts_s) == len(PHASES) + 1 and out.parts_s[0] + out.parts_s[1] == out.phase_s[0]
+        assert out.parts_s[2:] == out.phase_s[1:]
         for row, i in enumerate(batch):
             n = int(out.num_emitted[row])
             assert (out.tokens[row, n:] == -1).all()

@@ -27,6 +27,8 @@ from simharness.kernels.rejection import rejection_sample
 from simharness.records import DEVICE_PHASES
 
 PHASES = DEVICE_PHASES[1:]  # the decode step's device phases, in order (a step's prefill chunks come first)
+# Part boundaries of a decode step: its start, the verify's forward, then the end of each of PHASES.
+MARKS = len(PHASES) + 2
 # Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
 STEER_MARGIN = 30.0
 # Steps that may be launched and not yet read back: async queue depth (<= 3 in vLLM) plus one.
@@ -54,6 +56,7 @@ class StepOutput:
     num_drafts: np.ndarray  # [B]
     next_valid: np.ndarray  # [B]: valid drafts proposed for the next step (0 without a device proposer)
     phase_s: tuple[float, ...]  # per PHASES
+    parts_s: tuple[float, ...]  # per enqueued part: the verify's inputs, its forward, then PHASES[1:]
     packed: np.ndarray  # [B, k+4]: the four above side by side (they are its views), for one compiled call
 
 
@@ -63,8 +66,8 @@ class _Staging:
 
     device: Tensor  # [max_slots, k+4] int64: output, num_emitted, num_drafts, next_valid
     host: Tensor
-    events: list = field(default_factory=list)  # CUDA: 5 phase marks + copy done
-    times: list[float] = field(default_factory=list)  # host perf_counter at the 5 phase marks (CPU: the phases)
+    events: list = field(default_factory=list)  # CUDA: a mark per part boundary (MARKS), then copy done
+    times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
     step_id: int = -1
 
 
@@ -125,7 +128,7 @@ class DecodeLoop:
         if not self.cuda:  # on the CPU the packed results already are host memory
             return _Staging(device=packed, host=packed)
         host = torch.zeros_like(packed, device="cpu").pin_memory()
-        return _Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(6)])
+        return _Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(MARKS + 1)])
 
     def _to_device(self, ids: Sequence[int] | Tensor) -> Tensor:
         """Token ids as a 1-D int64 device tensor; host data goes through pinned memory so that no
@@ -217,8 +220,8 @@ class DecodeLoop:
             raise ValueError("without a device proposer every step needs the host's drafts")
         ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
-        staging.step_id = self._step_id
-        self._mark(staging, 0)
+        staging.step_id, staging.times = self._step_id, []
+        self._mark(staging)
         with phase("gpu_verify"):
             if lengths is None:
                 lengths = self.lengths[slots]
@@ -236,6 +239,7 @@ class DecodeLoop:
                     num_drafts = self._all_drafts[: slots.shape[0]]
             # NO_DRAFT is no token id: the model sees the last token there, the sampler still sees it (rejected).
             model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
+            self._mark(staging)  # the forward's own part: a graph replay enqueued last is not spread out
             logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
             if self._steered:
                 # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
@@ -243,13 +247,13 @@ class DecodeLoop:
                 ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
                 ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, NO_DRAFT)
                 steer_logits(logits, ref_tokens, STEER_MARGIN)
-            self._mark(staging, 1)
+            self._mark(staging)
 
         with phase("gpu_sample"):
             output, num_emitted = rejection_sample(
                 logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
             )
-            self._mark(staging, 2)
+            self._mark(staging)
 
         with phase("gpu_commit"):
             # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past
@@ -260,14 +264,14 @@ class DecodeLoop:
             self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
             new_lengths = lengths + num_emitted
             self.lengths.index_copy_(0, slots, new_lengths)
-            self._mark(staging, 3)
+            self._mark(staging)
 
         with phase("gpu_propose"):
             if self.device_proposer:
                 new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
                 self.drafts.index_copy_(0, slots, new_drafts)
                 self.num_valid.index_copy_(0, slots, new_valid)
-            self._mark(staging, 4)
+            self._mark(staging)
 
         batch = slots.shape[0]
         staging.device[:batch, : k + 1] = output
@@ -277,27 +281,25 @@ class DecodeLoop:
             staging.device[:batch, k + 3] = new_valid
         if self.cuda:
             staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)
-            staging.events[5].record()
+            staging.events[MARKS].record()
         self._step_id += 1
         return StepResult(output, num_emitted, num_drafts, batch, staging.step_id, ring_index)
 
-    def _mark(self, staging: _Staging, i: int) -> None:
-        """Phase boundary i: a device event on CUDA, and the host's time (on CUDA, when phase i's enqueue ended)."""
+    def _mark(self, staging: _Staging) -> None:
+        """The next part boundary: a device event on CUDA, and the host's time (on CUDA, when the part's enqueue
+        ended)."""
         if self.cuda:
-            staging.events[i].record()
-        if i == 0:
-            staging.times = [time.perf_counter()]
-        else:
-            staging.times.append(time.perf_counter())
+            staging.events[len(staging.times)].record()
+        staging.times.append(time.perf_counter())
 
     def host_marks(self, result: StepResult) -> list[float]:
-        """The host's perf_counter at the step's phase boundaries (its start, then the end of each of PHASES)."""
+        """The host's perf_counter at the step's part boundaries (its start, then the end of each part)."""
         return self._staging(result).times
 
     def wait(self, result: StepResult) -> None:
         """Block until the step and its copy to the host are done (CUDA; on the CPU it ran when launched)."""
         if self.cuda:
-            self._staging(result).events[5].synchronize()
+            self._staging(result).events[MARKS].synchronize()
 
     def readback(self, result: StepResult) -> StepOutput:
         """Copy a finished step's tokens and counts to the host and read its phase times; call `wait` first (the
@@ -305,15 +307,17 @@ class DecodeLoop:
         staging = self._staging(result)
         if self.cuda:
             marks = staging.events
-            if not marks[5].query():
+            if not marks[MARKS].query():
                 raise RuntimeError(f"step {result.step_id} read back before `wait` returned for it")
-            phase_s = tuple(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(len(PHASES)))
+            parts_s = tuple(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(MARKS - 1))
         else:
             marks = staging.times
-            phase_s = tuple(marks[i + 1] - marks[i] for i in range(len(PHASES)))
+            parts_s = tuple(marks[i + 1] - marks[i] for i in range(MARKS - 1))
+        phase_s = (parts_s[0] + parts_s[1], *parts_s[2:])
         packed = staging.host[: result.batch].numpy().copy()
         k = self.k
-        return StepOutput(packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3], phase_s, packed)
+        tokens, emitted, drafts, valid = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3]
+        return StepOutput(tokens, emitted, drafts, valid, phase_s, parts_s, packed)
 
     def _staging(self, result: StepResult) -> _Staging:
         staging = self._ring[result.ring_index]

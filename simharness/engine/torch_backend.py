@@ -304,7 +304,7 @@ class TorchBackend:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
         step.set_device_phases((prefill_s, *decode_s))
         if step.enqueue is not None:  # the device time of each enqueued part, in order
-            step.parts_s = (*chunks_s, *(decode_s if out is not None else ()))
+            step.parts_s = (*chunks_s, *(out.parts_s if out is not None else ()))
         if first is not None:
             rids = np.asarray(first_rids)
             self.history[rids, self.prompt_len[rids]] = first[0]

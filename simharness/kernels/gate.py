@@ -13,9 +13,10 @@ import functools
 
 import torch
 
-# A closed gate gives up after this many polls of host memory (about a microsecond each over PCIe), so that a
-# host blocked inside a part's enqueue (a sync, a full launch queue) cannot hang the device for ever.
-MAX_POLLS = 2_000_000
+# A closed gate gives up after this many polls of host memory (about 4 us each on the H100, over PCIe), so that
+# a host blocked inside a part's enqueue (a sync, a kernel loaded on first use, a full launch queue) is not
+# deadlocked against it for long; the hil level flags such steps.
+MAX_POLLS = 20_000
 
 
 @functools.cache
