@@ -4,7 +4,7 @@ Lookups are per request `r` at committed length `j` (the number of its output to
 committed, >= 1 while decoding: the prefill step emits the first token).
 - `iid(alpha)` and `positional(rates)`: k drafts every step; the accepted count is drawn so that
   P(accepted >= j) is alpha^j, or the product of the first j conditional rates (vLLM's synthetic
-  rejection sampler, vllm-notes §3.1 item 9).
+  rejection sampler, docs/vllm-notes.md "Rejection sampler").
 - `replay`: greedy decoding of the request's reference output with the real n-gram proposer. Under
   greedy sampling a draft is accepted iff it equals the next reference token, so the drafts and the
   accepted count at each committed length depend only on the token stream, not on scheduling: they

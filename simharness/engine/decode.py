@@ -1,9 +1,10 @@
 """The real speculative decode loop: verify, rejection-sample, commit, propose, all on the device.
 
-MRV2 style (vllm-notes §1.3, §4.5): the device tensors are the truth. Per slot the loop keeps the
-committed token history, its length, the drafts proposed for the next step and an optional reference
-continuation, so step N+1 can be launched without the host having read step N's result. `readback` is
-the one device-to-host copy and the one sync of a step; a scheduler may defer it (async depth >= 2).
+MRV2 style (docs/vllm-notes.md, "N-gram proposer (GPU)" and "Async scheduling and the optimistic correction"): the
+device tensors are the truth. Per slot the loop keeps the committed token history, its length, the drafts proposed
+for the next step and an optional reference continuation, so step N+1 can be launched without the host having read
+step N's result. `readback` is the one device-to-host copy and the one sync of a step; a scheduler may defer it
+(async depth >= 2).
 
 Cache invariant: a slot with committed length n has K/V for positions 0..n-2 in the model's cache; its
 last committed token is fed at position n-1 together with the k drafts. Rejected drafts' K/V stay past
@@ -211,9 +212,10 @@ class DecodeLoop:
         `slots` is an int64 device tensor of distinct slot ids (any subset, any order, changing every
         step). Everything is launched on the device; nothing here waits for it. By default the device
         state is the truth: committed lengths (positions) and drafts are the device's own, which is the
-        optimistic policy's GPU-side correction (vllm-notes §4.5). A host that knows better passes them:
-        `lengths` [B] after reading the accepted counts (the `wait` policy), `drafts` [B, k] (NO_DRAFT = none)
-        from the CPU proposer, `num_drafts` [B] int32 when it trimmed the drafts to the valid ones.
+        optimistic policy's GPU-side correction (docs/vllm-notes.md, "Async scheduling"). A host that knows
+        better passes them: `lengths` [B] after reading the accepted counts (the `wait` policy), `drafts`
+        [B, k] (NO_DRAFT = none) from the CPU proposer, `num_drafts` [B] int32 when it trimmed the drafts to
+        the valid ones.
         """
         k, max_len = self.k, self.max_len
         if drafts is None and k > 0 and not self.device_proposer:

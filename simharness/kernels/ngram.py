@@ -1,12 +1,11 @@
 """N-gram (prompt-lookup) draft proposer: plain-Python reference, vectorised torch, fused Triton, numpy row.
 
-Policy (shared by every implementation, see DESIGN.md "Kernels" and vllm-notes §1-§2): take the longest
-n in [min_n, max_n] such that the last n committed tokens (the suffix) also occur at an earlier start p
-with at least one committed token after them (p + n <= seq_len - 1, which also excludes the suffix
-itself); among the occurrences of that n pick the earliest (vLLM V1 GPU/CPU) or the most recent (vLLM
-MRV2 Triton); draft the up-to-k committed tokens that follow it. Invalid slots hold -1 ("pad", V1) or
-the last committed token ("fill", MRV2, which verifies them as ordinary drafts instead of trimming; -1 for
-an empty row).
+Policy (shared by every implementation, see docs/design.md "Kernels" and docs/vllm-notes.md "N-gram proposer"):
+take the longest n in [min_n, max_n] such that the last n committed tokens (the suffix) also occur at an earlier
+start p with at least one committed token after them (p + n <= seq_len - 1, which also excludes the suffix itself);
+among the occurrences of that n pick the earliest (vLLM V1 GPU/CPU) or the most recent (vLLM MRV2 Triton); draft
+the up-to-k committed tokens that follow it. Invalid slots hold -1 ("pad", V1) or the last committed token ("fill",
+MRV2, which verifies them as ordinary drafts instead of trimming; -1 for an empty row).
 
 The fast versions index candidates by the window's *end* e = p + n - 1: the drafts start at e + 1 for
 every n, and the window of length n ending at e matches iff the window of length n - 1 ending at e

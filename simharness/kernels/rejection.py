@@ -1,11 +1,10 @@
 """Rejection sampler for n-gram drafts (one-hot q): readable torch reference and a fused Triton version.
 
-Semantics (DESIGN.md "Kernels", vllm-notes §3): greedy rows (temperature 0) accept draft i while it
-equals argmax(logits[i]) and emit that argmax at the first rejection; random rows accept draft x with
-probability min(1, p_i(x)) where p = softmax(logits / T), and at the first rejection sample from p_i
-with x removed (Leviathan et al. 2023 with q = one-hot). If every draft is accepted, a bonus token
-comes from position num_drafts. A -1 draft is always rejected. Output [B, k+1] int64 padded with -1,
-and num_emitted = accepted + 1.
+Semantics (docs/design.md "Kernels", docs/vllm-notes.md "Rejection sampler"): greedy rows (temperature 0) accept
+draft i while it equals argmax(logits[i]) and emit that argmax at the first rejection; random rows accept draft x
+with probability min(1, p_i(x)) where p = softmax(logits / T), and at the first rejection sample from p_i with x
+removed (Leviathan et al. 2023 with q = one-hot). If every draft is accepted, a bonus token comes from position
+num_drafts. A -1 draft is always rejected. Output [B, k+1] int64 padded with -1, and num_emitted = accepted + 1.
 """
 
 import torch
