@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -189,7 +187,8 @@ def test_empty_inputs() -> None:
     assert "p99_itl_ms" in m and "acceptance_rate_pos_1" in m and "request_goodput" in m
 
 
-def test_fast_on_a_long_run() -> None:
+def test_a_long_run() -> None:
+    """100k emissions over 20k steps (benchmarks/harness_speed.py times it)."""
     rng = np.random.default_rng(0)
     n_req, n_emit = 5_000, 100_000
     rid = rng.integers(0, n_req, n_emit)
@@ -200,8 +199,6 @@ def test_fast_on_a_long_run() -> None:
     requests = _requests([{"request_id": i, "arrival_s": 0.0, "output_tokens": 20, "first_token_s": first[i],
                            "last_token_s": last[i]} for i in first.index])
     steps = _steps([{"gpu_start": i * 1e-3, "gpu_end": (i + 0.9) * 1e-3} for i in range(20_000)], k=4)
-    start = time.perf_counter()
     m = compute_metrics(requests, emissions, steps, EMPTY_SYNCS, duration_s=100.0, percentiles=[50, 90, 99],
                         goodput=Goodput(tpot_ms=50), k=4)
-    assert time.perf_counter() - start < 1.0  # typically ~0.1 s
     assert m["completed"] == n_req and m["gpu_busy_fraction"] == pytest.approx(0.9 * 20_000 / 19_999.9)

@@ -4,10 +4,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # CI has no GPU: the Triton kernels run in Triton's interpreter
 
-import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 from helpers import interpreted_kernels
@@ -159,17 +157,3 @@ def test_bad_arguments_raise(kwargs: dict) -> None:
     for impl in (propose_ngram_reference, propose_ngram_torch, propose_ngram_triton):
         with pytest.raises(ValueError):
             impl(torch.zeros((1, 4), dtype=torch.int64), torch.tensor([4]), **kwargs)
-
-
-def test_row_version_is_fast() -> None:
-    """The replay acceptance model calls it every simulated step: well under 50 us for a 4k history
-    on an idle machine; the bound here is loose so that a loaded CI runner does not flake."""
-    history = np.random.default_rng(0).integers(0, 200, 4096)
-    for _ in range(20):
-        propose_ngram_row(history, min_n=2, max_n=5, k=4)
-    times = []
-    for _ in range(200):
-        start = time.perf_counter()
-        propose_ngram_row(history, min_n=2, max_n=5, k=4)
-        times.append(time.perf_counter() - start)
-    assert np.median(times) < 250e-6

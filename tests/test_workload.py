@@ -1,6 +1,5 @@
 """Workload: deterministic requests whose lengths, kinds, arrivals and copy structure are as configured."""
 
-import time
 
 import numpy as np
 import pytest
@@ -128,10 +127,3 @@ def test_arrival_processes():
         assert gaps.mean() == pytest.approx(1 / rate)
         assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(shape), rel=0.05)
     assert arrival_times(workload(arrival="closed"), n, rng) is None
-
-
-def test_build_is_fast():
-    load_corpus()
-    start = time.perf_counter()
-    build_requests(workload(num_requests=1000), seed=0)
-    assert time.perf_counter() - start < 2.0
