@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from simharness.scenario import ScenarioError, load_scenario, parse_value
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_value
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.")
@@ -26,6 +27,19 @@ def fail(message: str) -> None:
     """Bad input: one clear message, exit status 2, no traceback."""
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def load(scenario: Path, sets: list[str]) -> Scenario:
+    """The scenario with its --set overrides; what the validation notes (an override replacing a sweep) is printed."""
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ScenarioNote)
+        sc = load_scenario(scenario, parse_sets(sets))
+    for note in notes:
+        if issubclass(note.category, ScenarioNote):
+            err.print(f"[bold]note:[/] {note.message}", highlight=False, soft_wrap=True)
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    return sc
 
 
 def parse_sets(sets: list[str]) -> dict[str, object]:
@@ -50,7 +64,7 @@ def run_cmd(
 
     state: dict = {}
     try:
-        sc = load_scenario(scenario, parse_sets(sets))
+        sc = load(scenario, sets)
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[point]}"), console=err, transient=True,
@@ -87,7 +101,7 @@ def fidelity_cmd(
     from simharness.fidelity import run_fidelity
 
     try:
-        sc = load_scenario(scenario, parse_sets(sets))
+        sc = load(scenario, sets)
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[point]}"), console=err, transient=True,
@@ -116,15 +130,16 @@ def fidelity_cmd(
 
 def summary_table(summary, swept: list[str]) -> Table:
     """The run's headline metrics, a row per point, labelled by its swept values as in the report. The numbers
-    never wrap (their two-line headers are as narrow as they are); the label takes the width that is left."""
+    never wrap (their two-line headers are as narrow as they are); the label takes the width that is left, which
+    holds two swept values at 80 columns, and wraps between values, never inside one."""
     from simharness.report import point_label
 
-    table = Table(title="summary", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    cols = [("mean\nTPOT ms", "mean_tpot_ms", "{:.3f}"), ("P99\nTPOT ms", "p99_tpot_ms", "{:.3f}"),
-            ("mean\nTTFT ms", "mean_ttft_ms", "{:.1f}"), ("out\ntok/s", "output_throughput", "{:.0f}"),
+    table = Table(title="summary (latencies in ms)", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
+    cols = [("mean\nTPOT", "mean_tpot_ms", "{:.3f}"), ("P99\nTPOT", "p99_tpot_ms", "{:.3f}"),
+            ("mean\nTTFT", "mean_ttft_ms", "{:.1f}"), ("out\ntok/s", "output_throughput", "{:.0f}"),
             ("accept\n%", "acceptance_rate", "{:.1f}"), ("GPU\nbusy", "gpu_busy_fraction", "{:.2f}"),
             ("syncs\n/step", "syncs_per_step", "{:.2f}")]
-    table.add_column("point", overflow="fold", ratio=1)
+    table.add_column("point", overflow="fold")
     for title, _, _ in cols:
         table.add_column(title, justify="right", no_wrap=True)
     for _, row in summary.iterrows():
