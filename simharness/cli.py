@@ -176,20 +176,27 @@ def compare_cmd(
     force: Annotated[bool, typer.Option(help="compare runs of different scenarios")] = False,
     show_all: Annotated[bool, typer.Option("--all", help="list unchanged metrics too")] = False,
 ) -> None:
-    """Compare two runs point by point; exit 1 if anything regressed, 2 on bad input."""
+    """Compare two runs point by point.
+
+    Exit status: 0 no regression and the same points; 1 a metric regressed; 2 bad input (or --json not writable);
+    3 no regression, but a point of one run is missing in the other (an unfinished run).
+    """
     from simharness.compare import CompareError, compare, markdown, to_json
 
-    if threshold <= 0:
-        fail("--threshold: must be > 0")
     try:
         rows = compare(base, current, threshold=threshold, force=force)
     except CompareError as e:
         fail(str(e))
-    typer.echo(markdown(rows, show_all=show_all))
     if json_out is not None:
-        json_out.write_text(json.dumps(to_json(rows), indent=1))
+        try:
+            json_out.write_text(json.dumps(to_json(rows), indent=1))
+        except OSError as e:
+            fail(f"--json {json_out}: cannot write ({e.strerror or e})")
+    typer.echo(markdown(rows, show_all=show_all))
     if any(r.verdict == "regression" for r in rows):
         raise typer.Exit(1)
+    if any(r.verdict.startswith("missing") for r in rows):
+        raise typer.Exit(3)
 
 
 @bench_app.command("kernels")
