@@ -1,4 +1,8 @@
-"""The `simharness` command line: a thin layer over the Python API."""
+"""The `simharness` command line: a thin layer over the Python API.
+
+Exit status: 0 done; 1 a regression (compare) or a tolerance exceeded (fidelity); 2 bad input, with one message
+naming the field; 3 compare: a point of one run is missing in the other; 130 interrupted (finished points kept).
+"""
 
 from __future__ import annotations
 
@@ -16,11 +20,17 @@ from rich.table import Table
 
 from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_value
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.")
+# Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
+bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.",
+                        rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True)
 out = Console()
+
+
+SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; on a swept field it replaces the sweep; "
+            "sweep.scheduler.depth=[1,2] sets a sweep")
 
 
 def fail(message: str) -> None:
@@ -54,12 +64,17 @@ def parse_sets(sets: list[str]) -> dict[str, object]:
 
 @app.command("run")
 def run_cmd(
-    scenario: Annotated[Path, typer.Argument(help="scenario YAML file")],
-    out_dir: Annotated[Path, typer.Option("--out", help="results root")] = Path("results"),
-    sets: Annotated[list[str], typer.Option("--set", help="override a field: KEY=VALUE (repeatable)")] = [],  # noqa: B006
-    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory")] = None,
+    scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
+    out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results"),
+    sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
+    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory",
+                                                metavar="RUN_DIR")] = None,
 ) -> None:
-    """Run a scenario's sweep; print a summary table and where the report is."""
+    """Run a scenario's sweep; print a summary table and where the report is.
+
+    Exit status: 0 done; 2 bad input (one message naming the field; nothing written); 130 interrupted (the finished
+    points are kept: --resume RUN_DIR finishes the rest).
+    """
     from simharness.runner import run
 
     state: dict = {}
@@ -90,14 +105,19 @@ def run_cmd(
 
 @app.command("fidelity")
 def fidelity_cmd(
-    scenario: Annotated[Path, typer.Argument(help="scenario YAML file")],
-    levels: Annotated[str, typer.Option(help="levels to run, comma-separated; real is the reference")] = "sim,hil,real",
-    out_dir: Annotated[Path, typer.Option("--out", help="results root")] = Path("results/fidelity"),
-    sets: Annotated[list[str], typer.Option("--set", help="override a field: KEY=VALUE (repeatable)")] = [],  # noqa: B006
-    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run")] = None,
+    scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
+    levels: Annotated[str, typer.Option(help="levels to run, comma-separated; real is the reference",
+                                        metavar="LEVELS")] = "sim,hil,real",
+    out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results/fidelity"),
+    sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
+    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run",
+                                                metavar="RUN_DIR")] = None,
 ) -> None:
     """Run every point at each level on the same requests and seed; report each level's error against the real
-    level. Exit 1 when an error exceeds the scenario's fidelity.tolerances, 2 on bad input."""
+    level.
+
+    Exit status: 0 done; 1 an error exceeds the scenario's fidelity.tolerances; 2 bad input.
+    """
     from simharness.fidelity import run_fidelity
 
     try:
@@ -149,8 +169,11 @@ def summary_table(summary, swept: list[str]) -> Table:
 
 
 @app.command("report")
-def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
-    """Re-render a run directory's report (and its combined tables) from its points."""
+def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", metavar="RUN_DIR")]) -> None:
+    """Re-render a run directory's report (and its combined tables) from its points.
+
+    Exit status: 0 done; 2 not a run directory, or one that cannot be written.
+    """
     from simharness import results
     from simharness.report import write_report
 
@@ -163,16 +186,23 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")])
 
         out.print(f"report: {write_fidelity(run_dir).report}")
         return
-    results.combine(run_dir)
-    out.print(f"report: {write_report(run_dir)}")
+    try:
+        with results.writing(run_dir, fresh=False):
+            results.combine(run_dir)
+            report = write_report(run_dir)
+    except ScenarioError as e:
+        fail(str(e))
+    out.print(f"report: {report}")
 
 
 @app.command("compare")
 def compare_cmd(
-    base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json")],
-    current: Annotated[Path, typer.Argument(help="current run directory or summary.json")],
-    threshold: Annotated[float, typer.Option(help="relative change that counts as a regression")] = 0.05,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists")] = None,
+    base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json", metavar="BASE")],
+    current: Annotated[Path, typer.Argument(help="current run directory or summary.json", metavar="CURRENT")],
+    threshold: Annotated[float, typer.Option(help="relative change that counts as a regression",
+                                             metavar="FRACTION")] = 0.05,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists",
+                                                  metavar="FILE")] = None,
     force: Annotated[bool, typer.Option(help="compare runs of different scenarios")] = False,
     show_all: Annotated[bool, typer.Option("--all", help="list unchanged metrics too")] = False,
 ) -> None:
@@ -201,11 +231,15 @@ def compare_cmd(
 
 @bench_app.command("kernels")
 def bench_kernels(
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cuda",
-    out_dir: Annotated[Path, typer.Option("--out", help="where kernels.csv/.md go")] = Path("results/kernels"),
+    device: Annotated[str, typer.Option(help="cpu or cuda", metavar="DEVICE")] = "cuda",
+    out_dir: Annotated[Path, typer.Option("--out", help="where kernels.csv/.md go", metavar="DIR")] = Path(
+        "results/kernels"),
     quick: Annotated[bool, typer.Option(help="small sizes, few repeats")] = False,
 ) -> None:
-    """Benchmark the n-gram proposer, rejection sampler and verify step."""
+    """Benchmark the n-gram proposer, rejection sampler and verify step.
+
+    Exit status: 0 done; 2 bad input (no CUDA device for --device cuda).
+    """
     import torch
 
     from simharness.kernels.bench import run_kernel_bench

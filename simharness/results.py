@@ -24,7 +24,7 @@ import pandas as pd
 import yaml
 
 from simharness.jit import loaded_digest
-from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
+from simharness.scenario import Scenario, ScenarioError, load_scenario
 
 TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
 
@@ -72,7 +72,7 @@ def load_run_scenario(run_dir: Path) -> Scenario:
     path = run_dir / "scenario.yaml"
     if not path.is_file():
         raise ScenarioError(f"{run_dir}: not a run directory (no scenario.yaml)")
-    return scenario_from_dict(yaml.safe_load(path.read_text()))
+    return load_scenario(path)
 
 
 def point_dir(run_dir: Path, index: int) -> Path:
