@@ -28,7 +28,7 @@ from simharness.scenario import Speculation
 from simharness.workload import Requests
 
 if TYPE_CHECKING:
-    from simharness.kernels.ngram import TieBreak
+    from simharness.kernels import TieBreak
 
 NO_SURVIVAL = np.zeros(0, dtype=np.float64)
 NO_TABLE = np.zeros(0, dtype=np.int64)

@@ -4,8 +4,11 @@ help pages are plain and list the exit codes."""
 
 import errno
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +20,7 @@ from typer.testing import CliRunner
 from simharness import results
 from simharness.cli import app, summary_table
 
+ROOT = Path(__file__).resolve().parents[1]
 # A tiny sim scenario (iid acceptance: no torch import, well under a second a point).
 TINY = {
     "name": "tiny",
@@ -218,3 +222,23 @@ def test_help_pages_are_plain_and_list_exit_codes(command):
     assert "Exit status: 0 done" in r.stdout or "Exit status: 0 no regression" in r.stdout, r.stdout
     assert re.search(r"; 2 (bad input|not a run directory)", " ".join(r.stdout.split())), r.stdout
     assert not re.search(r"<(bool|list\[str\]|float|text)>", r.stdout), r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# a CPU-only install: no Triton
+
+
+def test_sim_scenarios_run_without_triton(tmp_path):
+    """The CPU build of torch comes without Triton: the quickstart and the CI scenario must not need it."""
+    shim = "import sys; sys.modules['triton'] = None; from simharness.cli import main; main()"  # import fails
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    procs = {name: subprocess.Popen([sys.executable, "-c", shim, "run", f"scenarios/{name}.yaml", "--out",
+                                     str(tmp_path / name)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name in ("quickstart", "ci")}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        assert "report: " in stdout and "Traceback" not in stderr
+        (run_dir,) = run_dirs(tmp_path / name)
+        assert json.loads((run_dir / "meta.json").read_text())["scenario"] == name

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 LAYERS = [
     ["jit", "models", "scenario", "tokenizer", "kernels"],  # the scenario, the model catalogue, leaf utilities
     ["corpus", "workload"],  # requests
-    ["kernels.ngram", "kernels.rejection"],  # the decode loop's kernels
+    ["kernels.ngram", "kernels.ngram_triton", "kernels.rejection"],  # the decode loop's kernels
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records

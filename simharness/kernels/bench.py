@@ -21,7 +21,8 @@ import torch
 import triton
 
 from simharness.engine.model import bench_verify_step
-from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
+from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch
+from simharness.kernels.ngram_triton import propose_ngram_triton
 from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
 
 Row = dict[str, object]
