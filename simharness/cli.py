@@ -242,13 +242,20 @@ def bench_kernels(
     """
     import torch
 
-    from simharness.kernels.bench import run_kernel_bench
+    from simharness.kernels.bench import kernel_tables, run_kernel_bench
 
+    if device not in ("cpu", "cuda"):
+        fail(f"--device: {device!r} is neither cpu nor cuda")
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: no CUDA device here (use --device cpu)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = run_kernel_bench(device, out_dir, quick=quick)
-    out.print(table.to_string(index=False))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {out_dir}: cannot create it ({e.strerror or e})")
+    frame = run_kernel_bench(device, out_dir, quick=quick)
+    for kernel, table in kernel_tables(frame):  # one per kernel: no column of another kernel's NaNs
+        out.print(f"\n[bold]{kernel}[/]")
+        out.print(table.to_string(index=False, na_rep="", float_format="{:.4g}".format), highlight=False)
     out.print(f"written: {out_dir / 'kernels.md'}")
 
 

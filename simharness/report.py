@@ -39,6 +39,7 @@ HOST_COLORS = {
 }
 GPU_COLORS = ("slategray", "lightslategray")  # alternate so back-to-back steps stay distinct
 MARKERS = "os^Dv<>p"
+LINESTYLES = ("-", "--", ":", "-.")
 
 
 def write_report(run_dir: Path) -> Path:
@@ -348,7 +349,11 @@ def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_c
     if by_concurrency:
         for i, (mode, rows) in enumerate(summary.groupby("mode", sort=False)):
             rows = rows.sort_values(CONCURRENCY)
-            ax.plot(rows[CONCURRENCY], rows[column], marker=MARKERS[i % len(MARKERS)], label=mode)
+            # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
+            # thinner, with a smaller open or filled marker of another shape, in another dash pattern
+            ax.plot(rows[CONCURRENCY], rows[column], marker=MARKERS[i % len(MARKERS)], label=mode,
+                    linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=max(0.8, 2.2 - 0.3 * i),
+                    markersize=max(3.0, 9.0 - 1.2 * i), fillstyle="none" if i % 2 else "full", zorder=2 + i)
         xs = sorted(summary[CONCURRENCY].unique())
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -417,8 +422,10 @@ def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, t
         if width > 0.04 * span_ms:
             ax.text(x + width / 2, 0.5, str(step), ha="center", va="center", fontsize=7, color="white")
     busy = sum(width for _, width in bars) / span_ms if span_ms else 0.0
-    ax.set_title(f"{title}: steps {window['step'].iloc[0]}–{window['step'].iloc[-1]}, "
-                 f"GPU busy {busy:.0%} in window", loc="left", fontsize="small")
+    # the title names what the panel shows: every GPU step with a bar in it (the window's, and any step before or
+    # after it that overlaps its edges, clipped)
+    ax.set_title(f"{title}: GPU steps {gpu['step'].min()}–{gpu['step'].max()} in {span_ms:.2f} ms, "
+                 f"GPU busy {busy:.0%}", loc="left", fontsize="small")
     return span_ms
 
 

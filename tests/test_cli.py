@@ -242,3 +242,22 @@ def test_sim_scenarios_run_without_triton(tmp_path):
         assert "report: " in stdout and "Traceback" not in stderr
         (run_dir,) = run_dirs(tmp_path / name)
         assert json.loads((run_dir / "meta.json").read_text())["scenario"] == name
+
+
+def test_bench_kernels_prints_no_nan_frame(tmp_path, monkeypatch):
+    """Each kernel's rows are printed with that kernel's columns only (a NaN-filled frame said nothing)."""
+    import simharness.kernels.bench as bench
+
+    frame = pd.DataFrame([
+        {"kernel": "ngram", "impl": "torch", "batch": 16, "width": 2048, "device_ms": 1.5, "speedup_vs_torch": 1.0},
+        {"kernel": "rejection", "impl": "reference", "batch": 16, "k": 4, "device_ms": 2.5, "pct_of_copy_bw": 0.4},
+        {"kernel": "verify", "impl": "eager", "batch": 1, "model": "tiny", "device_ms": 19.0, "wall_ms": float("nan")},
+    ])
+    monkeypatch.setattr(bench, "run_kernel_bench", lambda device, out_dir, quick=False: frame)
+    r = invoke("bench", "kernels", "--device", "cpu", "--quick", "--out", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "NaN" not in r.stdout and "nan" not in r.stdout.lower().replace("ngram", "")
+    assert r.stdout.index("ngram") < r.stdout.index("speedup_vs_torch") < r.stdout.index("rejection")
+    assert "pct_of_copy_bw" not in r.stdout.split("rejection")[0]
+    r = invoke("bench", "kernels", "--device", "tpu")
+    assert r.exit_code == 2 and "--device: 'tpu' is neither cpu nor cuda" in r.stderr

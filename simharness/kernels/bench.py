@@ -278,12 +278,19 @@ def write_tables(
         "best floor / weights_floor_ms (what no implementation can beat, in units of the weight-read floor), "
         "x_best_floor = device_ms / best floor",
     ]
+    for kernel, table in kernel_tables(frame):
+        lines += ["", f"## {kernel}", "", *markdown_table(table)]
+    (out_dir / "kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def kernel_tables(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """One table per kernel with only the columns it fills: what describes a row, then what was measured."""
+    tables = []
     for kernel, table in frame.groupby("kernel", sort=False):
         table = table.dropna(axis=1, how="all").drop(columns="kernel")
         measured = [column for column in MEASURED_COLUMNS if column in table.columns]
-        table = table[[column for column in table.columns if column not in measured] + measured]
-        lines += ["", f"## {kernel}", "", *markdown_table(table)]
-    (out_dir / "kernels.md").write_text("\n".join(lines) + "\n")
+        tables.append((str(kernel), table[[column for column in table.columns if column not in measured] + measured]))
+    return tables
 
 
 def markdown_table(table: pd.DataFrame) -> list[str]:
