@@ -288,6 +288,9 @@ def kernel_tables(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     tables = []
     for kernel, table in frame.groupby("kernel", sort=False):
         table = table.dropna(axis=1, how="all").drop(columns="kernel")
+        whole = [c for c in table.columns if table[c].dtype.kind == "f" and (table[c].dropna() % 1 == 0).all()
+                 and c not in MEASURED_COLUMNS]
+        table = table.astype(dict.fromkeys(whole, "Int64"))  # a size column, float only for the other kernels' NaN
         measured = [column for column in MEASURED_COLUMNS if column in table.columns]
         tables.append((str(kernel), table[[column for column in table.columns if column not in measured] + measured]))
     return tables
@@ -295,6 +298,8 @@ def kernel_tables(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
 
 def markdown_table(table: pd.DataFrame) -> list[str]:
     def cell(value: object) -> str:
+        if value is pd.NA:
+            return ""
         if isinstance(value, float):
             return "" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
         return str(value)
