@@ -228,14 +228,17 @@ def test_help_pages_are_plain_and_list_exit_codes(command):
 # a CPU-only install: no Triton
 
 
-def test_sim_scenarios_run_without_triton(tmp_path):
-    """The CPU build of torch comes without Triton: the quickstart and the CI scenario must not need it."""
+@pytest.mark.slow
+def test_scenarios_run_without_triton(tmp_path):
+    """The CPU build of torch comes without Triton: the quickstart, the CI scenario and hil on CPU (the real decode
+    loop, its torch ops) must not need it."""
     shim = "import sys; sys.modules['triton'] = None; from simharness.cli import main; main()"  # import fails
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    extra = {"hil-cpu": ["--set", "sweep.scheduler.depth=[2]", "--set", "workload.num_requests=3"]}
     procs = {name: subprocess.Popen([sys.executable, "-c", shim, "run", f"scenarios/{name}.yaml", "--out",
-                                     str(tmp_path / name)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name in ("quickstart", "ci")}
+                                     str(tmp_path / name), *extra.get(name, [])], cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("quickstart", "ci", "hil-cpu")}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr
