@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from simharness.jit import njit
+from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.scenario import Speculation
 from simharness.workload import Requests
 
@@ -136,9 +137,6 @@ def _replay_tables(
     Every length, not only those on the greedy path (j -> j + accepted + 1), so that a scheduler
     that verifies fewer drafts than were proposed (vLLM trims drafts to the token budget) still
     finds its entry."""
-    # Imported here: the kernels module loads torch and triton, which only replay needs (~3 s at start-up).
-    from simharness.kernels.ngram import propose_ngram_row
-
     offset = _offsets(requests)
     valid = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
     accepted = np.zeros_like(valid)

@@ -11,7 +11,7 @@ LAYERS = [
     ["jit", "models", "scenario", "tokenizer", "kernels"],  # the scenario, the model catalogue, leaf utilities
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run)
-    ["kernels.ngram", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton"],
+    ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton"],
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records

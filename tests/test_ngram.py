@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simharness.kernels import ngram_triton
-from simharness.kernels.ngram import propose_ngram, propose_ngram_reference, propose_ngram_row, propose_ngram_torch
+from simharness.kernels.ngram import propose_ngram, propose_ngram_reference, propose_ngram_torch
+from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.kernels.ngram_triton import propose_ngram_triton
 
 

@@ -1,5 +1,6 @@
-"""N-gram (prompt-lookup) draft proposer: plain-Python reference, vectorised torch, numpy row (the fused Triton
-version is `kernels.ngram_triton`, imported only where it runs, so that the sim level runs without Triton).
+"""N-gram (prompt-lookup) draft proposer: plain-Python reference and vectorised torch (the numpy version for one
+request is `kernels.ngram_row`, which the sim level imports without torch; the fused Triton version is
+`kernels.ngram_triton`, imported only where it runs).
 
 Policy (shared by every implementation, see DESIGN.md "Kernels" and vllm-notes §1-§2): take the longest
 n in [min_n, max_n] such that the last n committed tokens (the suffix) also occur at an earlier start p
@@ -14,7 +15,6 @@ every n, and the window of length n ending at e matches iff the window of length
 matches and token[e - n + 1] == token[seq_len - n]. So one pass over i = 0..max_n-1 gives every n.
 """
 
-import numpy as np
 import torch
 
 from simharness.kernels import Invalid, TieBreak, check_ngram_args
@@ -129,33 +129,3 @@ def propose_ngram_torch(
         fill = torch.full_like(tokens[:, :1], -1)
     drafts = torch.where(valid, tokens, fill)
     return drafts, valid.sum(dim=1, dtype=torch.int32)
-
-
-# --------------------------------------------------------------------------------------------------
-# numpy, one request: what the simulator's replay acceptance model calls every simulated step.
-# --------------------------------------------------------------------------------------------------
-
-
-def propose_ngram_row(
-    history: np.ndarray, *, min_n: int, max_n: int, k: int, tie_break: TieBreak = "earliest"
-) -> np.ndarray:
-    """Valid drafts (length 0..k) for one request's committed tokens; a few vectorised passes, no Python scan."""
-    check_ngram_args(min_n, max_n, k, tie_break)
-    size = history.shape[0]
-    if k == 0 or size <= min_n:
-        return history[:0].copy()
-    # Candidate window ends e <= size - 2 whose last token equals the last committed token (n = 1);
-    # each pass keeps those that also match one more token to the left.
-    ends = np.flatnonzero(history[:-1] == history[-1])
-    best = ends if min_n == 1 else ends[:0]
-    for n in range(2, max_n + 1):
-        ends = ends[ends >= n - 1]
-        if ends.size == 0:
-            break
-        ends = ends[history[ends - (n - 1)] == history[size - n]]
-        if n >= min_n and ends.size:
-            best = ends
-    if best.size == 0:
-        return history[:0].copy()
-    end = best[0] if tie_break == "earliest" else best[-1]
-    return history[end + 1 : end + 1 + k].copy()
