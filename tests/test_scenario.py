@@ -127,8 +127,8 @@ BASE = "name: x\nworkload: {num_requests: 4, concurrency: 2}\n"
         (BASE + "scheduler: {chunked_prefill: 1}\n", "scheduler.chunked_prefill: Input should be a valid boolean"),
         (BASE + 'engine: {gc: {probability: "0.1"}}\n', "engine.gc.probability: Input should be a valid number"),
         ("name: x\nworkload: {num_requests: 100000000}\n", "workload.num_requests: Input should be less than or equal "
-         "to 1000000"),
-        ("name: x\nworkload: {concurrency: 1000, requests_per_user: 100000}\n", "above the limit of 1000000 requests"),
+         "to 100000"),
+        ("name: x\nworkload: {concurrency: 1000, requests_per_user: 1000}\n", "above the limit of 100000 requests"),
         ("name: x\nworkload: {output_len: {value: 1000000000}}\n", "output_len.value: Input should be less than"),
         ("name: x\n{1: 2}: 3\n", "a key must be a plain value"),
     ],
