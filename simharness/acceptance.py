@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from simharness.jit import njit
+from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.scenario import Speculation
 from simharness.workload import Requests
 
 if TYPE_CHECKING:
-    from simharness.kernels.ngram import TieBreak
+    from simharness.kernels import TieBreak
 
 NO_SURVIVAL = np.zeros(0, dtype=np.float64)
 NO_TABLE = np.zeros(0, dtype=np.int64)
@@ -136,9 +137,6 @@ def _replay_tables(
     Every length, not only those on the greedy path (j -> j + accepted + 1), so that a scheduler
     that verifies fewer drafts than were proposed (vLLM trims drafts to the token budget) still
     finds its entry."""
-    # Imported here: the kernels module loads torch and triton, which only replay needs (~3 s at start-up).
-    from simharness.kernels.ngram import propose_ngram_row
-
     offset = _offsets(requests)
     valid = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
     accepted = np.zeros_like(valid)

@@ -1,9 +1,14 @@
-"""The `simharness` command line: a thin layer over the Python API."""
+"""The `simharness` command line: a thin layer over the Python API.
+
+Exit status: 0 done; 1 a regression (compare) or a tolerance exceeded (fidelity); 2 bad input, with one message
+naming the field; 3 compare: a point of one run is missing in the other; 130 interrupted (finished points kept).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -13,19 +18,38 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from simharness.scenario import ScenarioError, load_scenario, parse_value
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_value
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.")
+# Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
+bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.",
+                        rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True)
 out = Console()
+
+
+SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; on a swept field it replaces the sweep; "
+            "sweep.scheduler.depth=[1,2] sets a sweep")
 
 
 def fail(message: str) -> None:
     """Bad input: one clear message, exit status 2, no traceback."""
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def load(scenario: Path, sets: list[str]) -> Scenario:
+    """The scenario with its --set overrides; what the validation notes (an override replacing a sweep) is printed."""
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ScenarioNote)
+        sc = load_scenario(scenario, parse_sets(sets))
+    for note in notes:
+        if issubclass(note.category, ScenarioNote):
+            err.print(f"[bold]note:[/] {note.message}", highlight=False, soft_wrap=True)
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    return sc
 
 
 def parse_sets(sets: list[str]) -> dict[str, object]:
@@ -40,17 +64,22 @@ def parse_sets(sets: list[str]) -> dict[str, object]:
 
 @app.command("run")
 def run_cmd(
-    scenario: Annotated[Path, typer.Argument(help="scenario YAML file")],
-    out_dir: Annotated[Path, typer.Option("--out", help="results root")] = Path("results"),
-    sets: Annotated[list[str], typer.Option("--set", help="override a field: KEY=VALUE (repeatable)")] = [],  # noqa: B006
-    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory")] = None,
+    scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
+    out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results"),
+    sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
+    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory",
+                                                metavar="RUN_DIR")] = None,
 ) -> None:
-    """Run a scenario's sweep; print a summary table and where the report is."""
+    """Run a scenario's sweep; print a summary table and where the report is.
+
+    Exit status: 0 done; 2 bad input (one message naming the field; nothing written); 130 interrupted (the finished
+    points are kept: --resume RUN_DIR finishes the rest).
+    """
     from simharness.runner import run
 
     state: dict = {}
     try:
-        sc = load_scenario(scenario, parse_sets(sets))
+        sc = load(scenario, sets)
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[point]}"), console=err, transient=True,
@@ -76,18 +105,23 @@ def run_cmd(
 
 @app.command("fidelity")
 def fidelity_cmd(
-    scenario: Annotated[Path, typer.Argument(help="scenario YAML file")],
-    levels: Annotated[str, typer.Option(help="levels to run, comma-separated; real is the reference")] = "sim,hil,real",
-    out_dir: Annotated[Path, typer.Option("--out", help="results root")] = Path("results/fidelity"),
-    sets: Annotated[list[str], typer.Option("--set", help="override a field: KEY=VALUE (repeatable)")] = [],  # noqa: B006
-    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run")] = None,
+    scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
+    levels: Annotated[str, typer.Option(help="levels to run, comma-separated; real is the reference",
+                                        metavar="LEVELS")] = "sim,hil,real",
+    out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results/fidelity"),
+    sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
+    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run",
+                                                metavar="RUN_DIR")] = None,
 ) -> None:
     """Run every point at each level on the same requests and seed; report each level's error against the real
-    level. Exit 1 when an error exceeds the scenario's fidelity.tolerances, 2 on bad input."""
+    level.
+
+    Exit status: 0 done; 1 an error exceeds the scenario's fidelity.tolerances; 2 bad input.
+    """
     from simharness.fidelity import run_fidelity
 
     try:
-        sc = load_scenario(scenario, parse_sets(sets))
+        sc = load(scenario, sets)
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("{task.fields[point]}"), console=err, transient=True,
@@ -116,15 +150,16 @@ def fidelity_cmd(
 
 def summary_table(summary, swept: list[str]) -> Table:
     """The run's headline metrics, a row per point, labelled by its swept values as in the report. The numbers
-    never wrap (their two-line headers are as narrow as they are); the label takes the width that is left."""
+    never wrap (their two-line headers are as narrow as they are); the label takes the width that is left, which
+    holds two swept values at 80 columns, and wraps between values, never inside one."""
     from simharness.report import point_label
 
-    table = Table(title="summary", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    cols = [("mean\nTPOT ms", "mean_tpot_ms", "{:.3f}"), ("P99\nTPOT ms", "p99_tpot_ms", "{:.3f}"),
-            ("mean\nTTFT ms", "mean_ttft_ms", "{:.1f}"), ("out\ntok/s", "output_throughput", "{:.0f}"),
+    table = Table(title="summary (latencies in ms)", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
+    cols = [("mean\nTPOT", "mean_tpot_ms", "{:.3f}"), ("P99\nTPOT", "p99_tpot_ms", "{:.3f}"),
+            ("mean\nTTFT", "mean_ttft_ms", "{:.1f}"), ("out\ntok/s", "output_throughput", "{:.0f}"),
             ("accept\n%", "acceptance_rate", "{:.1f}"), ("GPU\nbusy", "gpu_busy_fraction", "{:.2f}"),
             ("syncs\n/step", "syncs_per_step", "{:.2f}")]
-    table.add_column("point", overflow="fold", ratio=1)
+    table.add_column("point", overflow="fold")
     for title, _, _ in cols:
         table.add_column(title, justify="right", no_wrap=True)
     for _, row in summary.iterrows():
@@ -134,8 +169,11 @@ def summary_table(summary, swept: list[str]) -> Table:
 
 
 @app.command("report")
-def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")]) -> None:
-    """Re-render a run directory's report (and its combined tables) from its points."""
+def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", metavar="RUN_DIR")]) -> None:
+    """Re-render a run directory's report (and its combined tables) from its points.
+
+    Exit status: 0 done; 2 not a run directory, or one that cannot be written.
+    """
     from simharness import results
     from simharness.report import write_report
 
@@ -148,51 +186,76 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory")])
 
         out.print(f"report: {write_fidelity(run_dir).report}")
         return
-    results.combine(run_dir)
-    out.print(f"report: {write_report(run_dir)}")
+    try:
+        with results.writing(run_dir, fresh=False):
+            results.combine(run_dir)
+            report = write_report(run_dir)
+    except ScenarioError as e:
+        fail(str(e))
+    out.print(f"report: {report}")
 
 
 @app.command("compare")
 def compare_cmd(
-    base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json")],
-    current: Annotated[Path, typer.Argument(help="current run directory or summary.json")],
-    threshold: Annotated[float, typer.Option(help="relative change that counts as a regression")] = 0.05,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists")] = None,
+    base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json", metavar="BASE")],
+    current: Annotated[Path, typer.Argument(help="current run directory or summary.json", metavar="CURRENT")],
+    threshold: Annotated[float, typer.Option(help="relative change that counts as a regression",
+                                             metavar="FRACTION")] = 0.05,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists",
+                                                  metavar="FILE")] = None,
     force: Annotated[bool, typer.Option(help="compare runs of different scenarios")] = False,
     show_all: Annotated[bool, typer.Option("--all", help="list unchanged metrics too")] = False,
 ) -> None:
-    """Compare two runs point by point; exit 1 if anything regressed, 2 on bad input."""
+    """Compare two runs point by point.
+
+    Exit status: 0 no regression and the same points; 1 a metric regressed; 2 bad input (or --json not writable);
+    3 no regression, but a point of one run is missing in the other (an unfinished run).
+    """
     from simharness.compare import CompareError, compare, markdown, to_json
 
-    if threshold <= 0:
-        fail("--threshold: must be > 0")
     try:
         rows = compare(base, current, threshold=threshold, force=force)
     except CompareError as e:
         fail(str(e))
-    typer.echo(markdown(rows, show_all=show_all))
     if json_out is not None:
-        json_out.write_text(json.dumps(to_json(rows), indent=1))
+        try:
+            json_out.write_text(json.dumps(to_json(rows), indent=1))
+        except OSError as e:
+            fail(f"--json {json_out}: cannot write ({e.strerror or e})")
+    typer.echo(markdown(rows, show_all=show_all))
     if any(r.verdict == "regression" for r in rows):
         raise typer.Exit(1)
+    if any(r.verdict.startswith("missing") for r in rows):
+        raise typer.Exit(3)
 
 
 @bench_app.command("kernels")
 def bench_kernels(
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cuda",
-    out_dir: Annotated[Path, typer.Option("--out", help="where kernels.csv/.md go")] = Path("results/kernels"),
+    device: Annotated[str, typer.Option(help="cpu or cuda", metavar="DEVICE")] = "cuda",
+    out_dir: Annotated[Path, typer.Option("--out", help="where kernels.csv/.md go", metavar="DIR")] = Path(
+        "results/kernels"),
     quick: Annotated[bool, typer.Option(help="small sizes, few repeats")] = False,
 ) -> None:
-    """Benchmark the n-gram proposer, rejection sampler and verify step."""
+    """Benchmark the n-gram proposer, rejection sampler and verify step.
+
+    Exit status: 0 done; 2 bad input (no CUDA device for --device cuda).
+    """
     import torch
 
-    from simharness.kernels.bench import run_kernel_bench
+    from simharness.kernels.bench import kernel_tables, run_kernel_bench
 
+    if device not in ("cpu", "cuda"):
+        fail(f"--device: {device!r} is neither cpu nor cuda")
     if device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: no CUDA device here (use --device cpu)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = run_kernel_bench(device, out_dir, quick=quick)
-    out.print(table.to_string(index=False))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {out_dir}: cannot create it ({e.strerror or e})")
+    frame = run_kernel_bench(device, out_dir, quick=quick)
+    for kernel, table in kernel_tables(frame):  # one per kernel: no column of another kernel's NaNs
+        out.print(f"\n[bold]{kernel}[/]")
+        out.print(table.to_string(index=False, na_rep="", float_format="{:.4g}".format), highlight=False)
     out.print(f"written: {out_dir / 'kernels.md'}")
 
 

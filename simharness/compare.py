@@ -59,7 +59,9 @@ class Row:
     base: float
     current: float
     change_pct: float
-    verdict: str  # same | changed | improvement | regression | noise
+    # same | changed | improvement | regression | noise, or for a point one run lacks (metric ""): missing in base |
+    # missing in current
+    verdict: str
     p_value: float | None = None
 
 
@@ -95,8 +97,11 @@ def load_run(path: str | Path) -> Run:
 
 
 def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
-    """Verdicts for every common point and compared metric. A run whose scenario is unknown (a bare
-    summary.json with no meta.json beside it) is taken to be of the other run's scenario."""
+    """Verdicts for every common point and compared metric, and a `missing` row for each point that only one run
+    has. A run whose scenario is unknown (a bare summary.json with no meta.json beside it) is taken to be of the
+    other run's scenario."""
+    if not math.isfinite(threshold) or threshold <= 0:
+        raise CompareError(f"--threshold: must be a finite number > 0, got {threshold}")
     if base.scenario != current.scenario and "?" not in (base.scenario, current.scenario) and not force:
         raise CompareError(
             f"different scenarios ({base.scenario!r} vs {current.scenario!r}); pass --force to compare anyway"
@@ -119,6 +124,10 @@ def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: boo
             rows.append(_verdict(point, metric, *values, bigger_better, threshold, samples))
     if not rows:
         raise CompareError("the two runs have no compared metric in common (see compare.METRICS)")
+    nan = float("nan")
+    for lacking, other, name in ((current, base, "current"), (base, current, "base")):
+        gone = [p for p in other.summary.index if p not in lacking.summary.index]
+        rows += [Row(p, "", nan, nan, nan, f"missing in {name}") for p in gone]
     return rows
 
 
@@ -207,19 +216,27 @@ def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> 
 
 
 def markdown(rows: list[Row], *, show_all: bool = False) -> str:
-    """A table fit for a pull-request comment: regressions first, then improvements and changes."""
-    order = {"regression": 0, "improvement": 1, "changed": 2, "noise": 3, "same": 4}
-    shown = [r for r in rows if show_all or r.verdict in ("regression", "improvement", "changed")]
+    """A table fit for a pull-request comment: regressions first, then points missing from a run, improvements and
+    changes."""
+    order = {"regression": 0, "missing in current": 1, "missing in base": 1, "improvement": 2, "changed": 3,
+             "noise": 4, "same": 5}
+    shown = [r for r in rows if show_all or r.verdict not in ("same", "noise")]
     shown.sort(key=lambda r: (order[r.verdict], r.point, r.metric))
-    n_reg = sum(r.verdict == "regression" for r in rows)
-    n_imp = sum(r.verdict == "improvement" for r in rows)
-    points = len({r.point for r in rows})
-    head = (f"**{n_reg} regression(s), {n_imp} improvement(s)** over {len(rows)} metrics at {points} points"
+    count = {v: sum(r.verdict == v for r in rows) for v in ("regression", "improvement", "changed")}
+    missing = {side: sum(r.verdict == f"missing in {side}" for r in rows) for side in ("base", "current")}
+    compared = [r for r in rows if not r.verdict.startswith("missing")]
+    head = (f"**{count['regression']} regression(s), {count['improvement']} improvement(s), {count['changed']} "
+            f"changed**" + "".join(f", **{n} point(s) missing in {side}**" for side, n in missing.items() if n)
+            + f" over {len(compared)} metrics at {len({r.point for r in compared})} common points"
             f" ({sum(r.verdict in ('same', 'noise') for r in rows)} unchanged or within noise)")
     if not shown:
         return head + "\n"
     lines = [head, "", "| point | metric | base | current | change % | verdict |", "|---|---|---:|---:|---:|---|"]
     for r in shown:
+        if r.verdict.startswith("missing"):
+            here, gone = ("absent", "present") if r.verdict == "missing in base" else ("present", "absent")
+            lines.append(f"| {r.point} | (all) | {here} | {gone} | | ⚠️ {r.verdict} |")
+            continue
         mark = {"regression": "❌ regression", "improvement": "✅ improvement"}.get(r.verdict, r.verdict)
         lines.append(f"| {r.point} | {r.metric} | {r.base:.4g} | {r.current:.4g} | {r.change_pct:+.2f} | {mark} |")
     return "\n".join(lines) + "\n"
@@ -230,6 +247,8 @@ def to_json(rows: list[Row]) -> dict:
     have no good direction, are in the rows only)."""
     smaller, bigger = [], []
     for r in rows:
+        if r.metric not in METRICS:  # a missing point's row
+            continue
         bigger_better, unit = METRICS[r.metric]
         if bigger_better is None:
             continue
@@ -238,6 +257,9 @@ def to_json(rows: list[Row]) -> dict:
     return {
         "regressions": sum(r.verdict == "regression" for r in rows),
         "improvements": sum(r.verdict == "improvement" for r in rows),
+        "changed": sum(r.verdict == "changed" for r in rows),
+        "missing_points": {side: [r.point for r in rows if r.verdict == f"missing in {side}"]
+                           for side in ("base", "current")},
         "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in rows],
         "customSmallerIsBetter": smaller,
         "customBiggerIsBetter": bigger,

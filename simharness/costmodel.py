@@ -8,43 +8,18 @@ linear in requests and tokens with the scenario's `engine.host_costs`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from simharness.jit import njit
-from simharness.models import ModelConfig, model_config
+from simharness.models import ModelConfig, gpu_spec, model_config
 from simharness.scenario import Engine, GpuCosts, HostCosts
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    mem_bandwidth_gbs: float  # HBM bandwidth, GB/s
-    bf16_tflops: float  # dense bf16 tensor-core peak
-
-
-# Public spec-sheet numbers (dense bf16, SXM parts where there is a choice).
-GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", 3350.0, 989.0),
-    "H200": GpuSpec("H200", 4800.0, 989.0),
-    "A100": GpuSpec("A100", 2039.0, 312.0),
-    "L40S": GpuSpec("L40S", 864.0, 362.0),
-}
-
-def lookup(table: dict, name: str, what: str):
-    """Case-insensitive catalogue lookup with an error listing the known names."""
-    for key, value in table.items():
-        if key.lower() == name.lower():
-            return value
-    raise ValueError(f"unknown {what} {name!r}; known: {', '.join(table)}")
 
 
 class CostModel:
     """Step and host-phase durations (seconds) for one sweep point."""
 
     def __init__(self, engine: Engine, *, optimistic_correction: bool):
-        self.gpu = lookup(GPUS, engine.gpu, "GPU")
+        self.gpu = gpu_spec(engine.gpu)
         self.shape: ModelConfig = model_config(engine.model)  # the catalogue (simharness.models)
         g: GpuCosts = engine.gpu_costs
         self.g = g

@@ -30,7 +30,7 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
     if not sc.fidelity.tolerances:
         verdict = "**Tolerances:** none set (`fidelity.tolerances`)."
     parts = [
-        _header(run_dir, sc, len(summary)).replace("# simharness report", "# simharness fidelity report"),
+        _header(run_dir, sc, configs).replace("# simharness report", "# simharness fidelity report"),
         f"Levels {', '.join(facts['levels'])} against the real level, {len(configs)} point(s); measured levels run "
         f"{sc.fidelity.runs} time(s) per point (their value is the median). Relative error = (level − real) / "
         "real.\n",

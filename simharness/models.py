@@ -1,5 +1,5 @@
-"""The model catalogue: decoder shapes of the Llama family, the sizes derived from them, and the shape of a
-local Hugging Face checkpoint read from (or written to) its config.json.
+"""The model catalogue: decoder shapes of the Llama family, the sizes derived from them, the shape of a
+local Hugging Face checkpoint read from (or written to) its config.json, and the roofline's GPUs.
 
 One table for both levels: the sim level's roofline (`costmodel`) reads the sizes, the torch model
 (`engine.model`) is built from the same entry. No torch here: the sim level runs without it.
@@ -111,6 +111,32 @@ MODELS: dict[str, ModelConfig] = {
         n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=32000, rope_theta=10000.0,
     ),
 }  # fmt: skip
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A roofline GPU of the sim level's cost model."""
+
+    name: str
+    mem_bandwidth_gbs: float  # HBM bandwidth, GB/s
+    bf16_tflops: float  # dense bf16 tensor-core peak
+
+
+# Public spec-sheet numbers (dense bf16, SXM parts where there is a choice).
+GPUS: dict[str, GpuSpec] = {
+    "H100": GpuSpec("H100", 3350.0, 989.0),
+    "H200": GpuSpec("H200", 4800.0, 989.0),
+    "A100": GpuSpec("A100", 2039.0, 312.0),
+    "L40S": GpuSpec("L40S", 864.0, 362.0),
+}
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """`engine.gpu`'s spec (names are case-insensitive); ValueError lists the known ones."""
+    for key, spec in GPUS.items():
+        if key.lower() == name.lower():
+            return spec
+    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+
 
 # Hugging Face architectures this model implements: whether q/k/v carry biases, whether q/k heads are normed.
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {

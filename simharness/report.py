@@ -23,7 +23,7 @@ from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 from simharness.results import load_run_scenario
-from simharness.scenario import Scenario
+from simharness.scenario import Scenario, sweep_points
 
 CONCURRENCY = "workload.concurrency"
 # Timeline colours: host phases, avoidable syncs in red, the by-design output wait in grey.
@@ -39,6 +39,7 @@ HOST_COLORS = {
 }
 GPU_COLORS = ("slategray", "lightslategray")  # alternate so back-to-back steps stay distinct
 MARKERS = "os^Dv<>p"
+LINESTYLES = ("-", "--", ":", "-.")
 
 
 def write_report(run_dir: Path) -> Path:
@@ -48,7 +49,7 @@ def write_report(run_dir: Path) -> Path:
     path = run_dir / "report.md"
     summary = _read_summary(run_dir, scenario)
     if summary.empty:
-        path.write_text(_header(run_dir, scenario, 0) + "\nNo finished sweep points yet.\n")
+        path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n")
         return path
     steps = pd.read_parquet(run_dir / "steps.parquet")
     syncs = pd.read_parquet(run_dir / "syncs.parquet")
@@ -63,7 +64,7 @@ def write_report(run_dir: Path) -> Path:
     n = scenario.report.timeline_steps
     _plot_timeline(timeline_rows, steps, syncs, n, plots / "timeline.png")
     text = "\n".join([
-        _header(run_dir, scenario, len(summary)),
+        _header(run_dir, scenario, list(summary["point"])),
         "## Summary\n",
         _summary_table(summary),
         "Latencies in ms with `vllm bench serve` definitions: TPOT per request without the first token, ITL per "
@@ -146,10 +147,13 @@ def _tail_key(summary: pd.DataFrame, metric: str) -> tuple[str, str] | None:
 # markdown
 
 
-def _header(run_dir: Path, scenario: Scenario, n_points: int) -> str:
+def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    run = f"Run `{run_dir.name}` of scenario `{scenario.name}`, seed {scenario.seed}, {n_points} point(s)"
+    points = [p.id for p in sweep_points(scenario)]
+    missing = [p for p in points if p not in set(finished)]
+    count = f"{len(finished)} of {len(points)} points" if missing else f"{len(points)} point(s)"
+    run = f"Run `{run_dir.name}` of scenario `{scenario.name}`, seed {scenario.seed}, {count}"
     if meta.get("device"):
         run += f"; device: {meta['device']}"
     if meta.get("git_revision"):
@@ -167,7 +171,11 @@ def _header(run_dir: Path, scenario: Scenario, n_points: int) -> str:
         swept = f"**Swept:** {axes} (swept values replace the setup's)."
     else:
         swept = "**Swept:** nothing (one point)."
-    return f"# simharness report: {scenario.name}\n\n{run}.\n\n{setup}\n\n{swept}\n"
+    text = f"# simharness report: {scenario.name}\n\n{run}.\n\n{setup}\n\n{swept}\n"
+    if missing:
+        text += (f"\n**Incomplete:** {len(missing)} point(s) missing (an interrupted run; `simharness run SCENARIO "
+                 f"--resume {run_dir}` finishes it): {', '.join(f'`{p}`' for p in missing)}.\n")
+    return text
 
 
 def _summary_table(summary: pd.DataFrame) -> str:
@@ -341,7 +349,11 @@ def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_c
     if by_concurrency:
         for i, (mode, rows) in enumerate(summary.groupby("mode", sort=False)):
             rows = rows.sort_values(CONCURRENCY)
-            ax.plot(rows[CONCURRENCY], rows[column], marker=MARKERS[i % len(MARKERS)], label=mode)
+            # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
+            # thinner, with a smaller open or filled marker of another shape, in another dash pattern
+            ax.plot(rows[CONCURRENCY], rows[column], marker=MARKERS[i % len(MARKERS)], label=mode,
+                    linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=max(0.8, 2.2 - 0.3 * i),
+                    markersize=max(3.0, 9.0 - 1.2 * i), fillstyle="none" if i % 2 else "full", zorder=2 + i)
         xs = sorted(summary[CONCURRENCY].unique())
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -410,8 +422,10 @@ def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, t
         if width > 0.04 * span_ms:
             ax.text(x + width / 2, 0.5, str(step), ha="center", va="center", fontsize=7, color="white")
     busy = sum(width for _, width in bars) / span_ms if span_ms else 0.0
-    ax.set_title(f"{title}: steps {window['step'].iloc[0]}–{window['step'].iloc[-1]}, "
-                 f"GPU busy {busy:.0%} in window", loc="left", fontsize="small")
+    # the title names what the panel shows: every GPU step with a bar in it (the window's, and any step before or
+    # after it that overlaps its edges, clipped)
+    ax.set_title(f"{title}: GPU steps {gpu['step'].min()}–{gpu['step'].max()} in {span_ms:.2f} ms, "
+                 f"GPU busy {busy:.0%}", loc="left", fontsize="small")
     return span_ms
 
 

@@ -7,6 +7,7 @@ combined tables (`summary.csv`, `summary.json`, `*.parquet`) are rebuilt from th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -14,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import pandas as pd
 import yaml
 
 from simharness.jit import loaded_digest
-from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
+from simharness.scenario import Scenario, ScenarioError, load_scenario
 
 TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
 
@@ -30,25 +33,46 @@ def new_run_dir(out: Path, scenario: Scenario) -> Path:
     """Create a fresh run directory; an existing one is never reused."""
     base = out / scenario.name
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        run_dir = base / (stamp if n == 0 else f"{stamp}-{n}")
-        try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise RuntimeError(f"cannot create a run directory under {base}")
-    (run_dir / "points").mkdir()
-    (run_dir / "scenario.yaml").write_text(yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False))
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for n in range(1000):
+            run_dir = base / (stamp if n == 0 else f"{stamp}-{n}")
+            try:
+                run_dir.mkdir(exist_ok=False)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise ScenarioError(f"--out {out}: 1000 run directories of this second exist under {base}")
+    except OSError as e:
+        raise ScenarioError(f"--out {out}: cannot create a run directory there ({e.strerror or e})") from None
+    with writing(run_dir, fresh=True):
+        (run_dir / "points").mkdir()
+        (run_dir / "scenario.yaml").write_text(yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False))
     return run_dir
+
+
+@contextmanager
+def writing(run_dir: Path, *, fresh: bool) -> Iterator[None]:
+    """Writes into a run directory: a full or read-only file system is bad input (ScenarioError naming the
+    directory), and a `fresh` run directory in which no point finished is removed on any error."""
+    try:
+        yield
+    except Exception as e:
+        if fresh and not finished_points(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run_dir.parent.rmdir()  # the scenario's directory, if this was its only run
+        if isinstance(e, OSError):
+            raise ScenarioError(f"{run_dir}: cannot write the run ({e.strerror or e})") from None
+        raise
 
 
 def load_run_scenario(run_dir: Path) -> Scenario:
     path = run_dir / "scenario.yaml"
     if not path.is_file():
         raise ScenarioError(f"{run_dir}: not a run directory (no scenario.yaml)")
-    return scenario_from_dict(yaml.safe_load(path.read_text()))
+    return load_scenario(path)
 
 
 def point_dir(run_dir: Path, index: int) -> Path:
@@ -57,7 +81,11 @@ def point_dir(run_dir: Path, index: int) -> Path:
 
 def finished_points(run_dir: Path) -> set[int]:
     """Indices of the points whose results are complete on disk."""
-    return {int(p.name) for p in (run_dir / "points").glob("[0-9]*") if (p / "summary.json").is_file()}
+    found = set()
+    for p in (run_dir / "points").glob("[0-9]*"):  # not a `.tmp` directory that a kill during a write left
+        if p.name.isdigit() and (p / "summary.json").is_file():
+            found.add(int(p.name))
+    return found
 
 
 def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, pd.DataFrame]) -> None:

@@ -18,7 +18,7 @@ from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
 from simharness.records import device_syncs_frame
 from simharness.report import write_report
-from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, sweep_points
+from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, scenario_diff, sweep_points
 from simharness.simulation import Simulation
 from simharness.trace import trace_events, write_trace
 from simharness.workload import Requests, build_requests
@@ -57,8 +57,9 @@ def run(
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress)
-    summary, tables = results.combine(run_dir)
-    write_report(run_dir)
+    with results.writing(run_dir, fresh=False):
+        summary, tables = results.combine(run_dir)
+        write_report(run_dir)
     return RunResult(run_dir, summary, **tables)
 
 
@@ -84,9 +85,18 @@ def execute(
         run_dir = Path(resume)
         stored = results.load_run_scenario(run_dir)
         if stored != scenario:
-            raise ScenarioError(f"{run_dir}: was started from a different scenario; resume it with the same one")
+            raise ScenarioError(f"{run_dir}: was started from a different scenario (differs in "
+                                f"{', '.join(scenario_diff(stored, scenario))}); resume it with the same one")
     else:
         run_dir = results.new_run_dir(Path(out), scenario)
+    with results.writing(run_dir, fresh=resume is None):
+        _execute_points(run_dir, scenario, points, modes, progress)
+    return run_dir
+
+
+def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], modes: dict[int, Mode],
+                    progress: Callable[[Path, int, int, str], None] | None) -> None:
+    """The points of `points` not yet finished in `run_dir`, one after the other."""
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
     workloads = _Workloads()
@@ -105,7 +115,6 @@ def execute(
         _run_point(run_dir, point, modes[point.index], workloads.get(point.scenario), engine)
         if progress is not None:
             progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
-    return run_dir
 
 
 def _require_device(sc: Scenario) -> None:

@@ -8,27 +8,43 @@ sweep points. Bad input raises `ScenarioError` with a message that names the fie
 from __future__ import annotations
 
 import itertools
+import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from simharness.models import model_config
+from simharness.models import gpu_spec, model_config
 
 
 class ScenarioError(ValueError):
     """Bad scenario input; the message names the field and the problem."""
 
 
+class ScenarioNote(UserWarning):
+    """A scenario input that is valid but does something the user may not expect (the CLI prints it)."""
+
+
 class Strict(BaseModel):
-    """Base for every scenario section: unknown fields are errors, values are re-validated on set."""
+    """Base for every scenario section: unknown fields are errors, values are re-validated on set, types are
+    strict (`depth: true` or `depth: "3"` is not an integer) and numbers finite."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
+# The largest cost (µs, ns), pause (ms) or weight a scenario takes: larger ones make virtual times overflow.
+MAX_VALUE = 1e9
+# The largest workload a run takes (requests, and tokens per request): a point runs in one go, without progress
+# inside it (here about 2 ms of CPU and 25 KB of memory a request: minutes and GBs at the limit), so a larger one
+# would look hung; split it into runs.
+MAX_REQUESTS = 100_000
+MAX_TOKENS = 1 << 20
+
+PositiveFloat = Annotated[float, Field(gt=0, le=MAX_VALUE)]
+NonNegFloat = Annotated[float, Field(ge=0, le=MAX_VALUE)]
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,9 +56,9 @@ class LengthDist(Strict):
     `corpus` (the natural length of the sampled corpus passage, clipped to [min, max])."""
 
     dist: Literal["fixed", "uniform", "normal", "corpus"] = "fixed"
-    value: int = Field(128, ge=1, description="fixed length")
-    min: int = Field(1, ge=1)
-    max: int = Field(4096, ge=1)
+    value: Tokens = Field(128, description="fixed length")
+    min: Tokens = 1
+    max: Tokens = 4096
     mean: PositiveFloat = 256.0
     std: NonNegFloat = 64.0
 
@@ -59,16 +75,16 @@ class Workload(Strict):
     arrival: Literal["closed", "poisson", "gamma"] = Field(
         "closed", description="closed loop with `concurrency` users, or an open-loop arrival process"
     )
-    concurrency: int = Field(16, ge=1, description="closed: users; open: max in-flight requests")
-    rate: PositiveFloat = Field(10.0, description="open loop: requests per second")
-    burstiness: PositiveFloat = Field(1.0, description="gamma shape (1.0 = Poisson)")
+    concurrency: int = Field(16, ge=1, le=MAX_REQUESTS, description="closed: users; open: max in-flight requests")
+    rate: float = Field(10.0, ge=1e-3, le=MAX_VALUE, description="open loop: requests per second")
+    burstiness: float = Field(1.0, ge=1e-3, le=1e3, description="gamma shape (1.0 = Poisson)")
     cap_concurrency: bool = Field(
         False, description="open loop: cap in-flight requests at `concurrency` (vLLM --max-concurrency)"
     )
-    num_requests: int = Field(200, ge=1)
+    num_requests: int = Field(200, ge=1, le=MAX_REQUESTS)
     requests_per_user: int | None = Field(
-        None, ge=1, description="instead of num_requests: concurrency x this many, so a sweep over concurrency "
-        "keeps the number of waves"
+        None, ge=1, le=MAX_REQUESTS, description="instead of num_requests: concurrency x this many, so a sweep over "
+        "concurrency keeps the number of waves"
     )
     prompt_len: LengthDist = LengthDist(dist="uniform", min=128, max=1024)
     output_len: LengthDist = LengthDist(dist="fixed", value=128)
@@ -88,6 +104,9 @@ class Workload(Strict):
     def _one_count(self) -> Workload:
         if self.requests_per_user is not None and self.num_requests != Workload.model_fields["num_requests"].default:
             raise ValueError("set num_requests or requests_per_user, not both")
+        if self.total_requests > MAX_REQUESTS:
+            raise ValueError(f"concurrency x requests_per_user ({self.total_requests}) is above the limit of "
+                             f"{MAX_REQUESTS} requests per run")
         return self
 
     @property
@@ -137,10 +156,10 @@ class Speculation(Strict):
 class GpuCosts(Strict):
     """Overrides of the roofline's hardware numbers and fixed GPU costs (None = the GPU's default)."""
 
-    mem_bandwidth_gbs: PositiveFloat | None = None
-    bf16_tflops: PositiveFloat | None = None
-    mem_efficiency: float = Field(0.8, gt=0, le=1, description="achieved fraction of bandwidth")
-    compute_efficiency: float = Field(0.6, gt=0, le=1, description="achieved fraction of peak FLOPs")
+    mem_bandwidth_gbs: float | None = Field(None, ge=1, le=MAX_VALUE)
+    bf16_tflops: float | None = Field(None, ge=0.01, le=MAX_VALUE)
+    mem_efficiency: float = Field(0.8, ge=0.01, le=1, description="achieved fraction of bandwidth")
+    compute_efficiency: float = Field(0.6, ge=0.01, le=1, description="achieved fraction of peak FLOPs")
     step_overhead_us: NonNegFloat = Field(30.0, description="fixed per-step GPU time (graph launch, norms)")
     sampler_overhead_us: NonNegFloat = Field(15.0, description="rejection sampler fixed cost")
     ngram_gpu_us: NonNegFloat = Field(20.0, description="GPU n-gram proposer fixed cost")
@@ -208,6 +227,12 @@ class Engine(Strict):
         model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
         return v
 
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        gpu_spec(v)
+        return v
+
 
 # --------------------------------------------------------------------------------------------
 # scheduler
@@ -227,6 +252,14 @@ class SyncPoints(Strict):
 
     add: list[SyncPoint | str] = Field(default_factory=list)
     remove: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _once_each(self) -> SyncPoints:
+        for field, names in (("add", [p if isinstance(p, str) else p.name for p in self.add]), ("remove", self.remove)):
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise ValueError(f"{field}: {', '.join(repeated)} listed more than once")
+        return self
 
 
 class Scheduler(Strict):
@@ -290,14 +323,21 @@ class Fidelity(Strict):
 
 
 class Scenario(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    seed: int = 0
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=100)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     workload: Workload = Workload()
     engine: Engine = Engine()
     scheduler: Scheduler = Scheduler()
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     report: Report = Report()
     fidelity: Fidelity = Fidelity()
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_dot_path(cls, v: str) -> str:
+        if set(v) == {"."}:
+            raise ValueError(f"{v!r} is not a usable directory name")
+        return v
 
     @model_validator(mode="after")
     def _check_sweep(self) -> Scenario:
@@ -335,8 +375,10 @@ def _resolve(scenario: BaseModel, path: str) -> tuple[BaseModel, str]:
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
-    """Set a dotted path inside a nested dict, creating sections as needed."""
-    parts = path.split(".")
+    """Set a dotted path inside a nested dict, creating sections as needed. Under `sweep` the rest of the path is
+    one key (`sweep.scheduler.depth` sets the sweep of scheduler.depth)."""
+    head, dot, rest = path.partition(".")
+    parts = [head, rest] if head == "sweep" and dot else path.split(".")
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -344,6 +386,38 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
             raise ScenarioError(f"{path}: {part} is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _drop_swept(data: dict[str, Any], path: str) -> None:
+    """An override of a swept field replaces its sweep (a ScenarioNote says so), so that the run records what ran."""
+    sweep = data.get("sweep")
+    if not isinstance(sweep, dict) or path.startswith("sweep."):
+        return
+    for swept in [p for p in sweep if isinstance(p, str)]:
+        if swept == path or swept.startswith(path + ".") or path.startswith(swept + "."):
+            warnings.warn(f"--set {path} replaces sweep.{swept} {sweep.pop(swept)!r}; to sweep other values, "
+                          f"--set 'sweep.{swept}=[...]'", ScenarioNote, stacklevel=4)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML whose mappings may not repeat a key (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str | int | float | bool | None):
+                raise yaml.constructor.ConstructorError(None, None, "a key must be a plain value", key_node.start_mark)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.2 floats without a dot (`1e-3`), which YAML 1.1 and so PyYAML would read as strings.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def _format_error(err: ValidationError) -> str:
@@ -360,7 +434,7 @@ def _format_error(err: ValidationError) -> str:
 def parse_value(text: str) -> Any:
     """Parse a `--set` value as YAML, so `3`, `true`, `[1, 2]` and `wait` all mean what they say."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ScenarioError(f"cannot parse value {text!r}: {e}") from None
 
@@ -371,6 +445,7 @@ def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None) -> Sc
         raise ScenarioError("a scenario must be a YAML mapping")
     data = _deep_copy(data)
     for path, value in (overrides or {}).items():
+        _drop_swept(data, path)
         _set(data, path, value)
     try:
         return Scenario.model_validate(data)
@@ -382,17 +457,31 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     """Read and validate a scenario YAML file; `overrides` maps dotted paths to values."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ScenarioError(f"{path}: cannot read scenario file ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{path}: not a UTF-8 text file (byte {e.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ScenarioError(f"{path}: not valid YAML ({e})") from None
     try:
         return scenario_from_dict(data, overrides)
     except ScenarioError as e:
         raise ScenarioError(f"{path}: {e}") from None
+
+
+def scenario_diff(a: Scenario, b: Scenario) -> list[str]:
+    """The dotted paths whose values differ between two scenarios (a swept path as `sweep.<path>`)."""
+
+    def walk(x: Any, y: Any, prefix: str) -> list[str]:
+        if isinstance(x, dict) and isinstance(y, dict):
+            keys = list(x) + [k for k in y if k not in x]
+            return [d for k in keys for d in walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else str(k))]
+        return [] if x == y else [prefix]
+
+    return walk(a.model_dump(mode="json"), b.model_dump(mode="json"), "")
 
 
 def sweep_points(scenario: Scenario) -> list[Point]:

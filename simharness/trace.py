@@ -114,9 +114,27 @@ def has_measured_phases(steps: pd.DataFrame) -> bool:
 
 
 def write_trace(path: Path | str, events: list[dict], metadata: Mapping[str, Any]) -> None:
-    """Write a trace JSON object; `metadata` (scenario, point, seed...) goes to `otherData`."""
-    obj = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(metadata)}
-    Path(path).write_text(json.dumps(obj, separators=(",", ":"), default=str))
+    """Write a trace JSON object; `metadata` (scenario, point, seed...) goes to `otherData`. Strict JSON: an event
+    at a non-finite time is left out, and any other non-finite number is written as null (no `Infinity`/`NaN`,
+    which trace viewers reject)."""
+    timed = [ev for ev in events if all(_finite(ev[key]) for key in ("ts", "dur") if key in ev)]
+    obj = _finite_json({"traceEvents": timed, "displayTimeUnit": "ms", "otherData": dict(metadata)})
+    Path(path).write_text(json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False))
+
+
+def _finite(x: Any) -> bool:
+    return not isinstance(x, float) or math.isfinite(x)
+
+
+def _finite_json(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None, in dicts and lists at any depth."""
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    if isinstance(value, float | np.floating) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _host_slices(steps: pd.DataFrame, syncs: pd.DataFrame) -> list[dict]:

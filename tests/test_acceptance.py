@@ -5,7 +5,7 @@ import pytest
 from numba import njit
 
 from simharness.acceptance import accepted_drafts, build_replay, held_drafts, make_acceptance
-from simharness.kernels.ngram import propose_ngram_row
+from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.scenario import LengthDist, Speculation, Workload
 from simharness.workload import KINDS, build_requests
 

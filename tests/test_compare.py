@@ -93,7 +93,7 @@ def test_unchanged_run_is_bit_identical_and_passes(runs):
     rows = simharness.compare(runs["base"], runs["unchanged"])
     assert rows and {r.verdict for r in rows} == {"same"}
     assert len({r.point for r in rows}) == 2
-    assert "**0 regression(s), 0 improvement(s)**" in markdown(rows)
+    assert "**0 regression(s), 0 improvement(s), 0 changed**" in markdown(rows)
 
 
 @pytest.mark.parametrize("name", list(PLANTED))
@@ -163,7 +163,7 @@ def test_cli_exit_status_and_json(runs, tmp_path):
     assert {"customSmallerIsBetter", "customBiggerIsBetter", "rows"} <= set(data)
     code, stdout, stderr = done["unchanged"]
     assert code == 0, stderr
-    assert stdout.startswith("**0 regression(s), 0 improvement(s)** over ") and "| point |" not in stdout
+    assert stdout.startswith("**0 regression(s), 0 improvement(s), 0 changed** over ") and "| point |" not in stdout
     code, stdout, stderr = done["missing"]
     assert code == 2 and "nope: no such file or directory" in stderr and "Traceback" not in stderr
 
@@ -171,7 +171,7 @@ def test_cli_exit_status_and_json(runs, tmp_path):
 def test_cli_unchanged_exits_zero(runs):
     r = _invoke(runs["base"], runs["unchanged"])
     assert r.exit_code == 0, r.output
-    assert r.stdout.startswith("**0 regression(s), 0 improvement(s)**") and "| point |" not in r.stdout
+    assert r.stdout.startswith("**0 regression(s), 0 improvement(s), 0 changed**") and "| point |" not in r.stdout
 
 
 def test_cli_improvement_exits_zero(runs):
@@ -289,7 +289,7 @@ def test_cli_on_committed_runs_prints_a_readable_table(tmp_path):
     r = _invoke(BASELINE, slower)
     assert r.exit_code == 1, r.output
     lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith("**1 regression(s), 0 improvement(s)**")
+    assert lines[0].startswith("**1 regression(s), 0 improvement(s), 0 changed**")
     assert lines[2] == "| point | metric | base | current | change % | verdict |"
     assert lines[4].startswith(f"| {rows[-1]['point']} | p99_tpot_ms |")
     assert lines[4].endswith("| +10.00 | ❌ regression |")
@@ -407,3 +407,48 @@ def test_bare_summary_without_meta_is_taken_as_the_same_scenario(runs, tmp_path)
     r = _invoke(bare / "summary.json", runs["unchanged"])
     assert r.exit_code == 0, r.output
     assert {x.verdict for x in simharness.compare(bare, runs["extra_sync"])} >= {"regression"}
+
+
+# ---------------------------------------------------------------------------------------------
+# an honest gate: missing points, unwritable --json, bad thresholds, changed rows counted
+
+
+def test_missing_points_are_listed_and_fail(runs, tmp_path):
+    partial = _copy_run(runs["base"], tmp_path / "partial")
+    rows = json.loads((partial / "summary.json").read_text())
+    (partial / "summary.json").write_text(json.dumps(rows[:1]))  # an interrupted run: one point of two
+    r = _invoke(runs["base"], partial)
+    assert r.exit_code == 3, r.output
+    head = r.stdout.splitlines()[0]
+    assert head.startswith("**0 regression(s), 0 improvement(s), 0 changed**, **1 point(s) missing in current**")
+    assert f"| {rows[1]['point']} | (all) | present | absent | | ⚠️ missing in current |" in r.stdout
+    r = _invoke(partial, runs["base"], "--json", tmp_path / "c.json")
+    assert r.exit_code == 3 and "missing in base" in r.stdout
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["missing_points"] == {"base": [rows[1]["point"]], "current": []}
+    # a regression still says 1
+    slower = _copy_run(runs["base"], tmp_path / "slower")
+    (slower / "summary.json").write_text(json.dumps([{**rows[0], "mean_tpot_ms": 2 * rows[0]["mean_tpot_ms"]}]))
+    assert _invoke(runs["base"], slower).exit_code == 1
+
+
+def test_headline_counts_changed_rows(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([{"point": "p", "gpu_busy_fraction": 0.5, "mean_tpot_ms": 1.0}]))
+    b.write_text(json.dumps([{"point": "p", "gpu_busy_fraction": 0.6, "mean_tpot_ms": 1.0}]))
+    r = _invoke(a, b)
+    assert r.exit_code == 0 and r.stdout.startswith("**0 regression(s), 0 improvement(s), 1 changed** over 2 metrics")
+
+
+def test_unwritable_json_exits_2(runs, tmp_path):
+    (tmp_path / "file").write_text("")
+    for target in (tmp_path / "file" / "c.json", tmp_path / "nodir" / "c.json", tmp_path):
+        r = _invoke(runs["base"], runs["extra_sync"], "--json", target)  # a regression: still 2, never 1
+        assert r.exit_code == 2, r.output
+        assert "--json" in r.stderr and "cannot write" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("threshold", ["0", "-0.1", "nan", "inf", "-inf"])
+def test_non_finite_or_negative_threshold_exits_2(runs, threshold):
+    r = _invoke(runs["base"], runs["unchanged"], "--threshold", threshold)
+    assert r.exit_code == 2 and "--threshold: must be a finite number > 0" in r.stderr, r.output

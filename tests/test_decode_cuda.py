@@ -6,7 +6,8 @@ import torch
 from helpers import finish
 
 from simharness.engine.decode import DecodeLoop
-from simharness.engine.model import Transformer, get_config, rope_attention_torch, rope_attention_triton
+from simharness.engine.model import Transformer, get_config, rope_attention_torch
+from simharness.engine.model_triton import rope_attention_triton
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

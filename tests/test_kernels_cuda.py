@@ -11,8 +11,10 @@ import torch
 from helpers import chisquare_pvalue
 
 from simharness.kernels.gate import Gate
-from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
-from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
+from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch
+from simharness.kernels.ngram_triton import propose_ngram_triton
+from simharness.kernels.rejection import rejection_sample_reference
+from simharness.kernels.rejection_triton import rejection_sample_triton
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,12 +10,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 LAYERS = [
     ["jit", "models", "scenario", "tokenizer", "kernels"],  # the scenario, the model catalogue, leaf utilities
     ["corpus", "workload"],  # requests
-    ["kernels.ngram", "kernels.rejection", "kernels.gate"],  # the decode loop's kernels, the hil gate
+    # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
+    ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",
+     "kernels.gate"],
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records
-    ["engine", "engine.model", "engine.checkpoint", "engine.timing", "engine.decode", "engine.backend",
-     "engine.torch_backend"],
+    ["engine", "engine.model", "engine.model_triton", "engine.checkpoint", "engine.timing", "engine.decode",
+     "engine.backend", "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "kernels.bench"],  # set-up of the measured levels, benchmarks

@@ -14,18 +14,17 @@ import torch.nn.functional as F
 import triton
 from helpers import interpreted_kernels, single_thread
 
-from simharness.engine import model as model_module
+from simharness.engine import model_triton
 from simharness.engine.model import (
     Transformer,
     get_config,
     model_sizes,
     qk_norm_torch,
-    qk_norm_triton,
     rope_attention_torch,
-    rope_attention_triton,
     rope_frequencies,
     steer_logits,
 )
+from simharness.engine.model_triton import qk_norm_triton, rope_attention_triton
 from simharness.models import MODELS, RopeScaling
 from simharness.tokenizer import DEFAULT_VOCAB_SIZE
 
@@ -208,12 +207,12 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
 @pytest.fixture
 def interpreted() -> Iterator[None]:
     """The attention kernel in Triton's CPU interpreter, in this process."""
-    yield from interpreted_kernels(model_module, ("_rope_attention_kernel", "_rotated"))
+    yield from interpreted_kernels(model_triton, ("_rope_attention_kernel", "_rotated"))
 
 
 @pytest.fixture
 def interpreted_qk_norm() -> Iterator[None]:
-    yield from interpreted_kernels(model_module, ("_qk_norm_kernel",))
+    yield from interpreted_kernels(model_triton, ("_qk_norm_kernel",))
 
 
 def test_qk_norm_matches_torch(interpreted_qk_norm: None) -> None:

@@ -12,19 +12,15 @@ from helpers import interpreted_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simharness.kernels import ngram
-from simharness.kernels.ngram import (
-    propose_ngram,
-    propose_ngram_reference,
-    propose_ngram_row,
-    propose_ngram_torch,
-    propose_ngram_triton,
-)
+from simharness.kernels import ngram_triton
+from simharness.kernels.ngram import propose_ngram, propose_ngram_reference, propose_ngram_torch
+from simharness.kernels.ngram_row import propose_ngram_row
+from simharness.kernels.ngram_triton import propose_ngram_triton
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    yield from interpreted_kernels(ngram, ("_ngram_scan_kernel", "_ngram_finalize_kernel"))
+    yield from interpreted_kernels(ngram_triton, ("_ngram_scan_kernel", "_ngram_finalize_kernel"))
 
 
 def assert_all_agree(token_ids: torch.Tensor, seq_lens: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,9 @@ import pytest
 import torch
 from helpers import chisquare_pvalue, interpreted_kernels
 
-from simharness.kernels import rejection
-from simharness.kernels.rejection import rejection_sample, rejection_sample_reference, rejection_sample_triton
+from simharness.kernels import rejection_triton
+from simharness.kernels.rejection import rejection_sample, rejection_sample_reference
+from simharness.kernels.rejection_triton import rejection_sample_triton
 
 # The interpreter evaluates masked lanes too (log(0), -inf - -inf); numpy warns, the results are discarded.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -23,7 +24,7 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    yield from interpreted_kernels(rejection, ("_rejection_tile_kernel", "_rejection_walk_kernel"))
+    yield from interpreted_kernels(rejection_triton, ("_rejection_tile_kernel", "_rejection_walk_kernel"))
 
 
 def random_batch(

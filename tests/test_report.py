@@ -224,3 +224,39 @@ def test_hil_run_without_device_syncs(sim_run_dir, tmp_path) -> None:
     text = write_report(run_dir).read_text()
     assert "Not recorded: this run directory has no `device_syncs.parquet`." in text
     assert "## Measured vs modelled" in text
+
+
+def test_coinciding_lines_stay_distinct() -> None:
+    """Two modes with the same values (depth 1 under either policy): each line differs in marker, fill, size and
+    dash, so both are seen."""
+    from matplotlib.figure import Figure
+
+    from simharness.report import _draw_metric
+
+    summary = pd.DataFrame({"mode": ["wait"] * 2 + ["optimistic"] * 2, "workload.concurrency": [1, 4, 1, 4],
+                            "mean_tpot_ms": [2.0, 3.0, 2.0, 3.0]})
+    ax = Figure().subplots()
+    _draw_metric(ax, summary, "mean_tpot_ms", "TPOT", by_concurrency=True)
+    a, b = ax.get_lines()
+    assert list(a.get_ydata()) == list(b.get_ydata())
+    assert a.get_marker() != b.get_marker() and a.get_linestyle() != b.get_linestyle()
+    assert a.get_markersize() > b.get_markersize() and a.get_fillstyle() != b.get_fillstyle()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["wait", "optimistic"]
+
+
+def test_timeline_title_names_the_steps_drawn() -> None:
+    from matplotlib.figure import Figure
+
+    from simharness.report import _draw_timeline
+
+    steps, syncs = synthetic_records(40, depth=2, n_reqs=4, gpu_us=220)
+    ax = Figure().subplots()
+    span_ms = _draw_timeline(ax, steps.assign(point="p"), syncs.assign(point="p"), 6, "mode")
+    drawn = [bar for coll in ax.collections for bar in coll.get_paths()]
+    gpu = steps[(steps["gpu_end"] > steps["gpu_start"].min()) & (steps["gpu_start"] < steps["gpu_end"].max())]
+    assert drawn and len(gpu)
+    title = ax.get_title(loc="left")
+    first, last = (int(x) for x in title.split("GPU steps ")[1].split(" in ")[0].split("–"))
+    bars = [t for t in ax.texts]  # GPU bars wide enough carry their step number
+    assert {int(t.get_text()) for t in bars} <= set(range(first, last + 1))
+    assert f"in {span_ms:.2f} ms" in title

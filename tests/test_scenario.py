@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from simharness.scenario import ScenarioError, load_scenario, scenario_from_dict, sweep_points
+from simharness.scenario import (
+    ScenarioError,
+    ScenarioNote,
+    load_scenario,
+    parse_value,
+    scenario_diff,
+    scenario_from_dict,
+    sweep_points,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,15 +35,15 @@ def test_sweep_points_are_a_cartesian_product_with_readable_ids():
 
 
 def test_overrides_reach_any_field():
-    sc = load_scenario(ROOT / "scenarios/quickstart.yaml", {"scheduler.depth": 3, "engine.speculation.k": 2})
-    assert sc.scheduler.depth == 3 and sc.engine.speculation.k == 2
+    sc = load_scenario(ROOT / "scenarios/quickstart.yaml", {"scheduler.policy": "wait", "engine.speculation.k": 2})
+    assert sc.scheduler.policy == "wait" and sc.engine.speculation.k == 2
 
 
 @pytest.mark.parametrize(
     "data,message",
     [
         ({"scheduler": {"depth": 0}}, "scheduler.depth: Input should be greater than or equal to 1"),
-        ({"workload": {"rate": -1}}, "workload.rate: Input should be greater than 0"),
+        ({"workload": {"rate": -1}}, "workload.rate: Input should be greater than or equal to 0.001"),
         ({"engine": {"speculation": {"k": -1}}}, "engine.speculation.k: Input should be greater than or equal to 0"),
         ({"engine": {"speculation": {"min_n": 4, "max_n": 2}}}, "engine.speculation: min_n (4) must be <= max_n (2)"),
         ({"sweep": {"scheduler.nope": [1]}}, "sweep: scheduler.nope: scheduler has no field 'nope'"),
@@ -84,3 +92,94 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path, content, args, messag
     assert message in " ".join(r.stderr.split())
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()  # nothing written for bad input
+
+
+BASE = "name: x\nworkload: {num_requests: 4, concurrency: 2}\n"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (BASE + "engine: {gpu: B999}\n", "engine.gpu: unknown GPU 'B999'; known: H100"),
+        (BASE + "engine: {model: nope}\n", "engine.model: 'nope' is neither a known model"),
+        (BASE + "seed: -1\n", "seed: Input should be greater than or equal to 0"),
+        (BASE + "engine: {host_costs: {prep_us: .inf}}\n", "host_costs.prep_us: Input should be a finite number"),
+        (BASE + "engine: {gpu_costs: {step_overhead_us: .nan}}\n", "step_overhead_us: Input should be a finite"),
+        (BASE + "engine: {gc: {probability: 0.1, mean_ms: .inf}}\n", "engine.gc.mean_ms: Input should be a finite"),
+        (BASE + "engine: {gc: {mean_ms: 1e300}}\n", "gc.mean_ms: Input should be less than or equal to 1000000000"),
+        ("name: x\nworkload: {arrival: poisson, rate: .inf}\n", "workload.rate: Input should be a finite number"),
+        ("name: x\nworkload: {arrival: poisson, rate: 1e-300}\n", "rate: Input should be greater than or equal"),
+        (BASE + "engine: {gpu_costs: {mem_bandwidth_gbs: 1e-300}}\n", "gpu_costs.mem_bandwidth_gbs: Input should be "
+         "greater than or equal to 1"),
+        (BASE + "engine: {gpu_costs: {mem_efficiency: 1e-300}}\n", "engine.gpu_costs.mem_efficiency: Input should be "
+         "greater than or equal to 0.01"),
+        (BASE + "scheduler: {sync_points: {add: [metadata_item, {name: metadata_item}]}}\n",
+         "scheduler.sync_points: add: metadata_item listed more than once"),
+        (BASE + "scheduler: {sync_points: {remove: [accepted_counts, accepted_counts]}}\n",
+         "scheduler.sync_points: remove: accepted_counts listed more than once"),
+        ("name: .\n", "name: '.' is not a usable directory name"),
+        ("name: ..\n", "name: '..' is not a usable directory name"),
+        (BASE + "seed: 1\nseed: 2\n", "duplicate key 'seed'"),
+        (BASE + "scheduler: {depth: 2, depth: 3}\n", "duplicate key 'depth'"),
+        (BASE + "scheduler: {depth: true}\n", "scheduler.depth: Input should be a valid integer"),
+        (BASE + 'scheduler: {depth: "3"}\n', "scheduler.depth: Input should be a valid integer"),
+        (BASE + "scheduler: {depth: 2.0}\n", "scheduler.depth: Input should be a valid integer"),
+        (BASE + "scheduler: {chunked_prefill: 1}\n", "scheduler.chunked_prefill: Input should be a valid boolean"),
+        (BASE + 'engine: {gc: {probability: "0.1"}}\n', "engine.gc.probability: Input should be a valid number"),
+        ("name: x\nworkload: {num_requests: 100000000}\n", "workload.num_requests: Input should be less than or equal "
+         "to 100000"),
+        ("name: x\nworkload: {concurrency: 1000, requests_per_user: 1000}\n", "above the limit of 100000 requests"),
+        ("name: x\nworkload: {output_len: {value: 1000000000}}\n", "output_len.value: Input should be less than"),
+        ("name: x\n{1: 2}: 3\n", "a key must be a plain value"),
+    ],
+)
+def test_bad_scenario_file_names_the_field(tmp_path, text, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert message in str(e.value)
+
+
+def test_binary_scenario_file(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"\xff\xfe\x00\x01name: x")
+    with pytest.raises(ScenarioError, match="not a UTF-8 text file"):
+        load_scenario(path)
+    path.write_bytes(b"name: x\x00\x01")
+    with pytest.raises(ScenarioError, match="not valid YAML"):
+        load_scenario(path)
+
+
+def test_yaml_floats_without_a_dot_are_numbers():
+    sc = scenario_from_dict({"name": "x"}, {"engine.gpu_costs.mem_bandwidth_gbs": parse_value("2e3"),
+                                            "workload.rate": parse_value("1E1")})
+    assert sc.engine.gpu_costs.mem_bandwidth_gbs == 2000.0 and sc.workload.rate == 10.0
+
+
+def test_set_on_a_swept_field_replaces_its_sweep_and_says_so():
+    data = {"name": "x", "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [4, 8]}}
+    with pytest.warns(ScenarioNote, match=r"--set scheduler.depth replaces sweep.scheduler.depth \[1, 2\]"):
+        sc = scenario_from_dict(data, {"scheduler.depth": 3})
+    assert sc.sweep == {"workload.concurrency": [4, 8]} and sc.scheduler.depth == 3
+    assert {p.scenario.scheduler.depth for p in sweep_points(sc)} == {3}
+    # a section above a swept field replaces it too
+    with pytest.warns(ScenarioNote, match="replaces sweep.workload.concurrency"):
+        sc = scenario_from_dict(data, {"workload": {"concurrency": 2}})
+    assert list(sc.sweep) == ["scheduler.depth"]
+
+
+def test_sweep_is_set_with_a_dotted_key():
+    sc = scenario_from_dict({"name": "x", "sweep": {"scheduler.depth": [1, 2]}},
+                            {"sweep.scheduler.depth": parse_value("[3, 4]"), "sweep.workload.concurrency": [2]})
+    assert sc.sweep == {"scheduler.depth": [3, 4], "workload.concurrency": [2]}
+    with pytest.raises(ScenarioError, match="sweep.scheduler.depth: Input should be a valid list"):
+        scenario_from_dict({"name": "x"}, {"sweep.scheduler.depth": 3})
+
+
+def test_scenario_diff_names_the_fields():
+    a = scenario_from_dict({"name": "x", "sweep": {"scheduler.depth": [1, 2]}})
+    b = scenario_from_dict({"name": "x", "seed": 4, "sweep": {"scheduler.depth": [1, 3]},
+                            "engine": {"host_costs": {"prep_us": 1.0}}})
+    assert scenario_diff(a, b) == ["seed", "engine.host_costs.prep_us", "sweep.scheduler.depth"]
+    assert scenario_diff(a, a) == []

@@ -283,3 +283,21 @@ def test_measured_phases_with_max_steps(sim_run) -> None:
     events = trace_events(as_hil(sim_run.steps), sim_run.syncs, max_steps=5)
     assert {e["args"]["step"] for e in events if e["ph"] == "X" and e["pid"] == MEASURED_PID} == set(range(5))
     assert check_trace({"traceEvents": events}) == []
+
+
+def test_trace_json_is_strict(tmp_path):
+    """Viewers reject `Infinity`/`NaN`: an event at a non-finite time is left out, other non-finite numbers are null."""
+    events = [
+        {"ph": "X", "name": "ok", "pid": 0, "tid": 0, "ts": 1.0, "dur": 2.0, "args": {"x": float("nan")}},
+        {"ph": "X", "name": "inf", "pid": 0, "tid": 0, "ts": 1.0, "dur": float("inf"), "args": {}},
+        {"ph": "C", "name": "nan", "pid": 0, "ts": float("nan"), "args": {"steps": 1}},
+    ]
+    path = tmp_path / "t.json"
+    write_trace(path, events, {"point": "p", "bad": [np.float64("-inf")]})
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    obj = json.loads(path.read_text(), parse_constant=no_constants)
+    assert [ev["name"] for ev in obj["traceEvents"]] == ["ok"]
+    assert obj["traceEvents"][0]["args"] == {"x": None} and obj["otherData"]["bad"] == [None]

@@ -25,7 +25,7 @@ from simharness.engine.timing import DeviceClock, PartTiming
 from simharness.instrument import SyncRecorder, phase
 from simharness.jit import njit
 from simharness.kernels import NO_DRAFT
-from simharness.kernels.ngram import propose_ngram_row
+from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.modes import Mode
 from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
 from simharness.records import Step

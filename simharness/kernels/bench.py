@@ -14,15 +14,15 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
 import torch
-import triton
 
 from simharness.engine.model import bench_verify_step
-from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch, propose_ngram_triton
-from simharness.kernels.rejection import rejection_sample_reference, rejection_sample_triton
+from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch
+from simharness.kernels.rejection import rejection_sample_reference
 
 Row = dict[str, object]
 
@@ -141,6 +141,8 @@ def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
                 seq_lens = torch.randint(low, high + 1, (batch,), generator=generator, device=device)
                 impls: dict[str, Callable] = {"torch": propose_ngram_torch}
                 if device.type == "cuda":
+                    from simharness.kernels.ngram_triton import propose_ngram_triton  # Triton: only on CUDA
+
                     impls["triton"] = propose_ngram_triton
                 if batch * width <= REFERENCE_NGRAM_MAX_TOKENS:
                     impls["reference"] = propose_ngram_reference
@@ -168,6 +170,8 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[
     repeats = 5 if quick or device.type != "cuda" else 25
     impls: dict[str, Callable] = {"reference": rejection_sample_reference}
     if device.type == "cuda":
+        from simharness.kernels.rejection_triton import rejection_sample_triton  # Triton: only on CUDA
+
         impls["triton"] = rejection_sample_triton
     generator = torch.Generator(device=device).manual_seed(0)
     rows: list[Row] = []
@@ -256,7 +260,7 @@ def write_tables(
         "",
         f"- device: {device_name(device)} ({device.type})",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
+        f"- torch {torch.__version__}, triton {_installed('triton')}, python {platform.python_version()}",
         f"- produced by simharness.kernels.bench.run_kernel_bench(device={str(device)!r}, quick={quick})",
         f"- measured copy bandwidth: {copy_gbps:.0f} GB/s (device-to-device copy, bytes read + written)",
         f"- measured matrix-product peak: {peak_tflops:.3g} TFLOP/s (torch.mm of two square {matmul} matrices)",
@@ -277,16 +281,36 @@ def write_tables(
         "best floor / weights_floor_ms (what no implementation can beat, in units of the weight-read floor), "
         "x_best_floor = device_ms / best floor",
     ]
-    for kernel, table in frame.groupby("kernel", sort=False):
-        table = table.dropna(axis=1, how="all").drop(columns="kernel")
-        measured = [column for column in MEASURED_COLUMNS if column in table.columns]
-        table = table[[column for column in table.columns if column not in measured] + measured]
+    for kernel, table in kernel_tables(frame):
         lines += ["", f"## {kernel}", "", *markdown_table(table)]
     (out_dir / "kernels.md").write_text("\n".join(lines) + "\n")
 
 
+def kernel_tables(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """One table per kernel with only the columns it fills: what describes a row, then what was measured."""
+    tables = []
+    for kernel, table in frame.groupby("kernel", sort=False):
+        table = table.dropna(axis=1, how="all").drop(columns="kernel")
+        whole = [c for c in table.columns if table[c].dtype.kind == "f" and (table[c].dropna() % 1 == 0).all()
+                 and c not in MEASURED_COLUMNS]
+        table = table.astype(dict.fromkeys(whole, "Int64"))  # a size column, float only for the other kernels' NaN
+        measured = [column for column in MEASURED_COLUMNS if column in table.columns]
+        tables.append((str(kernel), table[[column for column in table.columns if column not in measured] + measured]))
+    return tables
+
+
+def _installed(package: str) -> str:
+    """A package's installed version, without importing it (Triton is absent from a CPU-only install)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def markdown_table(table: pd.DataFrame) -> list[str]:
     def cell(value: object) -> str:
+        if value is pd.NA:
+            return ""
         if isinstance(value, float):
             return "" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
         return str(value)
