@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from simharness.corpus import load_corpus
-from simharness.kernels.ngram import propose_ngram_row
+from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.metrics import compute_metrics
 from simharness.records import REQUEST_COLUMNS, STEP_COLUMNS, SYNC_COLUMNS
 from simharness.scenario import Goodput, Workload
