@@ -242,7 +242,7 @@ def bench_kernels(
     """
     import torch
 
-    from simharness.kernels.bench import kernel_tables, run_kernel_bench
+    from simharness.bench import kernel_tables, run_kernel_bench
 
     if device not in ("cpu", "cuda"):
         fail(f"--device: {device!r} is neither cpu nor cuda")

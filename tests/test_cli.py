@@ -249,7 +249,7 @@ def test_scenarios_run_without_triton(tmp_path):
 
 def test_bench_kernels_prints_no_nan_frame(tmp_path, monkeypatch):
     """Each kernel's rows are printed with that kernel's columns only (a NaN-filled frame said nothing)."""
-    import simharness.kernels.bench as bench
+    import simharness.bench as bench
 
     frame = pd.DataFrame([
         {"kernel": "ngram", "impl": "torch", "batch": 16, "width": 2048, "device_ms": 1.5, "speedup_vs_torch": 1.0},

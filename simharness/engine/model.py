@@ -15,8 +15,6 @@ CUDA graph stays close to the weight-read floor; elsewhere the same ops run as p
 
 import dataclasses
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -368,79 +366,3 @@ def steer_logits(logits: Tensor, ref_tokens: Tensor, margin: float) -> Tensor:
     index = ref_tokens.clamp(min=0).unsqueeze(-1)
     steered = logits.amax(dim=-1, keepdim=True) + margin
     return logits.scatter_(-1, index, torch.where(ref_tokens.unsqueeze(-1) >= 0, steered, logits.gather(-1, index)))
-
-
-def bench_verify_step(
-    preset: str,
-    batch_sizes: list[int],
-    k: int,
-    device: torch.device | str,
-    repeats: int = 50,
-    *,
-    bandwidth: float,
-    peak_flops: float | None = None,
-    context_len: int = 512,
-    n_layers: int | None = None,
-    cuda_graphs: bool = True,
-) -> list[dict]:
-    """Median time of the model verify step (B rows x (1+k) tokens, each row after `context_len` cached
-    tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller),
-    the floor that also reads the rows' K/V (which grows with B x context), and with `peak_flops` (FLOP/s)
-    the compute floor: matmul plus attention FLOPs over that peak.
-
-    Every slot is first prefilled with random tokens so attention reads real K/V. CUDA: event timing of
-    back-to-back launches after warm-up (and graph capture); CPU: wall clock.
-    """
-    device = torch.device(device)
-    config = get_config(preset, n_layers)
-    n_tokens = k + 1
-    model = Transformer(
-        config, max_slots=max(batch_sizes), max_len=context_len + n_tokens, device=device,
-        cuda_graphs=cuda_graphs and device.type == "cuda",
-    )  # fmt: skip
-    gen = torch.Generator(device=device).manual_seed(1)
-    for slot in range(model.max_slots):
-        model.prefill(slot, torch.randint(config.vocab_size, (context_len,), generator=gen, device=device))
-    floor_s = model.weight_bytes() / bandwidth
-    kv_bytes_per_row = model_sizes(config, dtype=model.k_cache.dtype)["kv_bytes_per_token"] * (context_len + n_tokens)
-    matmul_params = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.output.numel()
-    # Attention per token and layer: q.k and p.v over the row's positions, 2 FLOPs per multiply-add each.
-    attention_flops_per_token = 4 * config.n_layers * config.n_heads * config.head_dim * (context_len + n_tokens)
-
-    rows = []
-    for batch in batch_sizes:
-        tokens = torch.randint(config.vocab_size, (batch, n_tokens), generator=gen, device=device)
-        slots = model.slot_ids[:batch]
-        start_pos = torch.full((batch,), context_len, dtype=torch.int64, device=device)
-        for _ in range(3):
-            model.verify(tokens, slots, start_pos)
-        times = []
-        if device.type == "cuda":
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
-            ]
-            for begin, end in events:
-                begin.record()
-                model.verify(tokens, slots, start_pos)
-                end.record()
-            torch.cuda.synchronize(device)
-            times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
-        else:
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                model.verify(tokens, slots, start_pos)
-                times.append(time.perf_counter() - t0)
-        median = statistics.median(times)
-        flops = (2 * matmul_params + attention_flops_per_token) * batch * n_tokens
-        rows.append({
-            "name": f"verify_step[{preset}{'' if n_layers is None else f',L={n_layers}'}]",
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "batch": batch, "k": k, "tokens": batch * n_tokens, "context": context_len,
-            "cuda_graphs": model.cuda_graphs, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
-            "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
-            "floor_with_kv_ms": (model.weight_bytes() + kv_bytes_per_row * batch) / bandwidth * 1e3,
-            "weight_bytes": model.weight_bytes(), "kv_read_bytes": kv_bytes_per_row * batch,
-            "flops": flops, "tflops": flops / median / 1e12,
-            "compute_floor_ms": None if peak_flops is None else flops / peak_flops * 1e3,
-        })  # fmt: skip
-    return rows
