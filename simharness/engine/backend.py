@@ -103,7 +103,8 @@ class ModelBackend:
                  allocations_per_step: int = 0, full_every: int = 1):
         n = len(requests.prompt_len)
         # rows sampled at a temperature take the sampler's random path
-        self.random = requests.random if requests.random is not None else np.zeros(n, dtype=bool)
+        random = getattr(requests, "random", None)  # test doubles of Requests may leave it out
+        self.random = random if random is not None else np.zeros(n, dtype=bool)
         # prep's per-step allocations: a full collection pauses prep whenever they pass `full_every` more
         self.allocations_per_step, self.full_every = allocations_per_step, full_every
         self.allocated = 0
