@@ -59,23 +59,26 @@ def seed_scenario_path(pr: str) -> Path:
 
 def run_seed(pr: str, level: str, repeats: int, out: str | Path, overrides: dict[str, Any] | None = None,
              first_seed: int = 0) -> pd.DataFrame:
-    """Run seed `pr`'s scenario at `level` (sim, hil or real) `repeats` times (scenario seeds first_seed, ...);
-    one row per repeat, arm and metric: seed, level, repeat, arm (A, B, or the value of an arm between), metric,
-    measured value."""
+    """Run seed `pr`'s scenario at `level` (sim, hil or real) `repeats` times, with scenario seeds first_seed, ...
+    (one run whose sweep adds `seed`); one row per repeat, arm and metric: seed, level, repeat, arm (A, B, or the
+    value of an arm between), metric, measured value."""
     seed = SEEDS[pr]
+    scenario_seeds = list(range(first_seed, first_seed + repeats))
+    base = load_scenario(seed_scenario_path(pr), overrides)
+    values = base.sweep[seed.field]
+    # one run, its sweep the repeats (outer) by the arms: a measured run builds its model once
+    sc = load_scenario(seed_scenario_path(pr), {**(overrides or {}), "engine.backend": BACKENDS[level],
+                                                "sweep": {"seed": scenario_seeds, seed.field: values}})
+    result = run(sc, out=out)
+    sample_ms = result.steps.groupby("point")["gpu_sample_s"].mean() * 1e3  # measured levels only (NaN at sim)
     rows = []
-    for repeat in range(first_seed, first_seed + repeats):
-        sc = load_scenario(seed_scenario_path(pr), {**(overrides or {}), "engine.backend": BACKENDS[level],
-                                                    "seed": repeat})
-        values = sc.sweep[seed.field]
-        result = run(sc, out=out)
-        sample_ms = result.steps.groupby("point")["gpu_sample_s"].mean() * 1e3  # measured levels only (NaN at sim)
-        for i, (_, point) in enumerate(result.summary.sort_values("index").iterrows()):
-            arm = "A" if i == 0 else "B" if i == len(values) - 1 else f"{seed.field}={values[i]}"
-            for metric in seed.reported:
-                value = sample_ms.get(point["point"], np.nan) if metric == "mean_sample_ms" else point[metric]
-                rows.append({"seed": pr, "level": level, "repeat": repeat, "arm": arm, "metric": metric,
-                             "measured": float(value)})
+    for _, point in result.summary.sort_values("index").iterrows():
+        repeat, i = divmod(int(point["index"]), len(values))
+        arm = "A" if i == 0 else "B" if i == len(values) - 1 else f"{seed.field}={values[i]}"
+        for metric in seed.reported:
+            value = sample_ms.get(point["point"], np.nan) if metric == "mean_sample_ms" else point[metric]
+            rows.append({"seed": pr, "level": level, "repeat": scenario_seeds[repeat], "arm": arm, "metric": metric,
+                         "measured": float(value)})
     return pd.DataFrame(rows)
 
 
