@@ -5,6 +5,7 @@ compilations are reused across runs); docs/seeds.md.
     python benchmarks/seeds.py --out /tmp/s --levels sim --repeats 10
     python benchmarks/seeds.py --out /tmp/s --repeats 1 --set engine.model=tiny --set engine.device=cpu \\
         --set workload.num_requests=8        # dry run on a CPU
+    python benchmarks/seeds.py --out results/seeds --from-csv   # effects.csv and the table from OUT/<level>.csv
 
 Writes OUT/<level>.csv (one row per repeat, arm and metric: `simharness.run_seed`), OUT/effects.csv (per seed,
 level and metric: A, B, effect % and its 95% interval, the reported change), OUT/seconds.csv (wall time per seed
@@ -34,7 +35,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override every seed scenario")
     ap.add_argument("--keep-runs", action="store_true", help="keep each run directory under OUT/runs")
+    ap.add_argument("--from-csv", action="store_true", help="run nothing: the effects of every OUT/<level>.csv")
     args = ap.parse_args()
+    if args.from_csv:
+        rows = [pd.read_csv(args.out / f"{level}.csv", dtype={"seed": str}) for level in ("sim", "hil", "real")
+                if (args.out / f"{level}.csv").exists()]
+        effects = simharness.seed_effects(pd.concat(rows))
+        effects.to_csv(args.out / "effects.csv", index=False)
+        print(table(effects))
+        return
     overrides = {}
     for item in args.set:
         path, _, value = item.partition("=")
