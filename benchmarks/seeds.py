@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import tempfile
 import time
 from pathlib import Path
@@ -65,8 +66,16 @@ def main() -> None:
         all_rows.extend(level_rows)
     effects = simharness.seed_effects(pd.concat(all_rows))
     effects.to_csv(args.out / "effects.csv", index=False)
-    (args.out / "settings.json").write_text(json.dumps({"repeats": args.repeats, "overrides": overrides}, indent=1))
+    settings = {"repeats": args.repeats, "levels": args.levels, "overrides": overrides, "device": device()}
+    (args.out / f"settings-{'-'.join(args.levels)}.json").write_text(json.dumps(settings, indent=1))
     print(table(effects))
+
+
+def device() -> str:
+    """The GPU the measured levels ran on, or the host's processor."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "CPU"
 
 
 def table(effects: pd.DataFrame) -> str:
