@@ -66,7 +66,9 @@ def main() -> None:
         all_rows.extend(level_rows)
     effects = simharness.seed_effects(pd.concat(all_rows))
     effects.to_csv(args.out / "effects.csv", index=False)
-    settings = {"repeats": args.repeats, "levels": args.levels, "overrides": overrides, "device": device()}
+    measured = set(args.levels) - {"sim"}
+    settings = {"repeats": args.repeats, "levels": args.levels, "overrides": overrides,
+                "device": device() if measured else "sim (virtual time, cost model)"}
     (args.out / f"settings-{'-'.join(args.levels)}.json").write_text(json.dumps(settings, indent=1))
     print(table(effects))
 
