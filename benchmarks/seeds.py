@@ -8,9 +8,9 @@ compilations are reused across runs); docs/seeds.md.
     python benchmarks/seeds.py --out results/seeds --from-csv   # effects.csv and the table from OUT/<level>.csv
 
 Writes OUT/<level>.csv (one row per repeat, arm and metric: `simharness.run_seed`), OUT/effects.csv (per seed,
-level and metric: A, B, effect % and its 95% interval, the reported change), OUT/seconds.csv (wall time per seed
-and level) and, with --keep-runs, every run directory under OUT/runs; results/seeds/ holds the same files. Prints
-the effects as a table at the end.
+level and metric: A, B, effect % and its 95% interval, the reported change), OUT/seconds-<levels>.csv (wall time
+per seed and level), OUT/settings-<levels>.json (repeats, overrides, device) and, with --keep-runs, every run
+directory under OUT/runs; results/seeds/ holds the same files. Prints the effects as a table at the end.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
             level_rows.append(rows)
             # written after every seed: a run cut short keeps what it finished
             pd.concat(level_rows).to_csv(args.out / f"{level}.csv", index=False)
-            pd.DataFrame(seconds).to_csv(args.out / "seconds.csv", index=False)
+            pd.DataFrame(seconds).to_csv(args.out / f"seconds-{'-'.join(args.levels)}.csv", index=False)
         all_rows.extend(level_rows)
     effects = simharness.seed_effects(pd.concat(all_rows))
     effects.to_csv(args.out / "effects.csv", index=False)
