@@ -196,7 +196,8 @@ class GcPauses(Strict):
         "collection traverses); hil/real: really held by the backend; sim: sizes the full collection's pause",
     )
     full_every: int = Field(
-        70_000, ge=1, description="sim: allocations between two full collections (CPython's thresholds 700 x 10 x 10)"
+        70_000, ge=1, description="sim: allocations between two full collections (CPython's thresholds 700 x 10 x "
+        "10, were every allocation to count; CPython counts allocations less deallocations: docs/seeds.md)",
     )
 
 
