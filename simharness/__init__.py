@@ -10,8 +10,10 @@ from simharness.compare import compare
 from simharness.fidelity import FidelityResult, run_fidelity
 from simharness.runner import RunResult, run
 from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
+from simharness.seeds import SEEDS, run_seed, seed_effects
 
 __all__ = [
+    "SEEDS",
     "FidelityResult",
     "RunResult",
     "Scenario",
@@ -20,6 +22,8 @@ __all__ = [
     "load_scenario",
     "run",
     "run_fidelity",
+    "run_seed",
     "scenario_from_dict",
+    "seed_effects",
     "sweep_points",
 ]

@@ -42,7 +42,12 @@ class CostModel:
         self.sizes = np.array([s.weight_bytes, s.kv_bytes_per_token, s.linear_flops_per_token, s.attn_flops_per_pair,
                                s.vocab_size * 4], dtype=np.int64)
         ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9 if self.ngram_gpu else 0.0
-        self.rates = np.array([self.fixed_s, self.sec_per_byte, self.sec_per_flop, ngram_s_per_token])
+        # a random row's sampler work beyond a greedy row's, per verified token
+        random_s_per_token = (g.sampler_random_factor - 1.0) * s.vocab_size * 4 * self.sec_per_byte
+        self.rates = np.array([self.fixed_s, self.sec_per_byte, self.sec_per_flop, ngram_s_per_token,
+                               random_s_per_token])
+        # a full garbage collection's pause (sim: every `gc.full_every` allocations prep makes)
+        self.full_gc_s = engine.gc.heap_objects * self.h.gc_ns_per_object * 1e-9
 
     def schedule(self, n_reqs: int) -> float:
         return (self.h.schedule_us + self.h.schedule_per_req_us * n_reqs) * 1e-6
@@ -68,14 +73,16 @@ class CostModel:
 
 # Coefficients of `gpu_seconds`: CostModel.sizes and CostModel.rates.
 WEIGHT_BYTES, KV_BYTES_PER_TOKEN, LINEAR_FLOPS_PER_TOKEN, ATTN_FLOPS_PER_PAIR, LOGIT_BYTES = range(5)
-FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN = range(4)
+FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN, RANDOM_S_PER_TOKEN = range(5)
 
 
 @njit
-def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int) -> float:
+def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int,
+                random_tokens: int) -> float:
     """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache after the
     step (context + query), `pairs2` twice the attention pairs (sum over requests of query * (2 * context +
-    query + 1)), `history` tokens the GPU n-gram proposer scans (its rate is 0 without it)."""
+    query + 1)), `history` tokens the GPU n-gram proposer scans (its rate is 0 without it), `random_tokens`
+    verified tokens of rows sampled at a temperature (the sampler's random path)."""
     # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
     # of query * (context + (query + 1) / 2) over the batch in any order. Sizes times token counts are exact
     # integers, rounded once when scaled by a rate.
@@ -83,6 +90,6 @@ def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: in
     mem = (sizes[WEIGHT_BYTES] + sizes[KV_BYTES_PER_TOKEN] * kv_tokens) * rates[SEC_PER_BYTE]
     compute = (sizes[LINEAR_FLOPS_PER_TOKEN] * tokens + sizes[ATTN_FLOPS_PER_PAIR] * pairs) * rates[SEC_PER_FLOP]
     # the sampler reads fp32 logits of every verified position
-    sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE]
+    sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
     proposer = rates[NGRAM_S_PER_TOKEN] * history
     return rates[FIXED_S] + max(mem, compute) + sampler + proposer

@@ -145,7 +145,8 @@ class _Workloads:
 # The level of each engine.backend.
 LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
 # Fields a measured point reads nowhere: its device and step times are measured, its acceptance is the sampler's.
-MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance")
+MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.gc.full_every",
+                    "engine.host_costs.gc_ns_per_object")
 
 
 def ignored_fields(sc: Scenario) -> list[str]:

@@ -92,6 +92,10 @@ class Workload(Strict):
         default_factory=lambda: {"code_edit": 0.5, "summarize": 0.25, "free": 0.25},
         description="mix of request kinds (weights); kinds differ in how much the output copies the prompt",
     )
+    random_fraction: float = Field(
+        0.0, ge=0, le=1, description="share of requests sampled at temperature 1 (the rest greedy, temperature 0); "
+        "sim: their verified tokens cost the sampler `gpu_costs.sampler_random_factor` times a greedy token's",
+    )
 
     @field_validator("kinds")
     @classmethod
@@ -165,6 +169,10 @@ class GpuCosts(Strict):
     ngram_gpu_us: NonNegFloat = Field(20.0, description="GPU n-gram proposer fixed cost")
     ngram_gpu_per_token_ns: NonNegFloat = Field(0.05, description="GPU n-gram cost per history token")
     correction_us: NonNegFloat = Field(5.0, description="optimistic correction kernel")
+    sampler_random_factor: float = Field(
+        1.16, ge=1, description="a random (temperature > 0) row's sampler cost per verified token, relative to a "
+        "greedy row's (Triton sampler, H100, bf16 logits: 84.4% vs 72.8% of copy bandwidth, results/kernels)",
+    )
 
 
 class HostCosts(Strict):
@@ -185,6 +193,10 @@ class HostCosts(Strict):
     ngram_cpu_per_req_us: NonNegFloat = 3.0
     ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")
     sync_us: NonNegFloat = Field(15.0, description="cost of one host sync once its event has fired (D2H)")
+    gc_ns_per_object: NonNegFloat = Field(
+        30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap (85 on a "
+        "shared 2-core VM, gc.collect() over 1e6 one-item lists)"
+    )
 
 
 class GcPauses(Strict):
@@ -193,6 +205,19 @@ class GcPauses(Strict):
     probability: float = Field(0.0, ge=0, le=1, description="chance of a pause per engine-loop iteration")
     mean_ms: NonNegFloat = Field(2.0, description="mean pause length")
     distribution: Literal["fixed", "exponential"] = "exponential"
+    allocations_per_step: int = Field(
+        0, ge=0, description="GC-tracked objects prep allocates and drops every step (vLLM before #41043 built "
+        "lists and arrays there); hil/real: really allocated, so CPython's collector runs when it will; sim: every "
+        "`full_every` of them a full collection pauses prep for `heap_objects` x `host_costs.gc_ns_per_object`",
+    )
+    heap_objects: int = Field(
+        0, ge=0, le=50_000_000, description="long-lived GC-tracked objects the engine process holds (what a full "
+        "collection traverses); hil/real: really held by the backend; sim: sizes the full collection's pause",
+    )
+    full_every: int = Field(
+        70_000, ge=1, description="sim: allocations between two full collections (CPython's thresholds 700 x 10 x "
+        "10, were every allocation to count; CPython counts allocations less deallocations: docs/seeds.md)",
+    )
 
 
 class Engine(Strict):

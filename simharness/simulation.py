@@ -165,6 +165,7 @@ class Simulation:
         if newest is not None and newest.gpu_end > self.env.now:
             yield newest.done
         for sp in core.phase_syncs[ph]:
+            self.backend.sync_op(step, sp.name)  # hil: the real operation, if any (its wait stays modelled)
             start = t
             target = core.sync_target(sp)
             if target is not None and target.gpu_end > t:

@@ -54,6 +54,7 @@ class Requests:
     arrival_s: np.ndarray | None  # float64 [N], open loop; None: closed loop (submit on completion)
     vocab_size: int  # every token id is below this
     kind_names: tuple[str, ...] = KINDS
+    random: np.ndarray | None = None  # bool [N]: sampled at temperature 1 (None: every request greedy)
 
     def __len__(self) -> int:
         return len(self.kind)
@@ -65,7 +66,7 @@ def build_requests(cfg: Workload, seed: int, checkpoint: Path | None = None) -> 
     corpus = load_corpus(checkpoint=checkpoint)
     tables = _tables(corpus)
     n = cfg.total_requests
-    kind_seed, arrival_seed, content_seed = np.random.SeedSequence(seed).spawn(3)
+    kind_seed, arrival_seed, content_seed, sampling_seed = np.random.SeedSequence(seed).spawn(4)
     kind = _draw_kinds(cfg.kinds, n, np.random.default_rng(kind_seed))
     builders = {"code_edit": _code_edit, "summarize": _summarize, "free": _free}
     prompts, outputs = [], []
@@ -82,7 +83,17 @@ def build_requests(cfg: Workload, seed: int, checkpoint: Path | None = None) -> 
         output_tokens=outputs,
         arrival_s=arrival_times(cfg, n, np.random.default_rng(arrival_seed)),
         vocab_size=corpus.tokenizer.vocab_size,
+        random=_draw_random(cfg.random_fraction, n, np.random.default_rng(sampling_seed)),
     )
+
+
+def _draw_random(fraction: float, n: int, rng: np.random.Generator) -> np.ndarray | None:
+    """Which requests sample at temperature 1: round(fraction * n) of them, chosen at random (None for none)."""
+    if fraction == 0:
+        return None
+    random = np.zeros(n, dtype=bool)
+    random[rng.permutation(n)[: round(fraction * n)]] = True
+    return random
 
 
 def arrival_times(cfg: Workload, n: int, rng: np.random.Generator) -> np.ndarray | None:

@@ -23,6 +23,7 @@ LAYERS = [
     ["measured", "bench"],  # set-up of the measured levels, benchmarks
     ["metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
     ["runner", "fidelity"],  # drivers
+    ["seeds"],  # the seed changes, run through the driver
     ["cli", "__main__", "__init__"],  # interfaces
 ]
 

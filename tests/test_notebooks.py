@@ -15,7 +15,7 @@ import simharness
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-NAMES = ["quickstart.ipynb", "sync-points.ipynb"]
+NAMES = ["quickstart.ipynb", "sync-points.ipynb", "seeds.ipynb"]
 PUBLIC = set(simharness.__all__)
 
 

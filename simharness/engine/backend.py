@@ -69,6 +69,11 @@ class Backend(Protocol):
         """The CPU n-gram proposer drafts for these requests (after their step was settled); returns its host time."""
         ...
 
+    def sync_op(self, step: Step, name: str) -> bool:
+        """For `step`, run the device operation that makes sync point `name` block, where this backend has one
+        (it then blocks until the device is done with everything launched); returns whether it did."""
+        ...
+
     def release(self, rids: np.ndarray) -> None:
         """The host saw these requests finish: free what they held."""
         ...
@@ -80,7 +85,13 @@ def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
     acceptance = make_acceptance(sc.engine.speculation, requests)
     cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
     rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
-    return ModelBackend(requests, acceptance, cost, mode.k, rng)
+    backend = ModelBackend(requests, acceptance, cost, mode.k, rng, sc.engine.gc.allocations_per_step,
+                           sc.engine.gc.full_every)
+    if backend.allocations_per_step:
+        # the process's earlier allocations left the collector's count anywhere (the seed's own stream)
+        backend.allocated = int(np.random.default_rng(np.random.SeedSequence([sc.seed, 3])).integers(
+            sc.engine.gc.full_every))
+    return backend
 
 
 class ModelBackend:
@@ -88,8 +99,15 @@ class ModelBackend:
 
     measured = ""
 
-    def __init__(self, requests, acceptance: AcceptanceModel, cost: CostModel, k: int, rng: np.random.Generator):
+    def __init__(self, requests, acceptance: AcceptanceModel, cost: CostModel, k: int, rng: np.random.Generator,
+                 allocations_per_step: int = 0, full_every: int = 1):
         n = len(requests.prompt_len)
+        # rows sampled at a temperature take the sampler's random path
+        random = getattr(requests, "random", None)  # test doubles of Requests may leave it out
+        self.random = random if random is not None else np.zeros(n, dtype=bool)
+        # prep's per-step allocations: a full collection pauses prep whenever they pass `full_every` more
+        self.allocations_per_step, self.full_every = allocations_per_step, full_every
+        self.allocated = 0
         self.acc = acceptance
         self.cost = cost
         self.launch_s, self.readback_s = cost.launch(), cost.sync()
@@ -110,7 +128,16 @@ class ModelBackend:
         return self.held
 
     def prep(self, step: Step) -> float:
-        return self.cost.prep(step.batch.size, step.batch.n_tokens)
+        seconds = self.cost.prep(step.batch.size, step.batch.n_tokens)
+        if self.allocations_per_step:
+            self.allocated += self.allocations_per_step
+            if self.allocated >= self.full_every:
+                self.allocated -= self.full_every
+                seconds += self.cost.full_gc_s
+        return seconds
+
+    def sync_op(self, step: Step, name: str) -> bool:
+        return False  # every sync point is modelled here
 
     def launch(self, step: Step) -> float:
         return self.launch_s
@@ -133,7 +160,7 @@ class ModelBackend:
         acc = self.acc
         seconds, self.next_uniform = _run_step(
             b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
-            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates,
+            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random,
         )
         return seconds, self.readback_s
 
@@ -161,6 +188,7 @@ def _run_step(
     next_uniform: int,
     sizes: np.ndarray,
     rates: np.ndarray,
+    random: np.ndarray,
 ) -> tuple[float, int]:
     """One step on the device truth: fills the batch's outcome rows, returns its GPU seconds (from its query
     tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans) and
@@ -170,7 +198,7 @@ def _run_step(
     totals do not depend on the order of the rows. Acceptance and the drafts held are separate passes:
     numba keeps their calls cheap only in short loops."""
     size = table.shape[1]
-    tokens = kv_tokens = pairs2 = history = 0
+    tokens = kv_tokens = pairs2 = history = random_tokens = 0
     any_drafts = False
     for i in range(size):
         rid = table[REQ, i]
@@ -189,6 +217,8 @@ def _run_step(
         # a decode: query 1 + slots over the context
         slots, c = table[VERIFIED, i], truth[CONTEXT, rid]
         tokens += 1 + slots
+        if random[rid]:
+            random_tokens += 1 + slots
         kv_tokens += c + 1 + slots
         pairs2 += (1 + slots) * (2 * c + 2 + slots)
         history += c
@@ -211,7 +241,7 @@ def _run_step(
             truth[CONTEXT, rid] = c + emitted
             history += emitted
     _hold(table, truth, k, survival, offset, valid)
-    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history), next_uniform
+    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens), next_uniform
 
 
 @njit

@@ -149,12 +149,13 @@ class DecodeLoop:
         slot: int,
         prompt_ids: Sequence[int] | Tensor,
         reference_ids: Sequence[int] | Tensor | None = None,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         cached: int = 0,
     ) -> Tensor:
         """Prefill `prompt_ids` into `slot` (all but its first `cached` tokens, which `prefill_chunk` wrote),
         emit the first token (reference[0] if a reference is given, else sampled from the last prompt
-        position) and propose the first drafts. No host sync: returns the first token as a device tensor
+        position) and propose the first drafts. `temperature` None keeps the slot's (0 unless its caller set
+        `temperature[slot]`; `remove_request` resets it). No host sync: returns the first token as a device tensor
         [1] for the caller to read at its next sync."""
         prompt = self._to_device(prompt_ids)
         n_prompt = prompt.shape[0]
@@ -162,7 +163,8 @@ class DecodeLoop:
             raise ValueError(f"prompt of {n_prompt} tokens leaves no room for a step in max_len {self.max_len}")
         logits = self.model.prefill(slot, prompt[cached:], start=cached)
         # fill_ takes the scalar as a kernel argument; `t[i] = x` would copy a host scalar and sync.
-        self.temperature[slot].fill_(temperature)
+        if temperature is not None:
+            self.temperature[slot].fill_(temperature)
         if reference_ids is None:
             first, _ = rejection_sample(
                 logits.view(1, 1, -1), *self._no_drafts, self.temperature[slot : slot + 1], seed=self._seed(-1 - slot)
@@ -196,6 +198,7 @@ class DecodeLoop:
         self.lengths[slot].fill_(0)
         self.reference_lens[slot].fill_(0)
         self.num_valid[slot].fill_(0)
+        self.temperature[slot].fill_(0.0)
         self.drafts[slot].fill_(-1)
         self._steered.discard(slot)
 

@@ -125,6 +125,10 @@ class TorchBackend:
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
         self.mark = time.perf_counter()
+        # the engine process's long-lived objects a full collection traverses, and prep's per-step allocations
+        self.heap = [[i] for i in range(sc.engine.gc.heap_objects)]
+        self.allocations = sc.engine.gc.allocations_per_step
+        self.random = getattr(requests, "random", None)  # rows sampled at temperature 1 (None: every row greedy)
 
     def start_clock(self, t0: float) -> None:
         """Time each step's device work on the host's clock from `t0` on (the real level)."""
@@ -159,6 +163,8 @@ class TorchBackend:
                 if self.slot[rid] < 0:  # its first chunk
                     self.slot[rid] = self.free_slots.pop()
                     self.history[rid, : self.prompt_len[rid]] = self.req.prompt_tokens[rid]
+                    if self.random is not None:  # the slot's sampling temperature (fill_: no sync)
+                        self.loop.temperature[self.slot[rid]].fill_(1.0 if self.random[rid] else 0.0)
                 end = start + int(b.tokens[i])
                 self.prefilled[rid] = end
                 last = bool(b.completes_prefill[i])
@@ -173,8 +179,34 @@ class TorchBackend:
                     launch.lengths = self._to_device(self.prompt_len[r] + self.committed[r])
                 if self.mode.ngram_cpu:
                     launch.drafts = self._to_device(self.host_drafts[r, : self.k]).view(len(r), self.k)
+                if self.allocations:
+                    self._allocate(r)
             self.launches[step.step] = launch
         return self._leave(t0)
+
+    def _allocate(self, rids: np.ndarray) -> None:
+        """vLLM's backup tokens before #41043: a `.tolist()`, a list comprehension and an array each step, here
+        `engine.gc.allocations_per_step` one-item lists of the requests' last tokens and their array, dropped at
+        once; CPython's collector runs whenever their count says so, inside the measured prep."""
+        last = (self.prompt_len[rids] + self.committed[rids] - 1).tolist()
+        rows = [[int(self.history[rids[i % len(rids)], last[i % len(rids)]])] for i in range(self.allocations)]
+        np.array(rows, dtype=np.int32)
+
+    def sync_op(self, step: Step, name: str) -> bool:
+        """The real operation behind a what-if sync point: `bool_mask_index` indexes a device tensor with a device
+        boolean mask (#38047's sync: the result's size needs the mask's count on the host), `metadata_item` reads
+        a device scalar with `.item()`. Either waits for everything launched."""
+        if name not in ("bool_mask_index", "metadata_item"):
+            return False
+        self.syncs.start_step(step.step)
+        t0 = time.perf_counter()
+        with phase("prep"):
+            if name == "bool_mask_index":
+                self.loop.lengths[self.loop.num_valid > 0].sum()
+            else:
+                self.loop.lengths.sum().item()
+        self._leave(t0)
+        return True
 
     def launch(self, step: Step) -> float:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time (on the CPU,
