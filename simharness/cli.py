@@ -70,7 +70,8 @@ def run_cmd(
             err.print(f"interrupted: finished points are kept in {where}; finish with "
                       f"`simharness run {scenario} --resume {where}` (and the same --set options)")
         raise typer.Exit(130) from None
-    out.print(summary_table(result.summary, [p for p in sc.sweep if p in result.summary.columns]))
+    swept = [p for p in [*sc.sweep, "repeat"] if p in result.summary.columns]
+    out.print(summary_table(result.summary, swept))
     out.print(f"report: {result.report}")
 
 

@@ -298,12 +298,19 @@ class Scenario(Strict):
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     report: Report = Report()
     fidelity: Fidelity = Fidelity()
+    repeats: int = Field(1, ge=1, le=100, description="runs of each sweep point, seeds seed ... seed + repeats - 1; "
+                         "the summary keeps every repeat and the report gives medians and 95% intervals")
 
     @model_validator(mode="after")
     def _check_sweep(self) -> Scenario:
         for path, values in self.sweep.items():
             if not isinstance(values, list) or not values:
                 raise ValueError(f"sweep.{path}: needs a non-empty list of values")
+            ids = [_fmt(v) for v in values]
+            twice = next((v for v in ids if ids.count(v) > 1), None)
+            if twice is not None:
+                raise ValueError(f"sweep.{path}: value {twice} appears more than once; to run a point several "
+                                 "times set `repeats: N`")
             try:
                 _resolve(self, path)
             except ValueError as e:
@@ -396,10 +403,12 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
 
 
 def sweep_points(scenario: Scenario) -> list[Point]:
-    """Expand the sweep into points (cartesian product, in the order the paths are written)."""
+    """Expand the sweep into points (cartesian product, in the order the paths are written), each `repeats` times
+    in a row (`repeat_points`)."""
     paths = list(scenario.sweep)
     base = scenario.model_dump(mode="json")
     base["sweep"] = {}
+    base["repeats"] = 1
     points = []
     for index, values in enumerate(itertools.product(*(scenario.sweep[p] for p in paths))):
         point_id = ",".join(f"{p}={_fmt(v)}" for p, v in zip(paths, values, strict=True)) or "base"
@@ -409,7 +418,21 @@ def sweep_points(scenario: Scenario) -> list[Point]:
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {point_id}: {e}") from None
         points.append(Point(id=point_id, index=index, values=overrides, scenario=resolved))
-    return points
+    return repeat_points(points, scenario.repeats)
+
+
+def repeat_points(points: list[Point], repeats: int) -> list[Point]:
+    """Each point `repeats` times as points of their own (no change for 1): repeat r has the value `repeat` = r,
+    the id suffix `,repeat=r` and the seed seed + r, so any executor runs repeats as it runs points."""
+    if repeats == 1:
+        return points
+    out = []
+    for p in points:
+        for r in range(repeats):
+            scenario = p.scenario.model_copy(update={"seed": p.scenario.seed + r})
+            point_id = f"repeat={r}" if p.id == "base" else f"{p.id},repeat={r}"
+            out.append(Point(id=point_id, index=len(out), values={**p.values, "repeat": r}, scenario=scenario))
+    return out
 
 
 def _fmt(value: Any) -> str:

@@ -19,7 +19,7 @@ LAYERS = [
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "kernels.bench"],  # set-up of the measured levels, benchmarks
-    ["metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
+    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
     ["runner", "fidelity"],  # drivers
     ["cli", "__main__", "__init__"],  # interfaces
 ]
