@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -168,9 +169,13 @@ def compare_cmd(
     if threshold <= 0:
         fail("--threshold: must be > 0")
     try:
-        rows = compare(base, current, threshold=threshold, force=force)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = compare(base, current, threshold=threshold, force=force)
     except CompareError as e:
         fail(str(e))
+    for warning in caught:
+        err.print(f"[bold yellow]warning:[/] {warning.message}", highlight=False, soft_wrap=True)
     typer.echo(markdown(rows, show_all=show_all))
     if json_out is not None:
         json_out.write_text(json.dumps(to_json(rows), indent=1))
