@@ -136,7 +136,7 @@ class _Workloads:
 # The level of each engine.backend.
 LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
 # Fields a measured point reads nowhere: its device and step times are measured, its acceptance is the sampler's.
-MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance")
+MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration")
 
 
 def ignored_fields(sc: Scenario) -> list[str]:

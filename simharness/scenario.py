@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from simharness.costfile import CalibrationError, check_match, load_calibration
 from simharness.models import model_config
 
 
@@ -160,6 +161,8 @@ class HostCosts(Strict):
     prep_per_req_us: NonNegFloat = 5.0
     prep_per_token_us: NonNegFloat = 0.05
     launch_us: NonNegFloat = 60.0
+    launch_per_req_us: NonNegFloat = 0.0
+    launch_per_prefill_us: NonNegFloat = Field(0.0, description="per prefill chunk (its launch is not a replay)")
     update_us: NonNegFloat = 120.0
     update_per_req_us: NonNegFloat = 6.0
     ngram_cpu_us: NonNegFloat = 20.0
@@ -201,12 +204,29 @@ class Engine(Strict):
     gpu_costs: GpuCosts = GpuCosts()
     host_costs: HostCosts = HostCosts()
     gc: GcPauses = GcPauses()
+    calibration: str | None = Field(
+        None, description="sim level: a calibration file (`simharness calibrate`) fitted on this gpu and model; its "
+        "device step times and measured host phases replace the roofline and those host_costs"
+    )
 
     @field_validator("model")
     @classmethod
     def _known_model(cls, v: str) -> str:
         model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
         return v
+
+    @model_validator(mode="after")
+    def _matching_calibration(self) -> Engine:
+        if self.calibration is not None:
+            try:
+                cal = load_calibration(self.calibration)
+                check_match(cal, self.gpu, self.model)
+            except CalibrationError as e:
+                raise ValueError(f"calibration: {e}") from None
+            unknown = sorted(set(cal.host_costs) - set(HostCosts.model_fields))
+            if unknown:
+                raise ValueError(f"calibration: {self.calibration}: unknown host cost {unknown[0]!r}")
+        return self
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    ["jit", "models", "scenario", "tokenizer", "kernels"],  # the scenario, the model catalogue, leaf utilities
+    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels"],  # the scenario, model catalogue, leaf utilities
     ["corpus", "workload"],  # requests
     ["kernels.ngram", "kernels.rejection"],  # the decode loop's kernels
     ["acceptance", "costmodel"],  # the sim level's models of the device
@@ -20,7 +20,7 @@ LAYERS = [
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "kernels.bench"],  # set-up of the measured levels, benchmarks
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
-    ["runner", "fidelity"],  # drivers
+    ["runner", "fidelity", "calibration"],  # drivers
     ["cli", "__main__", "__init__"],  # interfaces
 ]
 
