@@ -1,13 +1,13 @@
 """`simharness calibrate`: fit the sim level's costs from the step records of measured (hil or real) runs.
 
-Every measured step gives one sample of the device step time (the sum of its measured device phases) against
-what it held (`costfile.DEVICE_FEATURES`: decode rows, decode tokens, the decode rows' context, prefill chunks and
-tokens, the GPU proposer's terms), and one sample of each host phase its level measured (prep, launch, the
-readback's own cost, the CPU proposer; schedule and update only where measured) against requests and tokens.
-Each is a non-negative least-squares fit; k-fold cross-validation over the steps gives the relative error on
-steps a fit did not see. A step's records hold no context, so it is rebuilt from the requests' prompts and the
-tokens emitted before the step (device order: steps run FIFO). Host phases a level models instead of measuring
-keep the scenario's values.
+Every measured step gives one sample of the device step time (from its device start, or its launch's end if
+later: the sim starts a step no earlier) against what it held (`costfile.DEVICE_FEATURES`: decode rows, decode
+tokens, the decode rows' context, prefill chunks and tokens, the GPU proposer's terms), and one sample of each
+host phase its level measured (prep, launch, the readback's own cost, the CPU proposer; schedule and update
+only where measured) against requests and tokens. Each is a non-negative least-squares fit of the relative
+error; k-fold cross-validation over the steps gives the relative error on steps a fit did not see. A step's
+records hold no context, so it is rebuilt from the requests' prompts and the tokens emitted before the step
+(device order: steps run FIFO). Host phases a level models instead of measuring keep the scenario's values.
 
 `check_calibration` runs the configurations the fit left out (`fit_where`) at the sim level with and without
 the calibration and reports their errors against the measured medians, as `simharness fidelity` does.
@@ -235,12 +235,14 @@ def _emission_counts(requests: pd.DataFrame, emissions: pd.DataFrame) -> pd.Data
 
 
 def fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares of y on the columns of x, each column scaled to unit size first (the features
-    differ by orders of magnitude); all-zero columns get 0."""
-    scale = np.sqrt((x**2).mean(axis=0))
+    """Non-negative least squares of the relative residuals (x @ coef - y) / y: the few long steps (prefills,
+    which the linear model fits worst) do not outweigh the many short ones. Columns are scaled to unit size
+    first (the features differ by orders of magnitude); all-zero columns get 0."""
+    xr = x / y[:, None]
+    scale = np.sqrt((xr**2).mean(axis=0))
     used = scale > 0
     coef = np.zeros(x.shape[1])
-    coef[used] = nnls(x[:, used] / scale[used], y, maxiter=50 * x.shape[1])[0] / scale[used]
+    coef[used] = nnls(xr[:, used] / scale[used], np.ones(len(y)), maxiter=50 * x.shape[1])[0] / scale[used]
     return coef
 
 
