@@ -278,7 +278,9 @@ def calibrate(data: FitData) -> dict:
     device = fit_phase(steps[has("gpu")], DEVICE_FEATURES, "device_s")
     if device is None:
         need = MIN_STEPS_PER_TERM * len(DEVICE_FEATURES)
-        raise ScenarioError(f"too few steps to fit: {int(has('gpu').sum())} measured device steps, need {need}")
+        usable = int((has("gpu") & (steps["device_s"] > 0)).sum())
+        raise ScenarioError(f"too few steps to fit: {usable} of {len(steps)} measured steps have device time after "
+                            f"their launch, need {need} (on a CPU the device work runs inside the launch)")
     coef, quality = device
     host, kept, qualities = {}, [], {"device": quality}
     for phase, (name, features, fields, units) in HOST_PHASES.items():
