@@ -4,10 +4,12 @@ Every measured step gives one sample of the device step time (from its device st
 later: the sim starts a step no earlier) against what it held (`costfile.DEVICE_FEATURES`: decode rows, decode
 tokens, the decode rows' context, prefill chunks and tokens, the GPU proposer's terms), and one sample of each
 host phase its level measured (prep, launch, the readback's own cost, the CPU proposer; schedule and update
-only where measured) against requests and tokens. Each is a non-negative least-squares fit of the relative
-error; k-fold cross-validation over the steps gives the relative error on steps a fit did not see. A step's
-records hold no context, so it is rebuilt from the requests' prompts and the tokens emitted before the step
-(device order: steps run FIFO). Host phases a level models instead of measuring keep the scenario's values.
+only where measured) against requests and tokens. Each is a non-negative least-squares fit: of the relative
+error for the device (the few long prefill steps, which a linear model fits worst, must not outweigh the many
+decode steps), of the error itself for a host phase (its mean is what the sim adds up; its spread is noise).
+k-fold cross-validation over the steps gives the relative error on steps a fit did not see. A step's records
+hold no context, so it is rebuilt from the requests' prompts and the tokens emitted before the step (device
+order: steps run FIFO). Host phases a level models instead of measuring keep the scenario's values.
 
 `check_calibration` runs the configurations the fit left out (`fit_where`) at the sim level with and without
 the calibration and reports their errors against the measured medians, as `simharness fidelity` does.
@@ -234,40 +236,41 @@ def _emission_counts(requests: pd.DataFrame, emissions: pd.DataFrame) -> pd.Data
 # ------------------------------------------------------------------------------------------------ fitting
 
 
-def fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares of the relative residuals (x @ coef - y) / y: the few long steps (prefills,
-    which the linear model fits worst) do not outweigh the many short ones. Columns are scaled to unit size
-    first (the features differ by orders of magnitude); all-zero columns get 0."""
-    xr = x / y[:, None]
-    scale = np.sqrt((xr**2).mean(axis=0))
+def fit_nonneg(x: np.ndarray, y: np.ndarray, relative: bool) -> np.ndarray:
+    """Non-negative least squares of the residuals x @ coef - y, or of the relative residuals (divided by y).
+    Columns are scaled to unit size first (the features differ by orders of magnitude); all-zero columns get 0."""
+    weight = 1 / y if relative else np.ones(len(y))
+    xw, yw = x * weight[:, None], y * weight
+    scale = np.sqrt((xw**2).mean(axis=0))
     used = scale > 0
     coef = np.zeros(x.shape[1])
-    coef[used] = nnls(xr[:, used] / scale[used], np.ones(len(y)), maxiter=50 * x.shape[1])[0] / scale[used]
+    coef[used] = nnls(xw[:, used] / scale[used], yw, maxiter=50 * x.shape[1])[0] / scale[used]
     return coef
 
 
-def kfold_errors(x: np.ndarray, y: np.ndarray, folds: int = FOLDS, seed: int = 0) -> np.ndarray:
+def kfold_errors(x: np.ndarray, y: np.ndarray, relative: bool, folds: int = FOLDS, seed: int = 0) -> np.ndarray:
     """Relative errors |predicted / measured - 1| of every step, each predicted by a fit on the other folds."""
     order = np.random.default_rng(seed).permutation(len(y))
     errors = np.empty(len(y))
     for fold in np.array_split(order, folds):
         train = np.ones(len(y), dtype=bool)
         train[fold] = False
-        errors[fold] = np.abs(x[fold] @ fit_nonneg(x[train], y[train]) / y[fold] - 1)
+        errors[fold] = np.abs(x[fold] @ fit_nonneg(x[train], y[train], relative) / y[fold] - 1)
     return errors
 
 
-def fit_phase(steps: pd.DataFrame, features: tuple[str, ...], target: str) -> tuple[np.ndarray, dict] | None:
+def fit_phase(steps: pd.DataFrame, features: tuple[str, ...], target: str,
+              relative: bool = False) -> tuple[np.ndarray, dict] | None:
     """Fit one phase on the steps where it was measured (finite, positive): coefficients (seconds per unit) and
     the k-fold quality; None with too few steps."""
     ok = steps[np.isfinite(steps[target]) & (steps[target] > 0)]
     if len(ok) < MIN_STEPS_PER_TERM * len(features):
         return None
     x, y = ok[list(features)].to_numpy(dtype=np.float64), ok[target].to_numpy(dtype=np.float64)
-    errors = kfold_errors(x, y)
+    errors = kfold_errors(x, y, relative)
     quality = {"steps": len(ok), "median_rel_error": float(np.median(errors)),
                "p90_rel_error": float(np.percentile(errors, 90))}
-    return fit_nonneg(x, y), quality
+    return fit_nonneg(x, y, relative), quality
 
 
 def calibrate(data: FitData) -> dict:
@@ -275,7 +278,7 @@ def calibrate(data: FitData) -> dict:
     steps = data.steps
     measured = steps["measured"].str.split(",")
     has = lambda name: measured.map(lambda m: name in m).astype(bool)  # noqa: E731
-    device = fit_phase(steps[has("gpu")], DEVICE_FEATURES, "device_s")
+    device = fit_phase(steps[has("gpu")], DEVICE_FEATURES, "device_s", relative=True)
     if device is None:
         need = MIN_STEPS_PER_TERM * len(DEVICE_FEATURES)
         usable = int((has("gpu") & (steps["device_s"] > 0)).sum())
