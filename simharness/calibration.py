@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import yaml
-from scipy.optimize import nnls
 
 from simharness import results
 from simharness.costfile import DEVICE_FEATURES, FORMAT
@@ -239,6 +238,8 @@ def _emission_counts(requests: pd.DataFrame, emissions: pd.DataFrame) -> pd.Data
 def fit_nonneg(x: np.ndarray, y: np.ndarray, relative: bool) -> np.ndarray:
     """Non-negative least squares of the residuals x @ coef - y, or of the relative residuals (divided by y).
     Columns are scaled to unit size first (the features differ by orders of magnitude); all-zero columns get 0."""
+    from scipy.optimize import nnls  # scipy takes a second to import: only when fitting
+
     weight = 1 / y if relative else np.ones(len(y))
     xw, yw = x * weight[:, None], y * weight
     scale = np.sqrt((xw**2).mean(axis=0))

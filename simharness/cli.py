@@ -132,10 +132,10 @@ def calibrate_cmd(
 
     try:
         data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
-        calibration = write_calibration(calibrate(data), out_path)
+        fitted = calibrate(data)
+        calibration = write_calibration(fitted, out_path)
     except ScenarioError as e:
         fail(str(e))
-    fitted = yaml_load(calibration)
     table = Table(title=f"k-fold relative error on steps the fit did not see ({data.level}, {data.device}, "
                   f"{data.model})", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("phase", "steps", "median", "P90"):
@@ -159,12 +159,6 @@ def calibrate_cmd(
             table.add_row(r.level, r.metric, str(r.points), f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}")
         out.print(table)
         out.print(f"check run: {run_dir}")
-
-
-def yaml_load(path: Path) -> dict:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
 
 
 def summary_table(summary, swept: list[str]) -> Table:

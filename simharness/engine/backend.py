@@ -93,6 +93,8 @@ class ModelBackend:
         self.acc = acceptance
         self.cost = cost
         self.readback_s = cost.sync()
+        # the launch's cost, unless it varies with the batch (a calibration's per-request and per-prefill terms)
+        self.launch_s = None if cost.h.launch_per_req_us or cost.h.launch_per_prefill_us else cost.launch(0, 0)
         self.k = k
         self.rng = rng
         self.truth = np.zeros((5, n), dtype=np.int64)
@@ -113,6 +115,8 @@ class ModelBackend:
         return self.cost.prep(step.batch.size, step.batch.n_tokens)
 
     def launch(self, step: Step) -> float:
+        if self.launch_s is not None:
+            return self.launch_s
         return self.cost.launch(step.batch.size, step.batch.n_prefill)
 
     def propose(self, rids: np.ndarray) -> float:
