@@ -329,6 +329,7 @@ def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFra
             for level, calibration in (("sim", None), ("sim-calibrated", str(costs))):
                 scenario = point_scenario(sc, group.iloc[0])
                 scenario.engine.backend = "model"
+                scenario.engine.calibration = None  # the scenario's own, if any, is neither of the two
                 if calibration is not None:
                     scenario.engine.gpu = data.gpu
                     scenario.engine.calibration = calibration
