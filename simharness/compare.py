@@ -108,15 +108,14 @@ def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: boo
         raise CompareError(
             f"different scenarios ({base.scenario!r} vs {current.scenario!r}); pass --force to compare anyway"
         )
+    measured = base.level != "sim" or current.level != "sim"
+    repeats = _Repeats(base, current) if stats.REPEAT in base.summary or stats.REPEAT in current.summary else None
+    if repeats is not None:
+        base, current = repeats.medians  # a point's repeats are compared as one
     common = [p for p in base.summary.index if p in current.summary.index]
     if not common:
         raise CompareError("the two runs have no sweep point in common")
-    measured = base.level != "sim" or current.level != "sim"
-    samples = _Samples(base, current) if measured else None
-    if stats.REPEAT in base.summary or stats.REPEAT in current.summary:
-        samples = _Repeats(base, current)
-        base, current = samples.medians
-        common = [p for p in base.summary.index if p in current.summary.index]
+    samples = repeats or (_Samples(base, current) if measured else None)
     if measured and (samples is None or not samples.repeated):
         warnings.warn("measured runs with one sample per point: compare cannot tell run-to-run noise from a change "
                       "(the runs' processes differ by more than their requests do); run both with `repeats: N`",

@@ -57,7 +57,7 @@ class CostModel:
             if not self.ngram_gpu:
                 self.fit[[DEVICE_FEATURES.index(f) for f in NGRAM_GPU_FEATURES]] = 0.0
             self.h = engine.host_costs.model_copy(update=calibration.host_costs)
-        # a calibrated device need not be in the roofline's catalogue (a CPU)
+        # a calibrated device need not be in the roofline's catalogue (a CPU): its roofline is unused
         self.gpu = lookup(GPUS, engine.gpu, "GPU") if calibration is None else GPUS.get(engine.gpu, GPUS["H100"])
         self.shape: ModelConfig = model_config(engine.model)  # the catalogue (simharness.models)
         g: GpuCosts = engine.gpu_costs
