@@ -318,8 +318,9 @@ class Scenario(Strict):
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     report: Report = Report()
     fidelity: Fidelity = Fidelity()
-    repeats: int = Field(1, ge=1, le=100, description="runs of each sweep point, seeds seed ... seed + repeats - 1; "
-                         "the summary keeps every repeat and the report gives medians and 95% intervals")
+    repeats: int = Field(1, ge=1, le=100, description="runs of each sweep point (sim: seeds seed ... seed + repeats - "
+                         "1; measured: the seed, each repeat warmed up anew); the summary keeps every repeat, the "
+                         "report gives medians and 95% intervals")
 
     @model_validator(mode="after")
     def _check_sweep(self) -> Scenario:
@@ -442,14 +443,17 @@ def sweep_points(scenario: Scenario) -> list[Point]:
 
 
 def repeat_points(points: list[Point], repeats: int) -> list[Point]:
-    """Each point `repeats` times as points of their own (no change for 1): repeat r has the value `repeat` = r,
-    the id suffix `,repeat=r` and the seed seed + r, so any executor runs repeats as it runs points."""
+    """Each point `repeats` times as points of their own (no change for 1): repeat r has the value `repeat` = r
+    and the id suffix `,repeat=r`, so any executor runs them as it runs points. At the sim level repeat r has the
+    seed seed + r (the same seed would repeat it to the bit); a measured repeat keeps the seed, so the same
+    requests are measured again after a warm-up of their own."""
     if repeats == 1:
         return points
     out = []
     for p in points:
+        sim = p.scenario.engine.backend == "model"
         for r in range(repeats):
-            scenario = p.scenario.model_copy(update={"seed": p.scenario.seed + r})
+            scenario = p.scenario.model_copy(update={"seed": p.scenario.seed + r if sim else p.scenario.seed})
             point_id = f"repeat={r}" if p.id == "base" else f"{p.id},repeat={r}"
             out.append(Point(id=point_id, index=len(out), values={**p.values, "repeat": r}, scenario=scenario))
     return out

@@ -66,6 +66,8 @@ def test_repeats_are_points_of_their_own_with_consecutive_seeds():
     assert points[4].values == {"scheduler.depth": 2, "repeat": 1}
     assert all(p.scenario.repeats == 1 for p in points)
     assert [p.id for p in sweep_points(scenario_from_dict({"name": "x", "repeats": 2}))] == ["repeat=0", "repeat=1"]
+    measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"backend": "torch"}})
+    assert [p.scenario.seed for p in sweep_points(measured)] == [7, 7, 7]  # the same requests, measured again
 
 
 @pytest.mark.parametrize("values,twice", [([2, 1, 1, 2], "2"), ([1, 1.0], "1"), (["wait", "wait"], "wait")])
