@@ -127,7 +127,10 @@ class _Workloads:
         self.requests: Requests | None = None
 
     def get(self, sc: Scenario) -> Requests:
-        key = sc.workload.model_dump_json() + str(sc.seed) + sc.engine.model
+        # what build_requests reads: concurrency and the count fields only through total_requests
+        w = sc.workload
+        key = w.model_dump_json(exclude={"concurrency", "cap_concurrency", "num_requests", "requests_per_user"})
+        key += f"{w.total_requests},{sc.seed},{sc.engine.model}"
         if key != self.key:
             self.key, self.requests = key, build_requests(sc.workload, sc.seed, checkpoint_dir(sc.engine.model))
         return self.requests

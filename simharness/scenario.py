@@ -446,13 +446,14 @@ def repeat_points(points: list[Point], repeats: int) -> list[Point]:
     """Each point `repeats` times as points of their own (no change for 1): repeat r has the value `repeat` = r
     and the id suffix `,repeat=r`, so any executor runs them as it runs points. At the sim level repeat r has the
     seed seed + r (the same seed would repeat it to the bit); a measured repeat keeps the seed, so the same
-    requests are measured again after a warm-up of their own."""
+    requests are measured again after a warm-up of their own. Repeat 0 of every point comes first, then repeat
+    1, ...: consecutive points share a seed, hence their requests and replay tables."""
     if repeats == 1:
         return points
     out = []
-    for p in points:
-        sim = p.scenario.engine.backend == "model"
-        for r in range(repeats):
+    for r in range(repeats):
+        for p in points:
+            sim = p.scenario.engine.backend == "model"
             scenario = p.scenario.model_copy(update={"seed": p.scenario.seed + r if sim else p.scenario.seed})
             point_id = f"repeat={r}" if p.id == "base" else f"{p.id},repeat={r}"
             out.append(Point(id=point_id, index=len(out), values={**p.values, "repeat": r}, scenario=scenario))

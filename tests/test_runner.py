@@ -82,7 +82,7 @@ def test_repeats_are_bit_identical_for_a_seed_and_each_is_its_seeds_run(tmp_path
     a = simharness.run(scenario_from_dict({**small, "repeats": 3}), out=tmp_path / "a")
     b = simharness.run(scenario_from_dict({**small, "repeats": 3}), out=tmp_path / "b")
     assert (a.run_dir / "summary.csv").read_bytes() == (b.run_dir / "summary.csv").read_bytes()
-    assert list(a.summary["repeat"]) == [0, 1, 2, 0, 1, 2]
+    assert list(a.summary["repeat"]) == [0, 0, 1, 1, 2, 2]
     single = simharness.run(scenario_from_dict({**small, "seed": SMALL["seed"] + 2}), out=tmp_path / "c").summary
     repeat = a.summary[a.summary["repeat"] == 2].reset_index(drop=True)
     metrics = [c for c in single.columns if c not in ("point", "index")]

@@ -60,10 +60,10 @@ def test_bad_sweep_value_names_the_point():
 def test_repeats_are_points_of_their_own_with_consecutive_seeds():
     sc = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "sweep": {"scheduler.depth": [1, 2]}})
     points = sweep_points(sc)
-    assert [p.id for p in points] == [f"scheduler.depth={d},repeat={r}" for d in (1, 2) for r in range(3)]
+    assert [p.id for p in points] == [f"scheduler.depth={d},repeat={r}" for r in range(3) for d in (1, 2)]
     assert [p.index for p in points] == list(range(6))
-    assert [p.scenario.seed for p in points] == [7, 8, 9] * 2
-    assert points[4].values == {"scheduler.depth": 2, "repeat": 1}
+    assert [p.scenario.seed for p in points] == [7, 7, 8, 8, 9, 9]
+    assert points[4].values == {"scheduler.depth": 1, "repeat": 2}
     assert all(p.scenario.repeats == 1 for p in points)
     assert [p.id for p in sweep_points(scenario_from_dict({"name": "x", "repeats": 2}))] == ["repeat=0", "repeat=1"]
     measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"backend": "torch"}})
