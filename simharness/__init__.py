@@ -6,6 +6,7 @@
     result.summary, result.requests, result.steps   # pandas DataFrames
 """
 
+from simharness.calibration import calibrate, load_fit_data
 from simharness.compare import compare
 from simharness.fidelity import FidelityResult, run_fidelity
 from simharness.runner import RunResult, run
@@ -18,7 +19,9 @@ __all__ = [
     "RunResult",
     "Scenario",
     "ScenarioError",
+    "calibrate",
     "compare",
+    "load_fit_data",
     "load_scenario",
     "run",
     "run_fidelity",

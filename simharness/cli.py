@@ -99,7 +99,8 @@ def run_cmd(
             err.print(f"interrupted: finished points are kept in {where}; finish with "
                       f"`simharness run {scenario} --resume {where}` (and the same --set options)")
         raise typer.Exit(130) from None
-    out.print(summary_table(result.summary, [p for p in sc.sweep if p in result.summary.columns]))
+    swept = [p for p in [*sc.sweep, "repeat"] if p in result.summary.columns]
+    out.print(summary_table(result.summary, swept))
     out.print(f"report: {result.report}")
 
 
@@ -146,6 +147,51 @@ def fidelity_cmd(
     out.print(f"report: {result.report}")
     if result.violations:
         raise typer.Exit(1)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    run_dirs: Annotated[list[Path], typer.Argument(help="hil or real run directories (fidelity runs too)")],
+    out_path: Annotated[Path, typer.Option("--out", help="the calibration YAML to write")] = Path("costs.yaml"),
+    level: Annotated[str | None, typer.Option(help="measured level to fit: real or hil (default: real if any)")] = None,
+    fit_where: Annotated[list[str], typer.Option("--fit-where", help="fit only points with these swept values: "
+                                                 "PATH=V1,V2 (repeatable)")] = [],  # noqa: B006
+    check: Annotated[bool, typer.Option(help="run the points the fit left out at the sim level, uncalibrated and "
+                                        "calibrated, and print their errors against the measured level")] = False,
+) -> None:
+    """Fit the sim cost model from measured step records; print the fit's k-fold error and write a calibration
+    that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
+    from simharness.calibration import calibrate, check_calibration, load_fit_data, parse_where, write_calibration
+
+    try:
+        data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
+        fitted = calibrate(data)
+        calibration = write_calibration(fitted, out_path)
+    except ScenarioError as e:
+        fail(str(e))
+    table = Table(title=f"k-fold relative error on steps the fit did not see ({data.level}, {data.device}, "
+                  f"{data.model})", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("phase", "steps", "median", "P90"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, q in fitted["quality"].items():
+        table.add_row(phase, str(q["steps"]), f"{q['median_rel_error']:.1%}", f"{q['p90_rel_error']:.1%}")
+    out.print(table)
+    if fitted["kept_from_scenario"]:
+        out.print(f"not measured, kept from the scenario: {', '.join(fitted['kept_from_scenario'])}")
+    out.print(f"calibration: {calibration}")
+    if check:
+        try:
+            stats, run_dir = check_calibration(data, calibration, calibration.parent / "check")
+        except ScenarioError as e:
+            fail(str(e))
+        table = Table(title=f"held-out points: |error| against the {data.level} level", box=box.SIMPLE_HEAD,
+                      pad_edge=False)
+        for column in ("sim", "metric", "points", "median", "worst"):
+            table.add_column(column, justify="left" if column in ("sim", "metric") else "right")
+        for r in stats.itertuples():
+            table.add_row(r.level, r.metric, str(r.points), f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}")
+        out.print(table)
+        out.print(f"check run: {run_dir}")
 
 
 def summary_table(summary, swept: list[str]) -> Table:
@@ -214,9 +260,13 @@ def compare_cmd(
     from simharness.compare import CompareError, compare, markdown, to_json
 
     try:
-        rows = compare(base, current, threshold=threshold, force=force)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = compare(base, current, threshold=threshold, force=force)
     except CompareError as e:
         fail(str(e))
+    for warning in caught:
+        err.print(f"[bold yellow]warning:[/] {warning.message}", highlight=False, soft_wrap=True)
     if json_out is not None:
         try:
             json_out.write_text(json.dumps(to_json(rows), indent=1))

@@ -2,8 +2,12 @@
 
 Sim-level points are deterministic, so any change beyond float noise is reported and a change
 beyond the threshold in the bad direction is a regression (LLMServingSim gates its simulated
-clock the same way). Measured points (hil / real) compare per-request samples with a
-Mann-Whitney U test (p < 0.01) and the threshold together, as asv does, so noise does not fail CI.
+clock the same way). Runs with repeats (`repeats: N`, any level) compare the median over the repeats
+and call a change a regression only when it is beyond the threshold and significant over the repeats
+(`stats.significance`, p < 0.05): the repeat is the unit of evidence. Measured points (hil / real)
+without repeats compare per-request samples with a Mann-Whitney U test (p < 0.01) and the threshold
+together, as asv does; requests of one run are not independent, so a warning says that such a
+comparison cannot tell run-to-run noise from a change.
 The acceptance rate is always compared: a collapse of acceptance is a regression even when latency
 looks fine (vLLM #37150).
 """
@@ -12,11 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from simharness import stats
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")
@@ -106,11 +113,18 @@ def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: boo
         raise CompareError(
             f"different scenarios ({base.scenario!r} vs {current.scenario!r}); pass --force to compare anyway"
         )
+    measured = base.level != "sim" or current.level != "sim"
+    repeats = _Repeats(base, current) if stats.REPEAT in base.summary or stats.REPEAT in current.summary else None
+    if repeats is not None:
+        base, current = repeats.medians  # a point's repeats are compared as one
     common = [p for p in base.summary.index if p in current.summary.index]
     if not common:
         raise CompareError("the two runs have no sweep point in common")
-    measured = base.level != "sim" or current.level != "sim"
-    samples = _Samples(base, current) if measured else None
+    samples = repeats or (_Samples(base, current) if measured else None)
+    if measured and (samples is None or not samples.repeated):
+        warnings.warn("measured runs with one sample per point: compare cannot tell run-to-run noise from a change "
+                      "(the runs' processes differ by more than their requests do); run both with `repeats: N`",
+                      stacklevel=2)
     rows = []
     for point in common:
         b, c = base.summary.loc[point], current.summary.loc[point]
@@ -141,16 +155,40 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
     worse = diff < 0 if bigger_better else diff > 0
     beyond = abs(change) > threshold
     p_value = None
-    if samples is not None and metric != "acceptance_rate":
+    if samples is not None:
         p_value = samples.p_value(point, metric)
-        if p_value is not None and not math.isnan(p_value) and p_value >= P_VALUE:
+        if p_value is not None and not math.isnan(p_value) and p_value >= samples.alpha:
             return Row(point, metric, base, cur, 100 * change, "noise", p_value)
     verdict = ("regression" if worse else "improvement") if beyond else "changed"
     return Row(point, metric, base, cur, 100 * change, verdict, p_value)
 
 
+class _Repeats:
+    """Runs with repeats: each configuration's median over its repeats (`medians`, the runs compare them) and
+    the repeats' values, for `stats.significance`."""
+
+    alpha = stats.ALPHA
+
+    def __init__(self, base: Run, current: Run):
+        self.groups, self.medians = [], []
+        for run in (base, current):
+            summary = run.summary.reset_index()
+            numeric = [m for m in METRICS if m in summary]
+            groups = summary.groupby(stats.config_ids(summary), sort=False)[numeric]
+            self.groups.append(groups)
+            self.medians.append(Run(run.path, run.scenario, run.level, groups.median(), run.run_dir))
+        # both runs have more than one repeat of some configuration
+        self.repeated = all(int(g.size().max()) > 1 for g in self.groups)
+
+    def p_value(self, point: str, metric: str) -> float | None:
+        return stats.significance(*(g.get_group(point)[metric].to_numpy() for g in self.groups))
+
+
 class _Samples:
     """Per-request samples of measured runs, for the Mann-Whitney U test."""
+
+    alpha = P_VALUE
+    repeated = False
 
     def __init__(self, base: Run, current: Run):
         self.tables = [self._load(r) for r in (base, current)]
@@ -229,6 +267,9 @@ def markdown(rows: list[Row], *, show_all: bool = False) -> str:
             f"changed**" + "".join(f", **{n} point(s) missing in {side}**" for side, n in missing.items() if n)
             + f" over {len(compared)} metrics at {len({r.point for r in compared})} common points"
             f" ({sum(r.verdict in ('same', 'noise') for r in rows)} unchanged or within noise)")
+    if any(r.p_value is not None for r in rows):
+        head += ("; a regression or improvement is beyond the threshold and significant (its p-value shown), noise "
+                 "is not significant")
     if not shown:
         return head + "\n"
     lines = [head, "", "| point | metric | base | current | change % | verdict |", "|---|---|---:|---:|---:|---|"]
@@ -238,6 +279,8 @@ def markdown(rows: list[Row], *, show_all: bool = False) -> str:
             lines.append(f"| {r.point} | (all) | {here} | {gone} | | ⚠️ {r.verdict} |")
             continue
         mark = {"regression": "❌ regression", "improvement": "✅ improvement"}.get(r.verdict, r.verdict)
+        if r.p_value is not None and math.isfinite(r.p_value):
+            mark += f" (p={r.p_value:.2g})"
         lines.append(f"| {r.point} | {r.metric} | {r.base:.4g} | {r.current:.4g} | {r.change_pct:+.2f} | {mark} |")
     return "\n".join(lines) + "\n"
 

@@ -3,15 +3,18 @@
 GPU step time = fixed overhead + max(bytes moved / bandwidth, FLOPs / peak) for the target
 forward over the batch's tokens (weights + KV read), plus the rejection sampler (reads the
 logits), the GPU n-gram proposer and the optimistic correction kernel. Host phase costs are
-linear in requests and tokens with the scenario's `engine.host_costs`.
+linear in requests and tokens with the scenario's `engine.host_costs`. With `engine.calibration` the step time
+is the calibration's linear model of what the step holds (`fitted_seconds`) and its fitted host costs replace
+those of `engine.host_costs`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from simharness.costfile import DEVICE_FEATURES, NGRAM_GPU_FEATURES, load_calibration
 from simharness.jit import njit
-from simharness.models import ModelConfig, gpu_spec, model_config
+from simharness.models import GPUS, ModelConfig, gpu_spec, model_config
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
 
@@ -19,16 +22,25 @@ class CostModel:
     """Step and host-phase durations (seconds) for one sweep point."""
 
     def __init__(self, engine: Engine, *, optimistic_correction: bool):
-        self.gpu = gpu_spec(engine.gpu)
+        calibration = load_calibration(engine.calibration) if engine.calibration else None
+        self.ngram_gpu = engine.speculation.proposer == "ngram_gpu" and engine.speculation.k > 0
+        # the calibration's device model, seconds per unit of DEVICE_FEATURES (empty: the roofline)
+        self.fit = np.zeros(0)
+        self.h: HostCosts = engine.host_costs
+        if calibration is not None:
+            self.fit = np.array(calibration.device_us) * 1e-6
+            if not self.ngram_gpu:
+                self.fit[[DEVICE_FEATURES.index(f) for f in NGRAM_GPU_FEATURES]] = 0.0
+            self.h = engine.host_costs.model_copy(update=calibration.host_costs)
+        # a calibrated device need not be in the roofline's catalogue (a CPU): its roofline is unused
+        self.gpu = gpu_spec(engine.gpu) if calibration is None else gpu_spec_or_h100(engine.gpu)
         self.shape: ModelConfig = model_config(engine.model)  # the catalogue (simharness.models)
         g: GpuCosts = engine.gpu_costs
         self.g = g
-        self.h: HostCosts = engine.host_costs
         bw = (g.mem_bandwidth_gbs or self.gpu.mem_bandwidth_gbs) * 1e9 * g.mem_efficiency
         flops = (g.bf16_tflops or self.gpu.bf16_tflops) * 1e12 * g.compute_efficiency
         self.sec_per_byte = 1.0 / bw
         self.sec_per_flop = 1.0 / flops
-        self.ngram_gpu = engine.speculation.proposer == "ngram_gpu" and engine.speculation.k > 0
         self.correction = optimistic_correction
         # fixed part of every step: overhead, weight read, sampler, proposer, correction
         self.fixed_s = (
@@ -55,8 +67,9 @@ class CostModel:
     def prep(self, n_reqs: int, n_tokens: int) -> float:
         return (self.h.prep_us + self.h.prep_per_req_us * n_reqs + self.h.prep_per_token_us * n_tokens) * 1e-6
 
-    def launch(self) -> float:
-        return self.h.launch_us * 1e-6
+    def launch(self, n_reqs: int, n_prefill: int) -> float:
+        h = self.h
+        return (h.launch_us + h.launch_per_req_us * n_reqs + h.launch_per_prefill_us * n_prefill) * 1e-6
 
     def update(self, n_reqs: int) -> float:
         return (self.h.update_us + self.h.update_per_req_us * n_reqs) * 1e-6
@@ -93,3 +106,20 @@ def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: in
     sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
     proposer = rates[NGRAM_S_PER_TOKEN] * history
     return rates[FIXED_S] + max(mem, compute) + sampler + proposer
+
+
+@njit
+def fitted_seconds(fit: np.ndarray, decode_rows: int, decode_tokens: int, decode_context: int, prefill_reqs: int,
+                   prefill_tokens: int) -> float:
+    """GPU time of one step from a calibration's coefficients (seconds per unit of costfile.DEVICE_FEATURES; its
+    GPU-proposer terms are 0 without that proposer)."""
+    return (fit[0] + fit[1] * decode_rows + fit[2] * decode_tokens + fit[3] * decode_context + fit[4] * prefill_reqs
+            + fit[5] * prefill_tokens + fit[6] + fit[7] * decode_context)
+
+
+def gpu_spec_or_h100(name: str):
+    """A calibrated device's roofline entry, unused by the fit: its own, or the H100's where the catalogue has none."""
+    try:
+        return gpu_spec(name)
+    except ValueError:
+        return GPUS["H100"]

@@ -24,6 +24,7 @@ from simharness.modes import OUTPUT_READBACK
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 from simharness.results import load_run_scenario
 from simharness.scenario import Scenario, sweep_points
+from simharness.stats import REPEAT, aggregate
 
 CONCURRENCY = "workload.concurrency"
 # Timeline colours: host phases, avoidable syncs in red, the by-design output wait in grey.
@@ -111,11 +112,24 @@ def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
         return summary
     summary = summary.sort_values("index", ignore_index=True)
     summary["note"] = summary["note"].fillna("")
+    if REPEAT in summary:
+        summary = _collapse_repeats(run_dir, summary, scenario)
     paths = list(scenario.sweep)
     summary["label"] = [point_label(row, paths) or scenario.name for _, row in summary.iterrows()]
     others = [p for p in paths if p != CONCURRENCY]
     summary["mode"] = [point_label(row, others) or scenario.name for _, row in summary.iterrows()]
     return summary
+
+
+def _collapse_repeats(run_dir: Path, summary: pd.DataFrame, scenario: Scenario) -> pd.DataFrame:
+    """A run with repeats: one row per configuration, each metric its median over the repeats with a 95%
+    bootstrap interval (`ci_low.<metric>`, `ci_high.<metric>`), also written to `summary_median.csv`. The row keeps its
+    first repeat's point, whose steps the timeline draws."""
+    fixed = {"index", REPEAT, "effective_depth", *scenario.sweep}
+    metrics = [c for c in summary.columns if c not in fixed and pd.api.types.is_numeric_dtype(summary[c])]
+    collapsed = aggregate(summary, metrics)
+    collapsed.to_csv(run_dir / "summary_median.csv", index=False)
+    return collapsed
 
 
 def point_label(row: pd.Series, paths: list[str]) -> str:
@@ -154,6 +168,9 @@ def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
     missing = [p for p in points if p not in set(finished)]
     count = f"{len(finished)} of {len(points)} points" if missing else f"{len(points)} point(s)"
     run = f"Run `{run_dir.name}` of scenario `{scenario.name}`, seed {scenario.seed}, {count}"
+    if scenario.repeats > 1:
+        run += (f", each run {scenario.repeats} times (seeds {scenario.seed}…{scenario.seed + scenario.repeats - 1}): "
+                "values are medians over the repeats, [low, high] their 95% bootstrap interval, error bars the same")
     if meta.get("device"):
         run += f"; device: {meta['device']}"
     if meta.get("git_revision"):
@@ -199,7 +216,8 @@ def _summary_table(summary: pd.DataFrame) -> str:
                            acceptance_rate=summary["acceptance_rate"].where(drafted),
                            mean_acceptance_length=summary["mean_acceptance_length"].where(drafted))
     rows = [
-        [row["label"], *(_cell(row.get(key), fmt) for _, key, fmt in cols), row["note"]]
+        [row["label"], *(_cell(row.get(key), fmt, row.get(f"ci_low.{key}"), row.get(f"ci_high.{key}"))
+                         for _, key, fmt in cols), row["note"]]
         for _, row in table.iterrows()
     ]
     return _markdown_table(["point", *(h for h, _, _ in cols), "notes"], rows)
@@ -310,10 +328,13 @@ def _measured_table(summary: pd.DataFrame, steps: pd.DataFrame, points: list[str
     )
 
 
-def _cell(value: object, fmt: str) -> str:
+def _cell(value: object, fmt: str, low: object = None, high: object = None) -> str:
+    """A formatted value, followed by its interval [low, high] when it has one (a run with repeats)."""
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return "–"
-    return fmt.format(value)
+    if low is None or high is None or np.isnan(low) or np.isnan(high):
+        return fmt.format(value)
+    return f"{fmt.format(value)} [{fmt.format(low)}, {fmt.format(high)}]"
 
 
 def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -351,9 +372,10 @@ def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_c
             rows = rows.sort_values(CONCURRENCY)
             # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
             # thinner, with a smaller open or filled marker of another shape, in another dash pattern
-            ax.plot(rows[CONCURRENCY], rows[column], marker=MARKERS[i % len(MARKERS)], label=mode,
-                    linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=max(0.8, 2.2 - 0.3 * i),
-                    markersize=max(3.0, 9.0 - 1.2 * i), fillstyle="none" if i % 2 else "full", zorder=2 + i)
+            ax.errorbar(rows[CONCURRENCY], rows[column], yerr=_error_bars(rows, column), capsize=3,
+                        marker=MARKERS[i % len(MARKERS)], label=mode, linestyle=LINESTYLES[i % len(LINESTYLES)],
+                        linewidth=max(0.8, 2.2 - 0.3 * i), markersize=max(3.0, 9.0 - 1.2 * i),
+                        fillstyle="none" if i % 2 else "full", zorder=2 + i)
         xs = sorted(summary[CONCURRENCY].unique())
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -361,11 +383,19 @@ def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_c
         ax.set_xlabel("concurrency")
         ax.legend(fontsize="small")
     else:
-        ax.bar(range(len(summary)), summary[column], color="tab:blue")
+        ax.bar(range(len(summary)), summary[column], yerr=_error_bars(summary, column), color="tab:blue", capsize=3)
         ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
     ax.set_ylabel(ylabel)
-    ax.set_ylim(0, 1.08 * float(summary[column].max()) or 1.0)
+    top = summary[f"ci_high.{column}"] if f"ci_high.{column}" in summary else summary[column]
+    ax.set_ylim(0, 1.08 * float(top.max()) or 1.0)
     ax.grid(alpha=0.3)
+
+
+def _error_bars(rows: pd.DataFrame, column: str) -> np.ndarray | None:
+    """The distance from each median to its interval's ends (a run with repeats), else None."""
+    if f"ci_low.{column}" not in rows:
+        return None
+    return np.abs(np.vstack([rows[column] - rows[f"ci_low.{column}"], rows[f"ci_high.{column}"] - rows[column]]))
 
 
 def _timeline_points(summary: pd.DataFrame, by_concurrency: bool) -> tuple[str, pd.DataFrame]:

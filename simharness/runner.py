@@ -136,7 +136,10 @@ class _Workloads:
         self.requests: Requests | None = None
 
     def get(self, sc: Scenario) -> Requests:
-        key = sc.workload.model_dump_json() + str(sc.seed) + sc.engine.model
+        # what build_requests reads: concurrency and the count fields only through total_requests
+        w = sc.workload
+        key = w.model_dump_json(exclude={"concurrency", "cap_concurrency", "num_requests", "requests_per_user"})
+        key += f"{w.total_requests},{sc.seed},{sc.engine.model}"
         if key != self.key:
             self.key, self.requests = key, build_requests(sc.workload, sc.seed, checkpoint_dir(sc.engine.model))
         return self.requests
@@ -145,8 +148,8 @@ class _Workloads:
 # The level of each engine.backend.
 LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
 # Fields a measured point reads nowhere: its device and step times are measured, its acceptance is the sampler's.
-MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.gc.full_every",
-                    "engine.host_costs.gc_ns_per_object")
+MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration",
+                    "engine.gc.full_every", "engine.host_costs.gc_ns_per_object")
 
 
 def ignored_fields(sc: Scenario) -> list[str]:

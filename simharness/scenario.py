@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from simharness.costfile import CalibrationError, check_match, load_calibration
 from simharness.models import gpu_spec, model_config
 
 
@@ -187,6 +188,8 @@ class HostCosts(Strict):
     prep_per_req_us: NonNegFloat = 5.0
     prep_per_token_us: NonNegFloat = 0.05
     launch_us: NonNegFloat = 60.0
+    launch_per_req_us: NonNegFloat = 0.0
+    launch_per_prefill_us: NonNegFloat = Field(0.0, description="per prefill chunk (its launch is not a replay)")
     update_us: NonNegFloat = 120.0
     update_per_req_us: NonNegFloat = 6.0
     ngram_cpu_us: NonNegFloat = 20.0
@@ -230,6 +233,10 @@ class Engine(Strict):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the decode loop runs")
     cuda_graphs: bool = Field(True, description="torch backend on CUDA: replay the verify forward as CUDA graphs")
+    calibration: str | None = Field(
+        None, description="sim level: a calibration file (`simharness calibrate`) fitted on this gpu and model; its "
+        "device step times and measured host phases replace the roofline and those host_costs"
+    )
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
     model: str = Field(
         "llama-3-8b",
@@ -254,9 +261,23 @@ class Engine(Strict):
 
     @field_validator("gpu")
     @classmethod
-    def _known_gpu(cls, v: str) -> str:
-        gpu_spec(v)
+    def _known_gpu(cls, v: str, info: ValidationInfo) -> str:
+        if info.data.get("calibration") is None:  # a calibrated device need not be in the roofline's catalogue
+            gpu_spec(v)
         return v
+
+    @model_validator(mode="after")
+    def _matching_calibration(self) -> Engine:
+        if self.calibration is not None:
+            try:
+                cal = load_calibration(self.calibration)
+                check_match(cal, self.gpu, self.model)
+            except CalibrationError as e:
+                raise ValueError(f"calibration: {e}") from None
+            unknown = sorted(set(cal.host_costs) - set(HostCosts.model_fields))
+            if unknown:
+                raise ValueError(f"calibration: {self.calibration}: unknown host cost {unknown[0]!r}")
+        return self
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +377,9 @@ class Scenario(Strict):
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     report: Report = Report()
     fidelity: Fidelity = Fidelity()
+    repeats: int = Field(1, ge=1, le=100, description="runs of each sweep point (sim: seeds seed ... seed + repeats - "
+                         "1; measured: the seed, each repeat warmed up anew); the summary keeps every repeat, the "
+                         "report gives medians and 95% intervals")
 
     @field_validator("name")
     @classmethod
@@ -369,6 +393,11 @@ class Scenario(Strict):
         for path, values in self.sweep.items():
             if not isinstance(values, list) or not values:
                 raise ValueError(f"sweep.{path}: needs a non-empty list of values")
+            ids = [_fmt(v) for v in values]
+            twice = next((v for v in ids if ids.count(v) > 1), None)
+            if twice is not None:
+                raise ValueError(f"sweep.{path}: value {twice} appears more than once; to run a point several "
+                                 "times set `repeats: N`")
             try:
                 _resolve(self, path)
             except ValueError as e:
@@ -510,10 +539,12 @@ def scenario_diff(a: Scenario, b: Scenario) -> list[str]:
 
 
 def sweep_points(scenario: Scenario) -> list[Point]:
-    """Expand the sweep into points (cartesian product, in the order the paths are written)."""
+    """Expand the sweep into points (cartesian product, in the order the paths are written), each `repeats` times
+    in a row (`repeat_points`)."""
     paths = list(scenario.sweep)
     base = scenario.model_dump(mode="json")
     base["sweep"] = {}
+    base["repeats"] = 1
     points = []
     for index, values in enumerate(itertools.product(*(scenario.sweep[p] for p in paths))):
         point_id = ",".join(f"{p}={_fmt(v)}" for p, v in zip(paths, values, strict=True)) or "base"
@@ -523,7 +554,25 @@ def sweep_points(scenario: Scenario) -> list[Point]:
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {point_id}: {e}") from None
         points.append(Point(id=point_id, index=index, values=overrides, scenario=resolved))
-    return points
+    return repeat_points(points, scenario.repeats)
+
+
+def repeat_points(points: list[Point], repeats: int) -> list[Point]:
+    """Each point `repeats` times as points of their own (no change for 1): repeat r has the value `repeat` = r
+    and the id suffix `,repeat=r`, so any executor runs them as it runs points. At the sim level repeat r has the
+    seed seed + r (the same seed would repeat it to the bit); a measured repeat keeps the seed, so the same
+    requests are measured again after a warm-up of their own. Repeat 0 of every point comes first, then repeat
+    1, ...: consecutive points share a seed, hence their requests and replay tables."""
+    if repeats == 1:
+        return points
+    out = []
+    for r in range(repeats):
+        for p in points:
+            sim = p.scenario.engine.backend == "model"
+            scenario = p.scenario.model_copy(update={"seed": p.scenario.seed + r if sim else p.scenario.seed})
+            point_id = f"repeat={r}" if p.id == "base" else f"{p.id},repeat={r}"
+            out.append(Point(id=point_id, index=len(out), values={**p.values, "repeat": r}, scenario=scenario))
+    return out
 
 
 def _fmt(value: Any) -> str:

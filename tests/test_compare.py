@@ -452,3 +452,35 @@ def test_unwritable_json_exits_2(runs, tmp_path):
 def test_non_finite_or_negative_threshold_exits_2(runs, threshold):
     r = _invoke(runs["base"], runs["unchanged"], "--threshold", threshold)
     assert r.exit_code == 2 and "--threshold: must be a finite number > 0" in r.stderr, r.output
+
+
+# runs with repeats: the repeat is the unit of evidence
+
+
+def test_repeats_regression_must_be_beyond_threshold_and_significant(tmp_path):
+    """Five repeats (seeds 1..5) a side. A planted 2x prep cost (+25% mean TPOT at depth 1) is a significant
+    regression; runs on other seeds (11..15) differ by noise only and nothing regresses."""
+    repeated = {**BASE, "repeats": 5}
+    base = simharness.run(simharness.scenario_from_dict(repeated), out=tmp_path / "a").run_dir
+    slow = simharness.run(simharness.scenario_from_dict(repeated, {"engine.host_costs.prep_us": 2 * PREP_US}),
+                          out=tmp_path / "b").run_dir
+    other = simharness.run(simharness.scenario_from_dict({**repeated, "seed": 11}), out=tmp_path / "c").run_dir
+    rows = simharness.compare(base, slow)
+    assert {r.point for r in rows} == {"scheduler.depth=1", "scheduler.depth=2"}  # repeats compared as one
+    row = _by(rows, "scheduler.depth=1", "mean_tpot_ms")[("scheduler.depth=1", "mean_tpot_ms")]
+    assert row.verdict == "regression" and row.p_value < 0.05 and row.change_pct > 5, row
+    assert "(p=" in markdown(rows) and "significant" in markdown(rows)
+    noise = simharness.compare(base, other)
+    assert all(r.p_value is not None for r in noise if r.verdict not in ("same", "changed"))
+    assert not any(r.verdict == "regression" for r in noise), markdown(noise, show_all=True)
+    beyond = [r for r in noise if abs(r.change_pct) > 5 and METRICS[r.metric][0] is not None]
+    assert all(r.verdict == "noise" for r in beyond)
+
+
+def test_single_sample_measured_runs_warn(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=20)
+    cur = fake_measured_run(tmp_path / "b", seed=2, n=20)
+    with pytest.warns(UserWarning, match="cannot tell run-to-run noise from a change"):
+        simharness.compare(base, cur)
+    r = _invoke(base, cur)
+    assert "warning:" in r.stderr and "repeats: N" in r.stderr

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    ["jit", "models", "scenario", "tokenizer", "kernels"],  # the scenario, the model catalogue, leaf utilities
+    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels"],  # the scenario, model catalogue, leaf utilities
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",
@@ -21,8 +21,8 @@ LAYERS = [
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench"],  # set-up of the measured levels, benchmarks
-    ["metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
-    ["runner", "fidelity"],  # drivers
+    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
+    ["runner", "fidelity", "calibration"],  # drivers
     ["seeds"],  # the seed changes, run through the driver
     ["cli", "__main__", "__init__"],  # interfaces
 ]

@@ -76,6 +76,22 @@ def test_same_seed_gives_a_bit_identical_summary(tmp_path):
     assert (other.run_dir / "summary.csv").read_bytes() != (a.run_dir / "summary.csv").read_bytes()
 
 
+def test_repeats_are_bit_identical_for_a_seed_and_each_is_its_seeds_run(tmp_path):
+    """Repeat r of a run with `repeats` is the run with seed + r, to the bit; the report gives the medians."""
+    small = {**SMALL, "sweep": {"scheduler.depth": [1, 2]}}
+    a = simharness.run(scenario_from_dict({**small, "repeats": 3}), out=tmp_path / "a")
+    b = simharness.run(scenario_from_dict({**small, "repeats": 3}), out=tmp_path / "b")
+    assert (a.run_dir / "summary.csv").read_bytes() == (b.run_dir / "summary.csv").read_bytes()
+    assert list(a.summary["repeat"]) == [0, 0, 1, 1, 2, 2]
+    single = simharness.run(scenario_from_dict({**small, "seed": SMALL["seed"] + 2}), out=tmp_path / "c").summary
+    repeat = a.summary[a.summary["repeat"] == 2].reset_index(drop=True)
+    metrics = [c for c in single.columns if c not in ("point", "index")]
+    pd.testing.assert_frame_equal(repeat[metrics], single[metrics], check_exact=True)
+    medians = pd.read_csv(a.run_dir / "summary_median.csv")
+    assert list(medians["repeats"]) == [3, 3] and "ci_low.mean_tpot_ms" in medians
+    assert "[" in (a.run_dir / "report.md").read_text().split("## Summary")[1].split("## Plots")[0]
+
+
 def test_resume_finishes_missing_points_without_redoing_others(tmp_path):
     sc = scenario_from_dict(SMALL)
     full = simharness.run(sc, out=tmp_path)

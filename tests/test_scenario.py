@@ -65,6 +65,26 @@ def test_bad_sweep_value_names_the_point():
         sweep_points(sc)
 
 
+def test_repeats_are_points_of_their_own_with_consecutive_seeds():
+    sc = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "sweep": {"scheduler.depth": [1, 2]}})
+    points = sweep_points(sc)
+    assert [p.id for p in points] == [f"scheduler.depth={d},repeat={r}" for r in range(3) for d in (1, 2)]
+    assert [p.index for p in points] == list(range(6))
+    assert [p.scenario.seed for p in points] == [7, 7, 8, 8, 9, 9]
+    assert points[4].values == {"scheduler.depth": 1, "repeat": 2}
+    assert all(p.scenario.repeats == 1 for p in points)
+    assert [p.id for p in sweep_points(scenario_from_dict({"name": "x", "repeats": 2}))] == ["repeat=0", "repeat=1"]
+    measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"backend": "torch"}})
+    assert [p.scenario.seed for p in sweep_points(measured)] == [7, 7, 7]  # the same requests, measured again
+
+
+@pytest.mark.parametrize("values,twice", [([2, 1, 1, 2], "2"), ([1, 1.0], "1"), (["wait", "wait"], "wait")])
+def test_repeated_sweep_value_is_rejected_up_front(values, twice):
+    with pytest.raises(ScenarioError, match=rf"sweep.scheduler.x: value {twice} appears more than once; to run a "
+                       r"point several times set `repeats: N`"):
+        scenario_from_dict({"name": "x", "sweep": {"scheduler.x": values}})
+
+
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "simharness", *args], capture_output=True, text=True, cwd=cwd,
@@ -81,6 +101,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ("name: x\n", ["--set", "nodots"], "expected KEY=VALUE"),
         ("name: x\nsweep: {engine.speculation.k: []}\n", [], "needs a non-empty list"),
         ("name: x\nscheduler: {sync_points: {remove: [nope]}}\n", [], "unknown sync point 'nope'"),
+        ("name: x\nsweep: {scheduler.depth: [2, 1, 1, 2]}\n", [], "scheduler.depth: value 2 appears more than once"),
     ],
 )
 def test_cli_bad_input_exits_2_without_traceback(tmp_path, content, args, message):

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance
-from simharness.costmodel import CostModel, gpu_seconds
+from simharness.costmodel import CostModel, fitted_seconds, gpu_seconds
 from simharness.jit import njit
 from simharness.modes import Mode
 from simharness.policy import (
@@ -110,7 +110,9 @@ class ModelBackend:
         self.allocated = 0
         self.acc = acceptance
         self.cost = cost
-        self.launch_s, self.readback_s = cost.launch(), cost.sync()
+        self.readback_s = cost.sync()
+        # the launch's cost, unless it varies with the batch (a calibration's per-request and per-prefill terms)
+        self.launch_s = None if cost.h.launch_per_req_us or cost.h.launch_per_prefill_us else cost.launch(0, 0)
         self.k = k
         self.rng = rng
         self.truth = np.zeros((5, n), dtype=np.int64)
@@ -140,7 +142,9 @@ class ModelBackend:
         return False  # every sync point is modelled here
 
     def launch(self, step: Step) -> float:
-        return self.launch_s
+        if self.launch_s is not None:
+            return self.launch_s
+        return self.cost.launch(step.batch.size, step.batch.n_prefill)
 
     def propose(self, rids: np.ndarray) -> float:
         # the proposer scans each request's whole history: its context (only at depth 1, so the host's view)
@@ -160,7 +164,7 @@ class ModelBackend:
         acc = self.acc
         seconds, self.next_uniform = _run_step(
             b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
-            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random,
+            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
         )
         return seconds, self.readback_s
 
@@ -189,16 +193,19 @@ def _run_step(
     sizes: np.ndarray,
     rates: np.ndarray,
     random: np.ndarray,
+    fit: np.ndarray,
 ) -> tuple[float, int]:
     """One step on the device truth: fills the batch's outcome rows, returns its GPU seconds (from its query
-    tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans) and
-    the next unread uniform.
+    tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans; or, with a
+    calibration's `fit`, from its decode rows, tokens and context and its prefill chunks and tokens) and the
+    next unread uniform.
 
     Twice the pairs of a row with query q over context c is q * (2 * c + q + 1): an integer, so the
     totals do not depend on the order of the rows. Acceptance and the drafts held are separate passes:
     numba keeps their calls cheap only in short loops."""
     size = table.shape[1]
     tokens = kv_tokens = pairs2 = history = random_tokens = 0
+    decode_rows = decode_tokens = decode_context = prefill_reqs = prefill_tokens = 0
     any_drafts = False
     for i in range(size):
         rid = table[REQ, i]
@@ -209,6 +216,8 @@ def _run_step(
             tokens += t
             kv_tokens += c + t
             pairs2 += t * (2 * c + t + 1)
+            prefill_reqs += 1
+            prefill_tokens += t
             if table[COMPLETES, i]:  # the last prefill chunk samples the first token
                 truth[CONTEXT, rid] += 1
                 table[EMITTED, i] = 1
@@ -220,6 +229,9 @@ def _run_step(
         if random[rid]:
             random_tokens += 1 + slots
         kv_tokens += c + 1 + slots
+        decode_rows += 1
+        decode_tokens += 1 + slots
+        decode_context += c
         pairs2 += (1 + slots) * (2 * c + 2 + slots)
         history += c
         if c < truth[END, rid]:
@@ -241,6 +253,9 @@ def _run_step(
             truth[CONTEXT, rid] = c + emitted
             history += emitted
     _hold(table, truth, k, survival, offset, valid)
+    if len(fit):
+        seconds = fitted_seconds(fit, decode_rows, decode_tokens, decode_context, prefill_reqs, prefill_tokens)
+        return seconds, next_uniform
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens), next_uniform
 
 

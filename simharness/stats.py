@@ -1,0 +1,75 @@
+"""Statistics over repeats: the median of each metric with a 95% bootstrap interval, and the test that tells a
+change between two runs from run-to-run noise.
+
+The repeat (a whole run of a point, with its own seed, warm-up and process state) is the unit of evidence: the
+requests of one run share its batch and its device state, so they are not independent samples of what another
+run would give.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+ALPHA = 0.05  # a change between runs with repeats is significant below this p-value
+REPEAT = "repeat"  # the summary column of a repeat's number (sweep_points)
+
+
+def bootstrap_ci(values: np.ndarray, *, confidence: float = CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
+                 seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of `values` (NaNs dropped); deterministic for a seed.
+    One value gives a zero-width interval; none gives NaNs."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if len(x) == 0:
+        return math.nan, math.nan
+    if len(x) == 1:
+        return float(x[0]), float(x[0])
+    rng = np.random.default_rng(seed)
+    medians = np.median(x[rng.integers(0, len(x), size=(resamples, len(x)))], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def aggregate(summary: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """One row per configuration (`config_ids`): the first repeat's other columns, `config`, `repeats`, each
+    metric's median over the repeats and its bootstrap interval as `ci_low.<metric>` / `ci_high.<metric>`."""
+    rows = []
+    for config, group in summary.groupby(config_ids(summary), sort=False):
+        row = group.iloc[0].to_dict()
+        row["config"], row["repeats"] = config, len(group)
+        for metric in metrics:
+            values = pd.to_numeric(group[metric], errors="coerce").to_numpy(dtype=np.float64)
+            finite = values[np.isfinite(values)]
+            row[metric] = float(np.median(finite)) if len(finite) else math.nan
+            row[f"ci_low.{metric}"], row[f"ci_high.{metric}"] = bootstrap_ci(values)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def config_ids(summary: pd.DataFrame) -> pd.Series:
+    """Each row's point id without its `,repeat=r` part: the configuration its repeats share."""
+    return summary["point"].str.replace(r"(^|,)repeat=\d+$", "", regex=True).replace("", "base")
+
+
+def significance(base: np.ndarray, current: np.ndarray) -> float:
+    """Two-sided p-value that two sets of repeats differ in location: Welch's t-test on the logarithms (run
+    times and rates vary by a factor, not by an amount), on the values themselves when one is not positive.
+    NaN with fewer than two finite repeats on a side; 0 or 1 when neither side varies."""
+    a = np.asarray(base, dtype=np.float64)
+    b = np.asarray(current, dtype=np.float64)
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if len(a) < 2 or len(b) < 2:
+        return math.nan
+    if (a > 0).all() and (b > 0).all():
+        a, b = np.log(a), np.log(b)
+    if a.var() == 0 and b.var() == 0:
+        return 0.0 if a[0] != b[0] else 1.0
+    from scipy.stats import ttest_ind  # scipy.stats takes seconds to import: only when needed
+
+    return float(ttest_ind(a, b, equal_var=False).pvalue)
