@@ -161,8 +161,9 @@ class Speculation(Strict):
 class GpuCosts(Strict):
     """Overrides of the roofline's hardware numbers and fixed GPU costs (None = the GPU's default)."""
 
-    mem_bandwidth_gbs: float | None = Field(None, ge=1, le=MAX_VALUE)
-    bf16_tflops: float | None = Field(None, ge=0.01, le=MAX_VALUE)
+    # lower bounds keep step times finite; a huge value is an infinitely fast GPU (the tests' ideal GPU)
+    mem_bandwidth_gbs: float | None = Field(None, ge=1)
+    bf16_tflops: float | None = Field(None, ge=0.01)
     mem_efficiency: float = Field(0.8, ge=0.01, le=1, description="achieved fraction of bandwidth")
     compute_efficiency: float = Field(0.6, ge=0.01, le=1, description="achieved fraction of peak FLOPs")
     step_overhead_us: NonNegFloat = Field(30.0, description="fixed per-step GPU time (graph launch, norms)")
