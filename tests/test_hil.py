@@ -13,16 +13,9 @@ import torch
 from helpers import hil_requests, single_thread
 
 from simharness.engine.decode import DecodeLoop
+from simharness.engine.mirror import HOST_COMMITTED, HOST_OUTPUT_LEN, HOST_PROMPT_LEN, HOST_VALID, read_back
 from simharness.engine.model import Transformer, get_config
-from simharness.engine.torch_backend import (
-    HOST_COMMITTED,
-    HOST_OUTPUT_LEN,
-    HOST_PROMPT_LEN,
-    HOST_VALID,
-    TorchBackend,
-    capacity,
-    read_back,
-)
+from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.modes import resolve_mode
 from simharness.policy import (
     ACCEPTED,

@@ -7,8 +7,8 @@ At the hil level that is when the step starts in virtual time (which its device 
 the real level when the host blocks on it. Real work is enqueued in launch order, so the device sees the
 order of a FIFO stream, and the emitted tokens and accepted counts are the rejection sampler's real output.
 
-The host keeps a mirror of the device truth (committed tokens, valid drafts) updated from each read-back
-step, as vLLM's engine does from its outputs; it is what the host may use at a sync.
+The host keeps a mirror of the device truth (`engine.mirror`: committed tokens, valid drafts) updated from
+each read-back step, as vLLM's engine does from its outputs; it is what the host may use at a sync.
 """
 
 from __future__ import annotations
@@ -20,21 +20,15 @@ import numpy as np
 import torch
 
 from simharness.engine.decode import DecodeLoop, StepResult
+from simharness.engine.mirror import HostMirror
 from simharness.engine.model import Transformer
 from simharness.engine.timing import DeviceClock, PartTiming
 from simharness.instrument import SyncRecorder, phase
-from simharness.jit import njit
-from simharness.kernels import NO_DRAFT
-from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.modes import Mode
-from simharness.policy import ACCEPTED, COMPLETES, DRAFTS_VALID, EMITTED, PREFILL, REQ, VERIFIED, WASTED
+from simharness.policy import COMPLETES, EMITTED
 from simharness.records import Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
-
-# Rows of the host's mirror of the device truth, one table (a compiled call costs per argument): committed
-# output tokens, valid drafts held for the next step (0 once no tokens are left), output and prompt lengths.
-HOST_COMMITTED, HOST_VALID, HOST_OUTPUT_LEN, HOST_PROMPT_LEN = range(4)
 
 
 def capacity(sc: Scenario, requests: Requests, mode: Mode) -> tuple[int, int]:
@@ -96,12 +90,6 @@ class TorchBackend:
         )
         self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
         n = len(requests.prompt_len)
-        # host mirror of the device truth, as of the last read-back step that held the request; the attributes
-        # are views of its rows
-        self.mirror = np.zeros((4, n), dtype=np.int64)
-        self.mirror[HOST_OUTPUT_LEN], self.mirror[HOST_PROMPT_LEN] = requests.output_len, requests.prompt_len
-        self.committed, self.next_valid = self.mirror[HOST_COMMITTED], self.mirror[HOST_VALID]
-        self.output_len, self.prompt_len = self.mirror[HOST_OUTPUT_LEN], self.mirror[HOST_PROMPT_LEN]
         slots, positions = capacity(sc, requests, mode)
         if slots > model.max_slots or positions > model.max_len:
             raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
@@ -109,13 +97,7 @@ class TorchBackend:
         self.free_slots = list(range(model.max_slots - 1, -1, -1))
         self.slot = np.full(n, -1, dtype=np.int64)
         self.prefilled = np.zeros(n, dtype=np.int64)  # prompt tokens whose prefill was launched
-        # prompt + generated tokens (host copy), as wide as the request's cache positions
-        self.history = np.zeros((n, positions), dtype=np.int64)
-        # The valid drafts a step verified: the device's count of the drafts it verified (pad: only valid ones,
-        # as the CPU proposer's), or with fill (k slots verified, fillers among them) the device proposer's valid
-        # count as of the previous read-back step, which the host mirrors.
-        self.valid_from_mirror = self.loop.invalid == "fill"
-        self.host_drafts = np.full((n, max(mode.k, 1)), NO_DRAFT, dtype=np.int64)  # CPU proposer's drafts
+        self.host = HostMirror(requests, positions, mode.k, valid_from_mirror=self.loop.invalid == "fill")
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
         self.timing = PartTiming(gate) if self.cuda else None
@@ -142,12 +124,11 @@ class TorchBackend:
 
     def valid_drafts(self) -> np.ndarray:
         """Valid drafts per request id as the host last read them (0 for finished ones); a view to read, not keep."""
-        return self.next_valid
+        return self.host.next_valid
 
     def output_tokens(self, rid: int) -> np.ndarray:
         """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
-        p = self.prompt_len[rid]
-        return self.history[rid, p : p + self.output_len[rid]]
+        return self.host.output_tokens(rid)
 
     # ---------------------------------------------------------------- engine-loop phases (measured)
 
@@ -162,7 +143,7 @@ class TorchBackend:
                 rid, start = int(b.req[i]), int(self.prefilled[b.req[i]])
                 if self.slot[rid] < 0:  # its first chunk
                     self.slot[rid] = self.free_slots.pop()
-                    self.history[rid, : self.prompt_len[rid]] = self.req.prompt_tokens[rid]
+                    self.host.history[rid, : self.host.prompt_len[rid]] = self.req.prompt_tokens[rid]
                     if self.random is not None:  # the slot's sampling temperature (fill_: no sync)
                         self.loop.temperature[self.slot[rid]].fill_(1.0 if self.random[rid] else 0.0)
                 end = start + int(b.tokens[i])
@@ -176,9 +157,9 @@ class TorchBackend:
                 launch.slots = self._to_device(self.slot[r])
                 if not self.mode.optimistic and self.n_read == self.n_launched:
                     # the host has read every step's accepted counts: it sends exact positions
-                    launch.lengths = self._to_device(self.prompt_len[r] + self.committed[r])
+                    launch.lengths = self._to_device(self.host.positions(r))
                 if self.mode.ngram_cpu:
-                    launch.drafts = self._to_device(self.host_drafts[r, : self.k]).view(len(r), self.k)
+                    launch.drafts = self._to_device(self.host.drafts[r, : self.k]).view(len(r), self.k)
                 if self.allocations:
                     self._allocate(r)
             self.launches[step.step] = launch
@@ -188,8 +169,8 @@ class TorchBackend:
         """vLLM's backup tokens before #41043: a `.tolist()`, a list comprehension and an array each step, here
         `engine.gc.allocations_per_step` one-item lists of the requests' last tokens and their array, dropped at
         once; CPython's collector runs whenever their count says so, inside the measured prep."""
-        last = (self.prompt_len[rids] + self.committed[rids] - 1).tolist()
-        rows = [[int(self.history[rids[i % len(rids)], last[i % len(rids)]])] for i in range(self.allocations)]
+        last = (self.host.positions(rids) - 1).tolist()
+        rows = [[int(self.host.history[rids[i % len(rids)], last[i % len(rids)]])] for i in range(self.allocations)]
         np.array(rows, dtype=np.int32)
 
     def sync_op(self, step: Step, name: str) -> bool:
@@ -285,13 +266,7 @@ class TorchBackend:
         """The CPU n-gram proposer over each request's committed tokens (after its step was settled)."""
         t0 = time.perf_counter()
         with phase("propose"):
-            k = self.k
-            for rid in rids:
-                n = self.prompt_len[rid] + self.committed[rid]
-                drafts = propose_ngram_row(self.history[rid, :n], **self.ngram_args)
-                self.host_drafts[rid, :k] = NO_DRAFT
-                self.host_drafts[rid, : len(drafts)] = drafts
-                self.next_valid[rid] = len(drafts)
+            self.host.propose(rids, self.ngram_args)
         return self._leave(t0)
 
     def release(self, rids: np.ndarray) -> None:
@@ -331,17 +306,14 @@ class TorchBackend:
         b = step.batch
         decode_s = out.phase_s if out is not None else (0.0,) * 4
         if out is not None:
-            read_back(b.table, out.packed, self.k, self.valid_from_mirror, self.mirror, self.history)
+            self.host.read_back(b.table, out.packed)
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
         step.set_device_phases((prefill_s, *decode_s))
         if step.enqueue is not None:  # the device time of each enqueued part, in order
             step.parts_s = (*chunks_s, *(out.parts_s if out is not None else ()))
         if first is not None:
-            rids = np.asarray(first_rids)
-            self.history[rids, self.prompt_len[rids]] = first[0]
-            self.committed[rids] = 1
-            self.next_valid[rids] = first[1] * (self.output_len[rids] > 1)
+            self.host.first_tokens(np.asarray(first_rids), first[0], first[1])
         self.n_read += 1
         step.device_syncs = self.syncs.count(step.step)
         now = time.perf_counter()
@@ -371,43 +343,3 @@ class TorchBackend:
         dt = time.perf_counter() - t0
         self.inside += dt
         return dt
-
-
-@njit
-def read_back(
-    table: np.ndarray, packed: np.ndarray, k: int, valid_from_mirror: bool, mirror: np.ndarray, history: np.ndarray
-) -> None:
-    """Fill a read-back step's outcome rows in its batch table and apply its tokens to the host's mirror.
-
-    The device reports decoding requests in batch order (row i of `packed`, whose columns are `StepOutput`'s
-    tokens, num_emitted, num_drafts and new_valid): request r emitted num_emitted[i] tokens, verified
-    num_drafts[i] drafts (or, with `valid_from_mirror`, held next_valid[r] valid ones before this step) and now
-    holds new_valid[i] (0 once it has no tokens left). A request that finished in an earlier step but sat in
-    this one (no tokens left) emits and accepts nothing and wastes its 1 + slots positions. A prefill column
-    emits its first token when its chunk is the last."""
-    committed, next_valid = mirror[HOST_COMMITTED], mirror[HOST_VALID]
-    output_len, prompt_len = mirror[HOST_OUTPUT_LEN], mirror[HOST_PROMPT_LEN]
-    tokens, num_emitted = packed[:, : k + 1], packed[:, k + 1]
-    num_drafts, new_valid = packed[:, k + 2], packed[:, k + 3]
-    i = 0
-    for c in range(table.shape[1]):
-        if table[PREFILL, c]:
-            table[EMITTED, c] = table[COMPLETES, c]
-            continue
-        rid = table[REQ, c]
-        before = committed[rid]
-        remaining = output_len[rid] - before
-        e = num_emitted[i]
-        if remaining > 0:
-            valid = next_valid[rid] if valid_from_mirror else num_drafts[i]
-            table[EMITTED, c] = min(e, remaining)
-            table[ACCEPTED, c] = e - 1
-            table[DRAFTS_VALID, c] = min(valid, table[VERIFIED, c])
-        else:
-            table[WASTED, c] = 1 + table[VERIFIED, c]
-        start = prompt_len[rid] + before
-        for j in range(e):
-            history[rid, start + j] = tokens[i, j]
-        committed[rid] = before + e
-        next_valid[rid] = new_valid[i] if committed[rid] < output_len[rid] else 0
-        i += 1
