@@ -84,12 +84,18 @@ def test_open_loop_arrivals_are_honoured_in_wall_clock_time(requests, model):  #
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "fill").model_copy(deep=True)
     sc.engine.backend = "real"
     sc.workload.arrival, sc.workload.cap_concurrency = "poisson", True  # as many in flight as the model has slots
-    arrivals = np.array([0.0, 0.02, 0.04, 0.6, 0.62])[:N_REQUESTS]  # the first three are long done at 0.6 s
+    arrivals = np.array([0.0, 0.02, 0.04, 0.6, 0.62])[:N_REQUESTS]
     timed = dataclasses.replace(requests, arrival_s=arrivals)
     _, records, duration = run_real(sc, timed, model)
     got = records.requests["arrival_s"].to_numpy()
-    np.testing.assert_array_equal(got, arrivals)
-    assert (records.requests["first_token_s"].to_numpy() > arrivals).all() and duration > 0.62
+    # three slots: the first three enter at their arrival; a later one at its arrival if a slot is free then, else
+    # when one frees (vLLM's bench leaves the wait for --max-concurrency out of the request), however loaded the
+    # machine running this test is
+    np.testing.assert_array_equal(got[:3], arrivals[:3])
+    done = np.sort(records.requests["last_token_s"].to_numpy())
+    for i in range(3, N_REQUESTS):
+        assert got[i] == arrivals[i] or (got[i] > arrivals[i] and np.isclose(done, got[i], rtol=0, atol=1e-3).any())
+    assert (records.requests["first_token_s"].to_numpy() > got).all() and duration > 0.62
 
 
 def test_real_level_through_the_public_api(tmp_path):
