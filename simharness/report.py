@@ -47,8 +47,11 @@ def write_report(run_dir: Path) -> Path:
     scenario = load_run_scenario(run_dir)
     path = run_dir / "report.md"
     summary = _read_summary(run_dir, scenario)
+    failed = _failed_section(summary)
+    if failed:
+        summary = summary[summary["failed"].isna()].reset_index(drop=True)
     if summary.empty:
-        path.write_text(_header(run_dir, scenario, 0) + "\nNo finished sweep points yet.\n")
+        path.write_text(_header(run_dir, scenario, 0) + "\nNo finished sweep points yet.\n" + failed)
         return path
     steps = pd.read_parquet(run_dir / "steps.parquet")
     syncs = pd.read_parquet(run_dir / "syncs.parquet")
@@ -92,8 +95,18 @@ def write_report(run_dir: Path) -> Path:
             "## Measured vs modelled\n",
             _measured_table(summary, steps, hil),
         ])
-    path.write_text(text)
+    path.write_text(text + failed)
     return path
+
+
+def _failed_section(summary: pd.DataFrame) -> str:
+    """The points that failed after their retries, with the reason; empty when none did."""
+    if "failed" not in summary.columns or summary["failed"].isna().all():
+        return ""
+    rows = [[r["label"], str(r["failed"])] for _, r in summary[summary["failed"].notna()].iterrows()]
+    return "\n## Failed points\n\n" + _markdown_table(["point", "reason"], rows) + (
+        "\nEach failed on every try (see `points/*.failed.json` for the traceback); `--resume` runs them again.\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +116,7 @@ def write_report(run_dir: Path) -> Path:
 def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
     """summary.csv with two label columns: `label` (all swept values) and `mode` (all but concurrency)."""
     try:
-        summary = pd.read_csv(run_dir / "summary.csv", dtype={"note": str})
+        summary = pd.read_csv(run_dir / "summary.csv", dtype={"note": str, "failed": str})
     except pd.errors.EmptyDataError:
         return pd.DataFrame()
     if summary.empty:

@@ -20,6 +20,7 @@ LAYERS = [
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "kernels.bench"],  # set-up of the measured levels, benchmarks
     ["metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
+    ["executors"],  # where points run: this process, local workers, a Ray cluster
     ["runner", "fidelity"],  # drivers
     ["cli", "__main__", "__init__"],  # interfaces
 ]
