@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -31,7 +32,7 @@ out = Console()
 
 def fail(message: str) -> None:
     """Bad input: one clear message, exit status 2, no traceback."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -88,7 +89,7 @@ class SweepBar:
     def __call__(self, status) -> None:
         self.status = status
         if status.message:
-            self.bar.console.print(f"[yellow]{status.message}[/]", highlight=False, soft_wrap=True)
+            self.bar.console.print(f"[yellow]{escape(status.message)}[/]", highlight=False, soft_wrap=True)
         self.bar.update(self.task, total=status.total, completed=status.done, point=status.point_id,
                         state=f"{status.running} running, {status.failed} failed")
 
@@ -99,7 +100,7 @@ def report_failed(summary) -> None:
         return
     failed = summary[summary["failed"].notna()]
     for row in failed.itertuples():
-        err.print(f"[bold red]failed:[/] {row.point}: {row.failed}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]failed:[/] {escape(f'{row.point}: {row.failed}')}", highlight=False, soft_wrap=True)
     err.print(f"{len(failed)} of {len(summary)} points failed (their reasons are in summary.csv and "
               "points/*.failed.json); the others are kept; --resume retries the failed ones")
     raise typer.Exit(1)

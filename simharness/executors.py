@@ -147,11 +147,15 @@ def _worker_main(conn: Connection, payload: bytes, env: dict[str, str]) -> None:
         except (EOFError, OSError):
             return
         try:
-            result = work(point)
+            answer = ("ok", work(point), "")
         except Exception as e:
-            conn.send(("error", describe_error(e), traceback.format_exc()))
+            answer = ("error", describe_error(e), traceback.format_exc())
+        try:
+            conn.send(answer)
+        except OSError:
+            return  # the driver is gone
+        if answer[0] == "error":
             return  # its state may be broken (a CUDA error): the driver starts a fresh worker
-        conn.send(("ok", result, ""))
 
 
 def _receive(worker: _Worker) -> tuple[str, Any, str]:
