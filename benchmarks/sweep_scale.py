@@ -4,8 +4,9 @@ hil sweep on one GPU and on two (one worker pinned to each).
 Each configuration is the `simharness run` command itself (a fresh process: start-up, worker start, the cluster's
 start and the final report all count), run in turn `--repeats` times; the table gives the median wall time, the
 spread (min-max) and the speed-up against the first configuration, and checks that every run's summary.csv is
-the same bytes (sim) or has every point (hil). The machine's load average is printed before and after, since a
-shared machine's other work slows the parallel runs most. Usage:
+the same bytes (sim) or has every point (hil). The machine's load average is printed before and after, and how
+many times the work of one CPU-bound process two of them do at once: on a shared machine that, not the core
+count, bounds what two workers can gain. Usage:
 
     python benchmarks/sweep_scale.py [--repeats 2] [--requests 200] [--out DIR]   # 64 sim points, 2 workers
     python3 benchmarks/sweep_scale.py --gpu --out $OUT                              # GPU machine, 2 GPUs: 32 hil points
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -44,6 +46,27 @@ HIL_SWEEP = {"engine.speculation.proposer": ["ngram_gpu", "ngram_cpu"], "schedul
 
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _spin(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+def parallelism(n: int = 10_000_000) -> float:
+    """How many times the work of one CPU-bound process two such processes do in the same wall time, now: the
+    ceiling of a 2-worker speed-up on this machine while others share it (2.0 on two idle cores)."""
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pool.map(_spin, [1000, 1000])  # both started
+        start = time.perf_counter()
+        pool.map(_spin, [n])
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        pool.map(_spin, [n, n], chunksize=1)
+        two = time.perf_counter() - start
+    return 2 * one / two
 
 
 def timed_run(scenario: Path, out: Path, options: list[str], watch_gpus: bool) -> tuple[float, Path, set[str]]:
@@ -96,7 +119,8 @@ def main() -> None:
     for values in scenario["sweep"].values():
         points *= len(values)
     print(f"{points} {'hil' if args.gpu else 'sim'} points, {scenario['workload']['num_requests']} requests each; "
-          f"{os.cpu_count()} CPUs; load average {load()} (1, 5, 15 min)")
+          f"{os.cpu_count()} CPUs; load average {load()} (1, 5, 15 min); 2 processes do {parallelism():.2f}x the "
+          "work of one")
     if args.gpu:  # fill the kernel and numba caches on disk first, so no configuration pays for them
         warm = {**scenario, "name": "scale-warm", "sweep": {"workload.concurrency": [4]}}
         (out / "warm.yaml").write_text(yaml.safe_dump(warm, sort_keys=False))
@@ -120,9 +144,11 @@ def main() -> None:
         extra = f" {', '.join(gpus[name])} |" if args.gpu else ""
         print(f"| {name} | {median:.1f} | {min(times):.1f}-{max(times):.1f} | {base / median:.2f}x |{extra}")
     same = len(summaries) == 1 if not args.gpu else None  # measured points differ from run to run
-    print(f"\nload average after: {load()}" + ("" if args.gpu else f"; summary.csv identical across runs: {same}"))
+    ceiling = parallelism()
+    print(f"\nload average after: {load()}; 2 processes do {ceiling:.2f}x the work of one"
+          + ("" if args.gpu else f"; summary.csv identical across runs: {same}"))
     facts = {"points": points, "cpus": os.cpu_count(), "walls_s": walls, "gpus_used": gpus,
-             "summary_identical": same, "load_after": load()}
+             "summary_identical": same, "load_after": load(), "parallelism_after": ceiling}
     (out / "scale.json").write_text(json.dumps(facts, indent=1))
 
 

@@ -198,6 +198,8 @@ class RayCluster:
     def run(self, points: list[Point], work: Work) -> Iterator[Event]:
         import ray
 
+        if not points:
+            return
         started_here = self._connect()
         pending: dict[Any, tuple[Point, int]] = {}
         try:

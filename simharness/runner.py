@@ -127,7 +127,7 @@ def execute(
     for p in points:  # validate every point before writing anything
         try:
             modes[p.index] = resolve_mode(p.scenario)
-            if p.scenario.engine.backend != "model" and ray is None:
+            if p.scenario.engine.backend != "model" and ray in (None, "local"):  # a cluster may have GPUs we lack
                 _require_device(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
