@@ -131,8 +131,7 @@ def execute(
                 _require_device(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
-    measured = [(p.scenario, modes[p.index]) for p in points if p.scenario.engine.backend != "model"]
-    _check_one_engine([sc for sc, _ in measured])
+    _check_one_engine([p.scenario for p in points if p.scenario.engine.backend != "model"])
     executor = make_executor(points, workers=workers, ray=ray, retries=retries)
     if resume is not None:
         run_dir = Path(resume)
@@ -149,15 +148,20 @@ def execute(
     if progress is not None:
         progress(status)
     described = False
-    with closing(executor.run(todo, PointWork(measured))) as events:
-        for event in events:
-            if event.kind == "done" and event.result.device is not None and not described:
-                extra = {"checkpoint_load": event.result.checkpoint_load} if event.result.checkpoint_load else None
-                results.write_meta(run_dir, scenario, device=event.result.device, extra=extra)
-                described = True
-            _record(run_dir, event, status)
-            if progress is not None:
-                progress(status)
+    try:
+        with closing(executor.run(todo, PointWork(measured))) as events:
+            for event in events:
+                if event.kind == "done" and event.result.device is not None and not described:
+                    loaded = event.result.checkpoint_load
+                    results.write_meta(run_dir, scenario, device=event.result.device,
+                                       extra={"checkpoint_load": loaded} if loaded else None)
+                    described = True
+                _record(run_dir, event, status)
+                if progress is not None:
+                    progress(status)
+    finally:
+        global _state
+        _state = None  # a serial run's requests and model go with it
     return run_dir
 
 
