@@ -8,8 +8,8 @@ the same bytes (sim) or has every point (hil). The machine's load average is pri
 many times the work of one CPU-bound process two of them do at once: on a shared machine that, not the core
 count, bounds what two workers can gain. Usage:
 
-    python benchmarks/sweep_scale.py [--repeats 2] [--requests 200] [--out DIR]   # 64 sim points, 2 workers
-    python3 benchmarks/sweep_scale.py --gpu --out $OUT                              # GPU machine, 2 GPUs: 32 hil points
+    python benchmarks/sweep_scale.py [--repeats 2] [--requests 200] [--out DIR]  # 64 sim points, 2 workers
+    python3 benchmarks/sweep_scale.py --gpu --out $OUT         # a 2-GPU machine: 32 hil points (about 4 minutes)
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _watch_gpus(used: set[str], done: threading.Event) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="hil points on CUDA: --workers 1 vs --workers 2")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (sim 2, hil 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per point (sim 200, hil 64)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs and scale.json here")
     args = parser.parse_args()
@@ -127,7 +127,7 @@ def main() -> None:
         timed_run(out / "warm.yaml", out / "runs", [], watch_gpus=False)
     walls: dict[str, list[float]] = {name: [] for name in configs}
     summaries, gpus = set(), {}
-    for _ in range(args.repeats):
+    for _ in range(args.repeats or (1 if args.gpu else 2)):
         for name, options in configs.items():
             wall, run_dir, used = timed_run(path, out / "runs", options, watch_gpus=args.gpu)
             walls[name].append(wall)
