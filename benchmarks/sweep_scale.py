@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,7 @@ def timed_run(scenario: Path, out: Path, options: list[str], watch_gpus: bool) -
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     used: set[str] = set()
     done = threading.Event()
+    watch_gpus = watch_gpus and shutil.which("nvidia-smi") is not None
     watcher = threading.Thread(target=_watch_gpus, args=(used, done), daemon=True) if watch_gpus else None
     if watcher:
         watcher.start()
@@ -102,11 +104,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (sim 2, hil 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per point (sim 200, hil 64)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs and scale.json here")
+    parser.add_argument("--scenario", type=Path, default=ROOT / "scenarios" / "hil.yaml",
+                        help="--gpu: the hil scenario whose sweep is replaced (hil-cpu.yaml: try it on a CPU)")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="sweep-scale-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.gpu:
-        scenario = yaml.safe_load((ROOT / "scenarios" / "hil.yaml").read_text())
+        scenario = yaml.safe_load(args.scenario.read_text())
         scenario.update(name="scale-hil", sweep=HIL_SWEEP)
         scenario["workload"]["num_requests"] = args.requests or 64
         configs = {"1 GPU": ["--workers", "1"], "2 GPUs": ["--workers", "2"]}
