@@ -4,7 +4,9 @@ An executor takes the points still to run and `work`, a picklable callable that 
 yields what happens to each point as it happens (started, retried, done, failed). It writes nothing: the driver
 writes each finished point as it arrives, so a run directory looks the same whatever ran its points. A point whose
 worker dies (kill -9, the out-of-memory killer, a CUDA error) or whose computation raises is retried, on a fresh
-worker, up to `retries` times, then reported failed with the reason; the other points go on.
+worker, up to `retries` times, then reported failed with the reason; the other points go on. A point that raises
+ScenarioError (bad input found only when it runs, such as a broken checkpoint) stops the sweep with that error:
+no retry can fix it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Serial:
                 yield Event("started", point)
                 try:
                     result = work(point)
+                except ScenarioError:
+                    raise
                 except Exception as e:
                     kind = "retry" if attempt < self.retries else "failed"
                     yield Event(kind, point, reason=describe_error(e), detail=traceback.format_exc())
@@ -114,6 +118,8 @@ class LocalPool:
                     if status == "ok":
                         yield Event("done", point, value)
                         continue
+                    if status == "bad input":
+                        raise ScenarioError(value)
                     _stop(slots[slot])
                     slots[slot] = None
                     if attempt < self.retries:
@@ -148,6 +154,8 @@ def _worker_main(conn: Connection, payload: bytes, env: dict[str, str]) -> None:
             return
         try:
             answer = ("ok", work(point), "")
+        except ScenarioError as e:
+            answer = ("bad input", str(e), "")
         except Exception as e:
             answer = ("error", describe_error(e), traceback.format_exc())
         try:
@@ -159,7 +167,8 @@ def _worker_main(conn: Connection, payload: bytes, env: dict[str, str]) -> None:
 
 
 def _receive(worker: _Worker) -> tuple[str, Any, str]:
-    """A busy worker's answer: ("ok", result, ""), or ("error", reason, traceback) when it raised or died."""
+    """A busy worker's answer: ("ok", result, ""), ("bad input", message, "") for a ScenarioError, or ("error",
+    reason, traceback) when it raised anything else or died."""
     try:
         if worker.conn.poll():
             return worker.conn.recv()
@@ -220,6 +229,8 @@ class RayCluster:
                     result = ray.get(ready[0])
                 except ray.exceptions.RayError as e:
                     cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+                    if isinstance(cause, ScenarioError):
+                        raise ScenarioError(str(cause)) from None
                     kind = "retry" if attempt < self.retries else "failed"
                     if kind == "retry":
                         todo.appendleft((point, attempt + 1))

@@ -19,7 +19,7 @@ from simharness import results, runner
 from simharness.cli import app
 from simharness.executors import LocalPool, Serial
 from simharness.results import TABLES
-from simharness.scenario import scenario_from_dict, sweep_points
+from simharness.scenario import ScenarioError, scenario_from_dict, sweep_points
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +109,16 @@ def test_a_point_that_raises_fails_after_its_retries_and_the_others_finish(make)
     assert [(kind, r) for kind, i, r in seen if i == 2] == [("started", ""), ("retry", reason), ("started", ""),
                                                             ("failed", reason)]
     assert sorted(i for kind, i, _ in seen if kind == "done") == [0, 1, 3]
+
+
+def _bad_checkpoint(point):
+    raise ScenarioError("engine.model: tensor x is missing")
+
+
+@pytest.mark.parametrize("make", [lambda: Serial(), lambda: LocalPool(2)], ids=["serial", "pool"])
+def test_bad_input_found_by_a_point_stops_the_sweep_as_bad_input(make):
+    with pytest.raises(ScenarioError, match="^engine.model: tensor x is missing$"):
+        events(make(), _bad_checkpoint)
 
 
 def test_each_worker_sees_only_its_gpu():
