@@ -248,7 +248,7 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.nda
         return "No host syncs recorded.\n"
     mode_of = summary.set_index("point")["mode"]
     parts = []
-    for batch in file.iter_batches(columns=columns, batch_size=1 << 20):
+    for batch in file.iter_batches(columns=columns, batch_size=1 << 16):
         s = batch.to_pandas()
         recorded = np.zeros(len(s), dtype=bool)  # recorded steps only, as in metrics
         for point, rows in s.groupby("point", sort=False).indices.items():
@@ -279,7 +279,7 @@ def _step_index(run_dir: Path) -> tuple[dict[str, np.ndarray], set[str]]:
     columns = ["point", "step"] + (["gpu_verify_s"] if "gpu_verify_s" in file.schema_arrow.names else [])
     steps_of: dict[str, list[np.ndarray]] = {}
     measured = set()
-    for batch in file.iter_batches(columns=columns, batch_size=1 << 20):
+    for batch in file.iter_batches(columns=columns, batch_size=1 << 16):
         df = batch.to_pandas()
         for point, group in df.groupby("point", sort=False):
             steps_of.setdefault(point, []).append(group["step"].to_numpy())
