@@ -89,8 +89,9 @@ class _Worker:
 
 class LocalPool:
     """Points in `workers` local processes, started with spawn (no CUDA state is inherited). With `gpus`, worker i
-    sees only GPU gpus[i] (CUDA_VISIBLE_DEVICES), so a measured point has its device to itself. A worker that dies
-    or whose point raises is replaced by a fresh one."""
+    sees only GPU gpus[i] (CUDA_VISIBLE_DEVICES), so a measured point has its device to itself; each worker gets
+    its share of the cores for its CPU threads (OMP_NUM_THREADS, unless set), as Ray gives its tasks. A worker
+    that dies or whose point raises is replaced by a fresh one."""
 
     def __init__(self, workers: int, retries: int = 2, gpus: list[str] | None = None):
         self.workers, self.retries, self.gpus = workers, retries, gpus
@@ -134,6 +135,8 @@ class LocalPool:
 
     def _start(self, slot: int, payload: bytes) -> _Worker:
         env = {"CUDA_VISIBLE_DEVICES": self.gpus[slot % len(self.gpus)]} if self.gpus else {}
+        if "OMP_NUM_THREADS" not in os.environ:  # the workers share the cores (torch on the CPU would oversubscribe)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.workers))
         parent, child = self.context.Pipe()
         process = self.context.Process(target=_worker_main, args=(child, payload, env), name=f"simharness-{slot}")
         process.start()
