@@ -343,7 +343,7 @@ def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFra
                                     scenario=scenario))
         measured.append(rows.assign(level="real"))  # the reference of error_table
     run_dir = execute(held[0][1], points, out)
-    summary, _ = results.combine(run_dir)
+    summary = results.combine(run_dir)
     stats = error_stats(error_table(pd.concat([*measured, summary], ignore_index=True)))
     stats.to_csv(run_dir / "check.csv", index=False)
     return stats, run_dir

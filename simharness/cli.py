@@ -15,7 +15,15 @@ from typing import Annotated
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_value
@@ -35,7 +43,7 @@ SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; on a swept f
 
 def fail(message: str) -> None:
     """Bad input: one clear message, exit status 2, no traceback."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -62,6 +70,66 @@ def parse_sets(sets: list[str]) -> dict[str, object]:
     return overrides
 
 
+WorkersOption = Annotated[str | None, typer.Option(
+    "--workers", help="run the points in N local worker processes; auto: one per CPU, or one per visible GPU "
+    "(each pinned to it) when points run on CUDA")]
+RayOption = Annotated[str | None, typer.Option(
+    "--ray", help="run each point as a task on a Ray cluster: local (start one here), auto, or HOST:PORT")]
+RetriesOption = Annotated[int, typer.Option("--retries", help="tries after the first for a point whose worker "
+                                                              "dies or raises; then the point is marked failed")]
+
+
+def parse_workers(value: str | None) -> int | str | None:
+    """--workers: a whole number (checked >= 1 with the run's other input) or auto."""
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"--workers {value!r}: expected a whole number >= 1, or auto")
+
+
+class SweepBar:
+    """A sweep's progress on stderr: points done of all, running, failed, elapsed, time left and the last point;
+    retries and failures are printed above the bar as they happen. Keeps the last status (its run directory)."""
+
+    def __init__(self, title: str):
+        self.title, self.status = title, None
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[state]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+            TextColumn("{task.fields[point]}"),
+            console=err, transient=True,
+        )
+
+    def __enter__(self) -> SweepBar:
+        self.bar.__enter__()
+        self.task = self.bar.add_task(self.title, total=None, point="", state="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, status) -> None:
+        self.status = status
+        if status.message:
+            self.bar.console.print(f"[yellow]{escape(status.message)}[/]", highlight=False, soft_wrap=True)
+        self.bar.update(self.task, total=status.total, completed=status.done, point=status.point_id,
+                        state=f"{status.running} running, {status.failed} failed")
+
+
+def report_failed(summary) -> None:
+    """The points that failed for good, one line each, and exit status 1."""
+    if "failed" not in summary.columns or summary["failed"].isna().all():
+        return
+    failed = summary[summary["failed"].notna()]
+    for row in failed.itertuples():
+        err.print(f"[bold red]failed:[/] {escape(f'{row.point}: {row.failed}')}", highlight=False, soft_wrap=True)
+    err.print(f"{len(failed)} of {len(summary)} points failed (their reasons are in summary.csv and "
+              "points/*.failed.json); the others are kept; --resume retries the failed ones")
+    raise typer.Exit(1)
+
+
 @app.command("run")
 def run_cmd(
     scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
@@ -69,39 +137,35 @@ def run_cmd(
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
     resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory",
                                                 metavar="RUN_DIR")] = None,
+    workers: WorkersOption = None,
+    ray: RayOption = None,
+    retries: RetriesOption = 2,
 ) -> None:
     """Run a scenario's sweep; print a summary table and where the report is.
 
-    Exit status: 0 done; 2 bad input (one message naming the field; nothing written); 130 interrupted (the finished
-    points are kept: --resume RUN_DIR finishes the rest).
+    Exit status: 0 done; 1 a point failed after its retries (the others are kept); 2 bad input (one message naming
+    the field; nothing written); 130 interrupted (the finished points are kept: --resume RUN_DIR finishes the rest).
     """
     from simharness.runner import run
 
-    state: dict = {}
+    bar = SweepBar(scenario.stem)
     try:
         sc = load(scenario, sets)
-        with Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[point]}"), console=err, transient=True,
-        ) as bar:
-            task = bar.add_task(sc.name, total=None, point="")
-
-            def progress(run_dir: Path, done: int, total: int, point_id: str) -> None:
-                state["run_dir"] = run_dir
-                bar.update(task, total=total, completed=done, point=point_id)
-
-            result = run(sc, out_dir, resume=resume, progress=progress)
+        with bar:
+            result = run(sc, out_dir, resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
+                         retries=retries)
     except ScenarioError as e:
         fail(str(e))
     except KeyboardInterrupt:
-        where = state.get("run_dir")
-        if where is not None:
+        if bar.status is not None:
+            where = bar.status.run_dir
             err.print(f"interrupted: finished points are kept in {where}; finish with "
                       f"`simharness run {scenario} --resume {where}` (and the same --set options)")
         raise typer.Exit(130) from None
-    swept = [p for p in [*sc.sweep, "repeat"] if p in result.summary.columns]
-    out.print(summary_table(result.summary, swept))
+    ok = result.summary.drop(result.failed.index)
+    out.print(summary_table(ok, [p for p in [*sc.sweep, "repeat"] if p in result.summary.columns]))
     out.print(f"report: {result.report}")
+    report_failed(result.summary)
 
 
 @app.command("fidelity")
@@ -113,27 +177,23 @@ def fidelity_cmd(
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
     resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run",
                                                 metavar="RUN_DIR")] = None,
+    workers: WorkersOption = None,
+    ray: RayOption = None,
+    retries: RetriesOption = 2,
 ) -> None:
     """Run every point at each level on the same requests and seed; report each level's error against the real
     level.
 
-    Exit status: 0 done; 1 an error exceeds the scenario's fidelity.tolerances; 2 bad input.
+    Exit status: 0 done; 1 an error exceeds the scenario's fidelity.tolerances, or a point failed; 2 bad input.
     """
     from simharness.fidelity import run_fidelity
 
     try:
         sc = load(scenario, sets)
-        with Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[point]}"), console=err, transient=True,
-        ) as bar:
-            task = bar.add_task(f"{sc.name} fidelity", total=None, point="")
-
-            def progress(run_dir: Path, done: int, total: int, point_id: str) -> None:
-                bar.update(task, total=total, completed=done, point=point_id)
-
+        with SweepBar(f"{sc.name} fidelity") as bar:
             result = run_fidelity(sc, out_dir, levels=[lv.strip() for lv in levels.split(",") if lv.strip()],
-                                  resume=resume, progress=progress)
+                                  resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
+                                  retries=retries)
     except ScenarioError as e:
         fail(str(e))
     table = Table(title="fidelity: |error| against the real level", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -145,6 +205,7 @@ def fidelity_cmd(
     for violation in result.violations:
         err.print(f"[bold red]tolerance exceeded:[/] {violation}", highlight=False)
     out.print(f"report: {result.report}")
+    report_failed(result.summary)
     if result.violations:
         raise typer.Exit(1)
 

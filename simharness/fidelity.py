@@ -69,18 +69,22 @@ def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
 
 
 def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: list[str] | None = None,
-                 resume: str | Path | None = None, progress=None) -> FidelityResult:
-    """Run `sc` at each of `levels` (default sim, hil, real) into a run directory and write its fidelity report."""
+                 resume: str | Path | None = None, progress=None, workers: int | str | None = None,
+                 ray: str | None = None, retries: int = 2) -> FidelityResult:
+    """Run `sc` at each of `levels` (default sim, hil, real) into a run directory and write its fidelity report;
+    `workers`, `ray` and `retries` choose where the points run, as for `simharness.run`."""
     levels = levels or list(LEVELS)
     check_levels(sc, levels)
-    run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress)
+    run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress, workers=workers,
+                      ray=ray, retries=retries)
     return write_fidelity(run_dir, levels)
 
 
 def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityResult:
     """Compute a fidelity run's errors from its finished points and write fidelity.csv/json, plots and report.md."""
     sc = results.load_run_scenario(run_dir)
-    summary, tables = results.combine(run_dir)
+    summary = results.combine(run_dir)
+    steps = results.read_table(run_dir, "steps")
     levels = levels or [lv for lv in LEVELS if lv in set(summary["level"])]
     errors = error_table(summary)
     stats = error_stats(errors)
@@ -89,7 +93,7 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
     facts = {"levels": levels, "stats": stats.to_dict(orient="records"), "violations": violations,
              "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
              "agreement": agreement(summary).to_dict(orient="records"),
-             "real_overhead": overhead(summary, tables["steps"]).to_dict(orient="records")}  # fmt: skip
+             "real_overhead": overhead(summary, steps).to_dict(orient="records")}  # fmt: skip
     (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
     from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
 

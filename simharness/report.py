@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -49,19 +50,24 @@ def write_report(run_dir: Path) -> Path:
     scenario = load_run_scenario(run_dir)
     path = run_dir / "report.md"
     summary = _read_summary(run_dir, scenario)
+    failed = _failed_section(summary)
+    if failed:
+        summary = summary[summary["failed"].isna()].reset_index(drop=True)
     if summary.empty:
-        path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n")
+        path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n" + failed)
         return path
-    steps = pd.read_parquet(run_dir / "steps.parquet")
-    syncs = pd.read_parquet(run_dir / "syncs.parquet")
+    steps_of, measured = _step_index(run_dir)
+    by_concurrency = CONCURRENCY in scenario.sweep
+    where, timeline_rows = _timeline_points(summary, by_concurrency)
+    hil = _hil_points(summary, measured)
+    steps = _read_points(run_dir, "steps", {*timeline_rows["point"], *hil})
+    syncs = _read_points(run_dir, "syncs", {*timeline_rows["point"], *hil})
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
-    by_concurrency = CONCURRENCY in scenario.sweep
     _plot_tpot(summary, by_concurrency, plots / "tpot.png")
     _plot_single(summary, by_concurrency, "output_throughput", "output throughput (tok/s)", plots / "throughput.png")
     _plot_single(summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100), by_concurrency, "gpu_busy_pct",
                  "GPU busy (%)", plots / "gpu_busy.png")
-    where, timeline_rows = _timeline_points(summary, by_concurrency)
     n = scenario.report.timeline_steps
     _plot_timeline(timeline_rows, steps, syncs, n, plots / "timeline.png")
     text = "\n".join([
@@ -82,9 +88,8 @@ def write_report(run_dir: Path) -> Path:
         "## Speculation\n",
         _speculation_table(summary),
         "## Host sync points\n",
-        _sync_table(summary, steps, syncs),
+        _sync_table(summary, run_dir, steps_of),
     ])
-    hil = _hil_points(summary, steps)
     if hil:
         device_syncs_path = run_dir / "device_syncs.parquet"
         device_syncs = pd.read_parquet(device_syncs_path) if device_syncs_path.is_file() else None
@@ -94,8 +99,18 @@ def write_report(run_dir: Path) -> Path:
             "## Measured vs modelled\n",
             _measured_table(summary, steps, hil),
         ])
-    path.write_text(text)
+    path.write_text(text + failed)
     return path
+
+
+def _failed_section(summary: pd.DataFrame) -> str:
+    """The points that failed after their retries, with the reason; empty when none did."""
+    if "failed" not in summary.columns or summary["failed"].isna().all():
+        return ""
+    rows = [[r["label"], str(r["failed"])] for _, r in summary[summary["failed"].notna()].iterrows()]
+    return "\n## Failed points\n\n" + _markdown_table(["point", "reason"], rows) + (
+        "\nEach failed on every try (see `points/*.failed.json` for the traceback); `--resume` runs them again.\n"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,7 +120,7 @@ def write_report(run_dir: Path) -> Path:
 def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
     """summary.csv with two label columns: `label` (all swept values) and `mode` (all but concurrency)."""
     try:
-        summary = pd.read_csv(run_dir / "summary.csv", dtype={"note": str})
+        summary = pd.read_csv(run_dir / "summary.csv", dtype={"note": str, "failed": str})
     except pd.errors.EmptyDataError:
         return pd.DataFrame()
     if summary.empty:
@@ -249,31 +264,70 @@ def _speculation_table(summary: pd.DataFrame) -> str:
     )
 
 
-def _sync_table(summary: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame) -> str:
-    """Per mode, over all its points: how often each sync point fires per step and how long it waits."""
-    if syncs.empty:
+def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.ndarray]) -> str:
+    """Per mode, over all its points: how often each sync point fires per step and how long it waits. Read a batch
+    of syncs at a time: a large sweep's syncs need not fit in memory."""
+    path = run_dir / "syncs.parquet"
+    columns = ["point", "step", "name", "phase", "waits_for", "start_s", "end_s"]
+    file = pq.ParquetFile(path) if path.is_file() else None
+    if file is None or file.metadata.num_rows == 0 or "point" not in file.schema_arrow.names:
         return "No host syncs recorded.\n"
-    syncs = syncs.merge(steps[["point", "step"]], on=["point", "step"])  # recorded steps only, as in metrics
     mode_of = summary.set_index("point")["mode"]
-    steps_per_mode = steps.groupby(steps["point"].map(mode_of)).size()
-    s = syncs.assign(mode=syncs["point"].map(mode_of), wait_us=(syncs["end_s"] - syncs["start_s"]) * 1e6)
-    g = s.groupby(["mode", "name", "phase", "waits_for"], sort=False)["wait_us"].agg(["size", "mean", "sum"])
+    parts = []
+    for batch in file.iter_batches(columns=columns, batch_size=1 << 16):
+        s = batch.to_pandas()
+        recorded = np.zeros(len(s), dtype=bool)  # recorded steps only, as in metrics
+        for point, rows in s.groupby("point", sort=False).indices.items():
+            recorded[rows] = np.isin(s["step"].to_numpy()[rows], steps_of.get(point, []))
+        s = s[recorded]
+        s = s.assign(mode=s["point"].map(mode_of), wait_us=(s["end_s"] - s["start_s"]) * 1e6)
+        parts.append(s.groupby(["mode", "name", "phase", "waits_for"], sort=False)["wait_us"].agg(["size", "sum"]))
+    g = pd.concat(parts).groupby(level=[0, 1, 2, 3], sort=False).sum()
+    steps_per_mode = pd.Series({p: len(v) for p, v in steps_of.items()}, dtype=np.int64).groupby(mode_of).sum()
     rows = []
     for (mode, name, phase, waits_for), r in g.iterrows():
         n_steps = steps_per_mode.get(mode, 0)
         rows.append([mode, f"`{name}`", phase, waits_for, _cell(r["size"] / n_steps if n_steps else np.nan, "{:.2f}"),
-                     _cell(r["mean"], "{:.1f}"), _cell(r["sum"] / n_steps if n_steps else np.nan, "{:.1f}")])
+                     _cell(r["sum"] / r["size"], "{:.1f}"), _cell(r["sum"] / n_steps if n_steps else np.nan, "{:.1f}")])
+    if not rows:
+        return "No host syncs recorded.\n"
     headers = ["mode", "sync point", "phase", "waits for", "count/step", "mean wait µs", "wait µs/step"]
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
 
 
-def _hil_points(summary: pd.DataFrame, steps: pd.DataFrame) -> list[str]:
+def _step_index(run_dir: Path) -> tuple[dict[str, np.ndarray], set[str]]:
+    """Per point, its recorded step numbers, and the points whose steps have measured device phases (hil); read a
+    batch at a time."""
+    path = run_dir / "steps.parquet"
+    file = pq.ParquetFile(path) if path.is_file() else None
+    if file is None or "point" not in file.schema_arrow.names:
+        return {}, set()
+    columns = ["point", "step"] + (["gpu_verify_s"] if "gpu_verify_s" in file.schema_arrow.names else [])
+    steps_of: dict[str, list[np.ndarray]] = {}
+    measured = set()
+    for batch in file.iter_batches(columns=columns, batch_size=1 << 16):
+        df = batch.to_pandas()
+        for point, group in df.groupby("point", sort=False):
+            steps_of.setdefault(point, []).append(group["step"].to_numpy())
+            if "gpu_verify_s" in group and group["gpu_verify_s"].notna().any():
+                measured.add(point)
+    return {p: np.concatenate(parts) for p, parts in steps_of.items()}, measured
+
+
+def _read_points(run_dir: Path, name: str, points: set[str]) -> pd.DataFrame:
+    """The rows of `points` in a run-level table; other points' row groups are skipped by their statistics."""
+    path = run_dir / f"{name}.parquet"
+    schema = pq.read_schema(path)
+    if "point" not in schema.names or not points:
+        return schema.empty_table().to_pandas()
+    return pd.read_parquet(path, filters=[("point", "in", sorted(points))])
+
+
+def _hil_points(summary: pd.DataFrame, measured: set[str]) -> list[str]:
     """Points measured on hardware, in summary order: level "hil", or device phases in their steps."""
-    hil = set()
+    hil = set(measured)
     if "level" in summary.columns:
         hil |= set(summary.loc[summary["level"] == "hil", "point"])
-    if "gpu_verify_s" in steps.columns:
-        hil |= set(steps.loc[steps["gpu_verify_s"].notna(), "point"])
     return [p for p in summary["point"] if p in hil]
 
 

@@ -1,8 +1,10 @@
 """The run directory: `results/<scenario>/<run-id>/`, written so nothing is ever lost.
 
 Each finished sweep point is written to `points/<index>/` through a temporary directory and an
-atomic rename, so a killed sweep keeps every finished point and `--resume` skips them. The run's
-combined tables (`summary.csv`, `summary.json`, `*.parquet`) are rebuilt from the points.
+atomic rename, so a killed sweep keeps every finished point and `--resume` skips them. A point that
+failed for good leaves `points/<index>.failed.json` (its reason and traceback) instead, which
+`--resume` retries. The run's combined tables (`summary.csv`, `summary.json`, `*.parquet`) are
+rebuilt from the points, one point's table at a time, so they may be larger than memory.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 
 from simharness.jit import loaded_digest
@@ -89,7 +93,7 @@ def finished_points(run_dir: Path) -> set[int]:
 
 
 def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, pd.DataFrame]) -> None:
-    """Write one point's results atomically (temp dir, then rename)."""
+    """Write one point's results atomically (temp dir, then rename); a failed record of an earlier try goes."""
     final = point_dir(run_dir, index)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,36 +102,89 @@ def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, pd.D
         df.to_parquet(tmp / f"{name}.parquet", index=False)
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
     os.replace(tmp, final)
+    failed_path(run_dir, index).unlink(missing_ok=True)
+
+
+def failed_path(run_dir: Path, index: int) -> Path:
+    return run_dir / "points" / f"{index:04d}.failed.json"
+
+
+def write_failed(run_dir: Path, index: int, record: dict, detail: str = "") -> None:
+    """Record a point that failed for good: its summary row (with the `failed` reason) and the traceback."""
+    path = failed_path(run_dir, index)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"summary": record, "traceback": detail}, indent=1, default=_json_default))
+    os.replace(tmp, path)
+
+
+def failed_points(run_dir: Path) -> dict[int, dict]:
+    """Summary rows of the points that failed and have not finished since, by index."""
+    done = finished_points(run_dir)
+    found = {}
+    for path in (run_dir / "points").glob("[0-9]*.failed.json"):
+        index = int(path.name.split(".")[0])
+        if index not in done:
+            found[index] = json.loads(path.read_text())["summary"]
+    return found
 
 
 def read_point_table(run_dir: Path, index: int, name: str) -> pd.DataFrame:
     return pd.read_parquet(point_dir(run_dir, index) / f"{name}.parquet")
 
 
-def combine(run_dir: Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
-    """Rebuild summary.csv/json and the run-level parquet tables from the finished points."""
+def read_table(run_dir: Path, name: str, columns: list[str] | None = None) -> pd.DataFrame:
+    """A combined table of the run (`point` column first), or an empty frame when the run has none."""
+    path = run_dir / f"{name}.parquet"
+    return pd.read_parquet(path, columns=columns) if path.is_file() else pd.DataFrame()
+
+
+def combine(run_dir: Path) -> pd.DataFrame:
+    """Rebuild summary.csv/json (a row per point by index; a `failed` column, only when a point failed, gives
+    the reason) and the run-level parquet tables from the points; returns the summary."""
     indices = sorted(finished_points(run_dir))
-    rows = [json.loads((point_dir(run_dir, i) / "summary.json").read_text()) for i in indices]
-    summary = pd.DataFrame(rows)
+    rows = {i: json.loads((point_dir(run_dir, i) / "summary.json").read_text()) for i in indices}
+    failed = failed_points(run_dir)
+    columns = list(dict.fromkeys(k for row in [*rows.values(), *failed.values()] for k in row if k != "failed"))
+    if failed:
+        columns.append("failed")
+    records = [{**rows, **failed}[i] for i in sorted({*rows, *failed})]
+    summary = pd.DataFrame(records, columns=columns)
     summary.to_csv(run_dir / "summary.csv", index=False)
-    (run_dir / "summary.json").write_text(json.dumps(rows, indent=1, default=_json_default))
-    tables = {}
+    (run_dir / "summary.json").write_text(json.dumps(records, indent=1, default=_json_default))
     for name in TABLES:
-        parts = []
-        for i, row in zip(indices, rows, strict=True):
-            if not (point_dir(run_dir, i) / f"{name}.parquet").is_file():
-                continue  # a point written before the table existed (device_syncs)
-            df = read_point_table(run_dir, i, name)
-            df.insert(0, "point", row["point"])
-            parts.append(df)
-        filled = [df for df in parts if len(df)] or parts[:1]
-        tables[name] = pd.concat(filled, ignore_index=True) if filled else pd.DataFrame()
-        tables[name].to_parquet(run_dir / f"{name}.parquet", index=False)
-    return summary, tables
+        _combine_table(run_dir, name, [(i, rows[i]["point"]) for i in indices])
+    return summary
 
 
-def write_meta(run_dir: Path, scenario: Scenario, device: str, extra: dict | None = None) -> None:
-    """Versions, device, git revision and seed: what a reader needs to reproduce the run."""
+def _combine_table(run_dir: Path, name: str, points: list[tuple[int, str]]) -> None:
+    """Append every point's table to `<name>.parquet` (`point` first), one point in memory at a time. Columns
+    are the union over points in order of appearance (a point lacking one gets nulls); points with no rows are
+    left out unless no point has any (a point written before the table existed has no file)."""
+    parts = [(point_dir(run_dir, i) / f"{name}.parquet", pid) for i, pid in points]
+    parts = [(path, pid) for path, pid in parts if path.is_file()]
+    filled = [(path, pid) for path, pid in parts if pq.read_metadata(path).num_rows] or parts[:1]
+    final = run_dir / f"{name}.parquet"
+    tmp = final.with_name(final.name + ".tmp")
+    if not filled:
+        pd.DataFrame().to_parquet(tmp, index=False)
+        os.replace(tmp, final)
+        return
+    schema = pa.unify_schemas([pq.read_schema(path).remove_metadata() for path, _ in filled],
+                              promote_options="permissive")
+    schema = pa.schema([pa.field("point", pa.string()), *schema])
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for path, pid in filled:
+            table = pq.read_table(path)
+            table = table.add_column(0, "point", pa.array([pid] * table.num_rows, pa.string()))
+            columns = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+                       for f in schema]
+            writer.write_table(pa.Table.from_arrays(columns, names=schema.names).cast(schema))
+    os.replace(tmp, final)
+
+
+def write_meta(run_dir: Path, scenario: Scenario, device: str | None, extra: dict | None = None) -> None:
+    """Versions, device, git revision and seed: what a reader needs to reproduce the run. A measured run's device
+    is None until its first point, run wherever, says which it was."""
     meta = {
         "scenario": scenario.name,
         "seed": scenario.seed,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import closing
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +16,7 @@ import pandas as pd
 
 from simharness import results
 from simharness.engine.backend import model_backend
+from simharness.executors import Event, make_executor
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
@@ -29,19 +33,56 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunResult:
-    """A finished run: where it lives and its tables (one row per point / request / step)."""
+    """A finished run: where it lives, its summary (one row per point; failed points carry a `failed` reason) and
+    its tables (one row per request / step / ...), read from the run directory when first asked for."""
 
     run_dir: Path
     summary: pd.DataFrame
-    requests: pd.DataFrame
-    steps: pd.DataFrame
-    syncs: pd.DataFrame
-    emissions: pd.DataFrame
-    device_syncs: pd.DataFrame
 
     @property
     def report(self) -> Path:
         return self.run_dir / "report.md"
+
+    @property
+    def failed(self) -> pd.DataFrame:
+        """The points that failed after their retries, with the reason."""
+        if "failed" not in self.summary.columns:
+            return self.summary.iloc[:0]
+        return self.summary[self.summary["failed"].notna()]
+
+    @cached_property
+    def requests(self) -> pd.DataFrame:
+        return results.read_table(self.run_dir, "requests")
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        return results.read_table(self.run_dir, "steps")
+
+    @cached_property
+    def syncs(self) -> pd.DataFrame:
+        return results.read_table(self.run_dir, "syncs")
+
+    @cached_property
+    def emissions(self) -> pd.DataFrame:
+        return results.read_table(self.run_dir, "emissions")
+
+    @cached_property
+    def device_syncs(self) -> pd.DataFrame:
+        return results.read_table(self.run_dir, "device_syncs")
+
+
+@dataclass
+class SweepStatus:
+    """Where a sweep stands, handed to the progress callback after every event: points done (finished or failed),
+    failed, running, and the last event (`message` says what happened on a retry or failure)."""
+
+    run_dir: Path
+    total: int
+    done: int
+    failed: int = 0
+    running: int = 0
+    point_id: str = ""
+    message: str = ""
 
 
 def run(
@@ -49,18 +90,24 @@ def run(
     out: str | Path = "results",
     *,
     resume: str | Path | None = None,
-    progress: Callable[[Path, int, int, str], None] | None = None,
+    progress: Callable[[SweepStatus], None] | None = None,
+    workers: int | str | None = None,
+    ray: str | None = None,
+    retries: int = 2,
 ) -> RunResult:
     """Run every sweep point of `scenario` (a Scenario or a YAML path) into a new run directory
-    under `out`, or finish the points still missing in `resume`. `progress(run_dir, done, total,
-    point_id)` is called once at the start and after each point."""
+    under `out`, or finish the points still missing in `resume`. Points run in this process, in
+    `workers` local processes (a number, or `auto`), or as tasks on the Ray cluster at `ray` (`local`
+    starts one here); a point that fails is retried `retries` times. `progress(status)` is called
+    once at the start and after each event of a point."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
-    run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress)
+    run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress, workers=workers,
+                      ray=ray, retries=retries)
     with results.writing(run_dir, fresh=False):
-        summary, tables = results.combine(run_dir)
+        summary = results.combine(run_dir)
         write_report(run_dir)
-    return RunResult(run_dir, summary, **tables)
+    return RunResult(run_dir, summary)
 
 
 def execute(
@@ -69,18 +116,24 @@ def execute(
     out: str | Path,
     *,
     resume: str | Path | None = None,
-    progress: Callable[[Path, int, int, str], None] | None = None,
+    progress: Callable[[SweepStatus], None] | None = None,
+    workers: int | str | None = None,
+    ray: str | None = None,
+    retries: int = 2,
 ) -> Path:
     """Run `points` (derived from `scenario`, which the run directory records) into a new run directory under
-    `out`, or the points still missing in `resume`; returns the run directory. Every point is validated first."""
+    `out`, or the points still missing in `resume`; returns the run directory. Every point and the executor's
+    options are validated first. This process alone writes the run directory, each point as it finishes."""
     modes = {}
     for p in points:  # validate every point before writing anything
         try:
             modes[p.index] = resolve_mode(p.scenario)
-            if p.scenario.engine.backend != "model":
+            if p.scenario.engine.backend != "model" and ray in (None, "local"):  # a cluster may have GPUs we lack
                 _require_device(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
+    _check_one_engine([p.scenario for p in points if p.scenario.engine.backend != "model"])
+    executor = make_executor(points, workers=workers, ray=ray, retries=retries)
     if resume is not None:
         run_dir = Path(resume)
         stored = results.load_run_scenario(run_dir)
@@ -90,31 +143,66 @@ def execute(
     else:
         run_dir = results.new_run_dir(Path(out), scenario)
     with results.writing(run_dir, fresh=resume is None):
-        _execute_points(run_dir, scenario, points, modes, progress)
+        _execute_points(run_dir, scenario, points, modes, progress, executor)
     return run_dir
 
 
 def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], modes: dict[int, Mode],
-                    progress: Callable[[Path, int, int, str], None] | None) -> None:
-    """The points of `points` not yet finished in `run_dir`, one after the other."""
+                    progress: Callable[[SweepStatus], None] | None, executor) -> None:
+    """The points of `points` not yet finished in `run_dir`, run by `executor`; this process writes each."""
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
-    workloads = _Workloads()
     measured = [(p.scenario, modes[p.index]) for p in todo if p.scenario.engine.backend != "model"]
-    engine = None
-    if measured:
-        from simharness.measured import MeasuredEngine  # torch and Triton: only where a point runs on them
-
-        engine = MeasuredEngine(measured, workloads.get)
-    device = engine.describe() if engine else "sim (virtual time, cost model)"
-    loaded = engine.model.load_stats if engine else None
-    results.write_meta(run_dir, scenario, device=device, extra={"checkpoint_load": loaded} if loaded else None)
+    results.write_meta(run_dir, scenario, device=None if measured else "sim (virtual time, cost model)")
+    status = SweepStatus(run_dir, total=len(points), done=len(points) - len(todo))
     if progress is not None:
-        progress(run_dir, len(points) - len(todo), len(points), "")
-    for n, point in enumerate(todo):
-        _run_point(run_dir, point, modes[point.index], workloads.get(point.scenario), engine)
-        if progress is not None:
-            progress(run_dir, len(points) - len(todo) + n + 1, len(points), point.id)
+        progress(status)
+    described = False
+    try:
+        with closing(executor.run(todo, PointWork(measured))) as events:
+            for event in events:
+                if event.kind == "done" and event.result.device is not None and not described:
+                    loaded = event.result.checkpoint_load
+                    results.write_meta(run_dir, scenario, device=event.result.device,
+                                       extra={"checkpoint_load": loaded} if loaded else None)
+                    described = True
+                _record(run_dir, event, status)
+                if progress is not None:
+                    progress(status)
+    finally:
+        global _state
+        _state = None  # a serial run's requests and model go with it
+
+
+def _record(run_dir: Path, event: Event, status: SweepStatus) -> None:
+    """Write what an executor reports (a finished point, a failed one) and count it."""
+    point = event.point
+    status.point_id, status.message = point.id, ""
+    if event.kind == "started":
+        status.running += 1
+    elif event.kind == "retry":
+        status.running -= 1
+        status.message = f"{point.id}: {event.reason}; retrying"
+    elif event.kind == "done":
+        result = event.result
+        trace_dir = run_dir / "traces"
+        trace_dir.mkdir(exist_ok=True)
+        write_trace(trace_dir / f"{point.index:04d}_{_slug(point.id)}.json", result.trace, {"point": point.id})
+        results.write_point(run_dir, point.index, result.summary, result.tables)
+        status.running, status.done = status.running - 1, status.done + 1
+    else:
+        level = LEVELS[point.scenario.engine.backend]
+        record = {"point": point.id, "index": point.index, "level": level, **point.values, "failed": event.reason}
+        results.write_failed(run_dir, point.index, record, event.detail)
+        status.running, status.done, status.failed = status.running - 1, status.done + 1, status.failed + 1
+        status.message = f"{point.id}: failed: {event.reason}"
+
+
+def _check_one_engine(measured: list[Scenario]) -> None:
+    engines = {(sc.engine.model, sc.engine.device, sc.engine.cuda_graphs) for sc in measured}
+    if len(engines) > 1:
+        raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a measured run uses one model on "
+                            "one device; do not sweep them")
 
 
 def _require_device(sc: Scenario) -> None:
@@ -145,6 +233,46 @@ class _Workloads:
         return self.requests
 
 
+@dataclass
+class PointResult:
+    """One finished point as a worker hands it to the driver: its summary row, tables and trace events, and for a
+    measured point the device that ran it and the checkpoint's load statistics (meta.json)."""
+
+    summary: dict
+    tables: dict[str, pd.DataFrame]
+    trace: list[dict]
+    device: str | None = None
+    checkpoint_load: dict | None = None
+
+
+@dataclass
+class PointWork:
+    """Computes one point wherever an executor calls it (this process, a worker process, a Ray task). Picklable;
+    within a process it keeps the last point's requests and the measured engine (sized for every measured point
+    of the run, built on the first one) for the next call."""
+
+    measured: list[tuple[Scenario, Mode]]
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __call__(self, point: Point) -> PointResult:
+        global _state
+        if _state is None or _state[0] != self.key:
+            _state = (self.key, _Workloads(), None)
+        key, workloads, engine = _state
+        if engine is None and point.scenario.engine.backend != "model":
+            from simharness.measured import MeasuredEngine  # torch and Triton: only where a point runs on them
+
+            engine = MeasuredEngine(self.measured, workloads.get)
+            _state = (key, workloads, engine)
+        result = _point_result(point, resolve_mode(point.scenario), workloads.get(point.scenario), engine)
+        if engine is not None:
+            result.device, result.checkpoint_load = engine.describe(), engine.model.load_stats
+        return result
+
+
+_state: tuple[str, _Workloads, MeasuredEngine | None] | None = None  # this process's PointWork: (key, ...)
+
+
 # The level of each engine.backend.
 LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
 # Fields a measured point reads nowhere: its device and step times are measured, its acceptance is the sampler's.
@@ -165,7 +293,7 @@ def ignored_fields(sc: Scenario) -> list[str]:
     return changed
 
 
-def _run_point(run_dir: Path, point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> None:
+def _point_result(point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> PointResult:
     sc = point.scenario
     notes = [mode.note]
     level = LEVELS[sc.engine.backend]
@@ -198,13 +326,10 @@ def _run_point(run_dir: Path, point: Point, mode: Mode, requests: Requests, meas
     summary.update(point.values)
     summary.update(effective_depth=mode.depth, note="; ".join(filter(None, notes)))
     summary.update(metrics)
-    trace_dir = run_dir / "traces"
-    trace_dir.mkdir(exist_ok=True)
     events = trace_events(steps, syncs, max_steps=sc.report.trace_steps)
-    write_trace(trace_dir / f"{point.index:04d}_{_slug(point.id)}.json", events, {"point": point.id})
     tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
               "device_syncs": device_syncs}
-    results.write_point(run_dir, point.index, summary, tables)
+    return PointResult(summary, tables, events)
 
 
 def _slug(point_id: str) -> str:

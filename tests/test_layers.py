@@ -22,6 +22,7 @@ LAYERS = [
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench"],  # set-up of the measured levels, benchmarks
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
+    ["executors"],  # where points run: this process, local workers, a Ray cluster
     ["runner", "fidelity", "calibration"],  # drivers
     ["seeds"],  # the seed changes, run through the driver
     ["cli", "__main__", "__init__"],  # interfaces

@@ -1,0 +1,248 @@
+"""Executors: serial, local worker processes and a local Ray cluster give the same run bit for bit; a killed worker's
+point is retried; a failed point never loses the others; resume after a killed driver redoes nothing finished."""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import simharness
+from simharness import results, runner
+from simharness.cli import app
+from simharness.executors import LocalPool, Serial
+from simharness.results import TABLES
+from simharness.scenario import ScenarioError, scenario_from_dict, sweep_points
+
+ray = pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = {
+    "name": "small",
+    "seed": 3,
+    "workload": {"num_requests": 24, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                 "output_len": {"dist": "fixed", "value": 40}},
+    "engine": {"model": "llama-3.2-1b", "speculation": {"k": 3, "acceptance": {"model": "replay"}}},
+    "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [2, 8]},
+    "report": {"trace_steps": 50},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster (2 CPUs) for the module: starting one takes seconds. Functions of this module travel by
+    value, since Ray's workers cannot import tests/."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    return simharness.run(scenario_from_dict(SMALL), out=tmp_path_factory.mktemp("serial"))
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert (a / "summary.csv").read_bytes() == (b / "summary.csv").read_bytes()
+    for name in TABLES:
+        pd.testing.assert_frame_equal(results.read_table(a, name), results.read_table(b, name))
+
+
+def test_workers_and_ray_give_the_serial_run_bit_for_bit(serial, cluster, tmp_path):
+    sc = scenario_from_dict(SMALL)
+    pooled = simharness.run(sc, out=tmp_path / "pool", workers=2)
+    on_ray = simharness.run(sc, out=tmp_path / "ray", ray="local")
+    assert_same_run(serial.run_dir, pooled.run_dir)
+    assert_same_run(serial.run_dir, on_ray.run_dir)
+    assert len(on_ray.steps) == len(serial.steps) > 0 and on_ray.failed.empty
+
+
+def _die_once(marker: Path, point):
+    """Work that kills its own process (kill -9) the first time it meets point 1, mid-point."""
+    if point.index == 1 and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return point.index
+
+
+def _where(point):
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid()
+
+
+def _raise_on_2(point):
+    if point.index == 2:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return point.index
+
+
+def events(executor, work) -> list[tuple[str, int, str]]:
+    points = sweep_points(scenario_from_dict(SMALL))
+    return [(e.kind, e.point.index, e.reason) for e in executor.run(points, work)]
+
+
+def test_a_killed_worker_process_gets_its_point_retried(tmp_path):
+    seen = events(LocalPool(2, retries=1), functools.partial(_die_once, tmp_path / "died"))
+    assert ("retry", 1, "worker died: killed by SIGKILL (kill -9 or the out-of-memory killer)") in seen
+    assert sorted(i for kind, i, _ in seen if kind == "done") == [0, 1, 2, 3]
+
+
+def test_a_killed_ray_worker_gets_its_task_retried(cluster, tmp_path):
+    from simharness.executors import RayCluster
+
+    seen = events(RayCluster("local", retries=1), functools.partial(_die_once, tmp_path / "died"))
+    assert [kind for kind, i, _ in seen if i == 1] == ["started", "retry", "started", "done"]
+    assert sorted(i for kind, i, _ in seen if kind == "done") == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("make", [lambda: Serial(retries=1), lambda: LocalPool(2, retries=1)], ids=["serial", "pool"])
+def test_a_point_that_raises_fails_after_its_retries_and_the_others_finish(make):
+    seen = events(make(), _raise_on_2)
+    reason = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert [(kind, r) for kind, i, r in seen if i == 2] == [("started", ""), ("retry", reason), ("started", ""),
+                                                            ("failed", reason)]
+    assert sorted(i for kind, i, _ in seen if kind == "done") == [0, 1, 3]
+
+
+def _bad_checkpoint(point):
+    raise ScenarioError("engine.model: tensor x is missing")
+
+
+@pytest.mark.parametrize("make", [lambda: Serial(), lambda: LocalPool(2)], ids=["serial", "pool"])
+def test_bad_input_found_by_a_point_stops_the_sweep_as_bad_input(make):
+    with pytest.raises(ScenarioError, match="^engine.model: tensor x is missing$"):
+        events(make(), _bad_checkpoint)
+
+
+def test_each_worker_sees_only_its_gpu():
+    """CPU stand-in for a 2-GPU machine: worker i runs with CUDA_VISIBLE_DEVICES = its GPU, for all its points."""
+    points = sweep_points(scenario_from_dict(SMALL))
+    seen = [e.result for e in LocalPool(2, gpus=["0", "1"]).run(points, _where) if e.kind == "done"]
+    by_pid = {}
+    for device, pid in seen:
+        by_pid.setdefault(pid, set()).add(device)
+    assert all(len(devices) == 1 for devices in by_pid.values())
+    assert set.union(*by_pid.values()) == {"0", "1"}
+
+
+def test_a_failed_point_is_recorded_kept_apart_and_retried_by_resume(serial, tmp_path, monkeypatch):
+    original = runner._point_result
+
+    def flaky(point, *args):
+        if point.index == 2:
+            raise ValueError("boom")
+        return original(point, *args)
+
+    monkeypatch.setattr(runner, "_point_result", flaky)
+    sc = scenario_from_dict(SMALL)
+    broken = simharness.run(sc, out=tmp_path, retries=0)
+    assert broken.failed["point"].tolist() == ["scheduler.depth=2,workload.concurrency=2"]
+    assert broken.failed["failed"].tolist() == ["ValueError: boom"]
+    assert len(broken.summary) == 4 and broken.summary["mean_tpot_ms"].notna().sum() == 3
+    assert "## Failed points" in broken.report.read_text()
+    assert "Traceback" in (broken.run_dir / "points" / "0002.failed.json").read_text()
+    result = CliRunner().invoke(app, ["run", str(_write(tmp_path, SMALL)), "--out", str(tmp_path / "cli"),
+                                      "--retries", "0"])  # fmt: skip
+    assert result.exit_code == 1 and "failed: scheduler.depth=2,workload.concurrency=2: ValueError: boom" in (
+        result.output)
+    monkeypatch.setattr(runner, "_point_result", original)
+    resumed = simharness.run(sc, resume=broken.run_dir)
+    assert resumed.failed.empty and not (broken.run_dir / "points" / "0002.failed.json").exists()
+    assert_same_run(serial.run_dir, resumed.run_dir)
+
+
+def _write(tmp_path: Path, scenario: dict) -> Path:
+    path = tmp_path / f"{scenario['name']}.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    return path
+
+
+def _children(pid: int) -> list[int]:
+    """Worker processes of a driver (not multiprocessing's resource tracker)."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            found.append(int(child))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0]
+    except FileNotFoundError:
+        return False
+
+
+def _finished(out: Path) -> list[Path]:
+    return [p for p in out.glob("*/*/points/[0-9]*") if (p / "summary.json").is_file()]
+
+
+def _wait_for(condition, timeout_s: float = 180.0) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_worker_and_killed_driver_then_resume_redoes_nothing_finished(tmp_path):
+    """kill -9 a worker mid-sweep (its point is retried), then kill -9 the driver; resume finishes the rest and
+    matches the serial run."""
+    big = {**SMALL, "name": "big", "workload": {**SMALL["workload"], "num_requests": 120},
+           "sweep": {"scheduler.depth": [1, 2, 3], "workload.concurrency": [2, 4, 8, 16]}}
+    scenario = _write(tmp_path, big)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "simharness", "run", str(scenario), "--workers", "2"]
+    out = tmp_path / "out"
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([*cmd, "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        _wait_for(lambda: len(_finished(out)) >= 1)
+        os.kill(_children(proc.pid)[0], signal.SIGKILL)
+        _wait_for(lambda: len(_finished(out)) >= 4)
+        workers = _children(proc.pid)
+        proc.kill()
+        proc.wait(timeout=30)
+    assert "worker died: killed by SIGKILL" in (tmp_path / "stderr").read_text()
+    _wait_for(lambda: not any(_alive(w) for w in workers), 60)  # the workers leave with the driver
+    finished = {p: (p / "summary.json").stat().st_mtime_ns for p in _finished(out)}
+    assert 4 <= len(finished) < 12
+    run_dir = next(iter(finished)).parents[1]
+    r = subprocess.run([*cmd, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert {p: (p / "summary.json").stat().st_mtime_ns for p in finished} == finished  # not redone
+    reference = simharness.run(scenario_from_dict(big), out=tmp_path / "serial")
+    assert_same_run(reference.run_dir, run_dir)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0"], "--workers 0: must be a whole number >= 1, or auto"),
+        (["--workers", "two"], "--workers 'two': expected a whole number >= 1, or auto"),
+        (["--retries", "-1"], "--retries: must be >= 0"),
+        (["--workers", "2", "--ray", "local"], "--workers and --ray: choose one"),
+        (["--ray", "127.0.0.1:9"], "--ray 127.0.0.1:9: no Ray cluster answers there"),
+        (["--ray", "nowhere"], "--ray nowhere: expected local, auto, HOST:PORT or ray://HOST:PORT"),
+    ],
+)
+def test_bad_executor_options_exit_2_and_write_nothing(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["run", str(_write(tmp_path, SMALL)), "--out", str(tmp_path / "out"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_ray_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails as if it were not installed
+    result = CliRunner().invoke(app, ["run", str(_write(tmp_path, SMALL)), "--out", str(tmp_path / "out"), "--ray",
+                                      "local"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "Ray is not installed; install it with: pip install 'simharness[ray]'" in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
