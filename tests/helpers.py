@@ -10,6 +10,17 @@ from scipy import stats
 
 from simharness.workload import Requests
 
+# A small replayed-text sweep (four points) that the runner's and the executors' tests run.
+SMALL = {
+    "name": "small",
+    "seed": 3,
+    "workload": {"num_requests": 24, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
+                 "output_len": {"dist": "fixed", "value": 40}},
+    "engine": {"model": "llama-3.2-1b", "speculation": {"k": 3, "acceptance": {"model": "replay"}}},
+    "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [2, 8]},
+    "report": {"trace_steps": 50},
+}
+
 
 def interpreted_kernels(module: ModuleType, names: tuple[str, ...]) -> Iterator[None]:
     """Interpret `module`'s kernels even when another test module imported triton (or the kernels) before

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from helpers import SMALL
 from typer.testing import CliRunner
 
 import simharness
@@ -23,16 +24,6 @@ from simharness.scenario import ScenarioError, scenario_from_dict, sweep_points
 
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
-
-SMALL = {
-    "name": "small",
-    "seed": 3,
-    "workload": {"num_requests": 24, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
-                 "output_len": {"dist": "fixed", "value": 40}},
-    "engine": {"model": "llama-3.2-1b", "speculation": {"k": 3, "acceptance": {"model": "replay"}}},
-    "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [2, 8]},
-    "report": {"trace_steps": 50},
-}
 
 
 @pytest.fixture(scope="module")

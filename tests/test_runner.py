@@ -11,22 +11,13 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from helpers import SMALL
 
 import simharness
 from simharness.jit import sources_digest
 from simharness.scenario import scenario_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-
-SMALL = {
-    "name": "small",
-    "seed": 3,
-    "workload": {"num_requests": 24, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
-                 "output_len": {"dist": "fixed", "value": 40}},
-    "engine": {"model": "llama-3.2-1b", "speculation": {"k": 3, "acceptance": {"model": "replay"}}},
-    "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [2, 8]},
-    "report": {"trace_steps": 50},
-}
 
 
 def test_run_writes_the_documented_run_directory(tmp_path):
