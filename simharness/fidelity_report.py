@@ -29,8 +29,11 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
                "**Tolerances exceeded:**\n\n" + "\n".join(f"- {v}" for v in facts["violations"]))
     if not sc.fidelity.tolerances:
         verdict = "**Tolerances:** none set (`fidelity.tolerances`)."
+    # a point is finished once the real level, the reference, has every run of it
+    complete = list(dict.fromkeys(errors["config"])) if len(errors) else []
+    header = _header(run_dir, sc, complete).replace("# simharness report", "# simharness fidelity report")
     parts = [
-        _header(run_dir, sc, configs).replace("# simharness report", "# simharness fidelity report"),
+        header.replace("`simharness run SCENARIO --resume", "`simharness fidelity SCENARIO --resume"),
         f"Levels {', '.join(facts['levels'])} against the real level, {len(configs)} point(s); measured levels run "
         f"{sc.fidelity.runs} time(s) per point (their value is the median). Relative error = (level − real) / "
         "real.\n",
