@@ -99,16 +99,14 @@ class MeasuredEngine:
     """One target model on one device, sized for every measured point of a run and shared by them."""
 
     def __init__(self, points: list[tuple[Scenario, Mode]], workload: Callable[[Scenario], Requests]):
-        engines = {(sc.engine.model, sc.engine.device, sc.engine.cuda_graphs) for sc, _ in points}
-        if len(engines) > 1:
-            raise ScenarioError("engine.model / engine.device / engine.cuda_graphs: a measured run uses one model "
-                                "on one device; do not sweep them")
-        slots = positions = 0
+        """`points` share one model, device and graph setting (the runner checks so before anything runs)."""
+        slots = positions = longest = 0
         for sc, mode in points:
-            s, n = capacity(sc, workload(sc), mode)
-            slots, positions = max(slots, s), max(positions, n)
+            requests = workload(sc)
+            s, n = capacity(sc, requests, mode)
+            chunk = min(int(requests.prompt_len.max()), sc.scheduler.max_num_batched_tokens)
+            slots, positions, longest = max(slots, s), max(positions, n), max(longest, chunk)
         self.model = build_model(points[0][0].engine, slots, positions)
-        longest = max(min(int(workload(sc).prompt_len.max()), sc.scheduler.max_num_batched_tokens) for sc, _ in points)
         warm_prefill_shapes(self.model, longest)
 
     def describe(self) -> str:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from simharness import results
 from simharness.engine.backend import model_backend
-from simharness.executors import Event, make_executor
+from simharness.executors import Event, Executor, make_executor
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
@@ -148,7 +148,7 @@ def execute(
 
 
 def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], modes: dict[int, Mode],
-                    progress: Callable[[SweepStatus], None] | None, executor) -> None:
+                    progress: Callable[[SweepStatus], None] | None, executor: Executor) -> None:
     """The points of `points` not yet finished in `run_dir`, run by `executor`; this process writes each."""
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
@@ -159,7 +159,7 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
         progress(status)
     described = False
     try:
-        with closing(executor.run(todo, PointWork(measured))) as events:
+        with closing(executor.run(todo, PointWork(modes, measured))) as events:
             for event in events:
                 if event.kind == "done" and event.result.device is not None and not described:
                     loaded = event.result.checkpoint_load
@@ -251,6 +251,7 @@ class PointWork:
     within a process it keeps the last point's requests and the measured engine (sized for every measured point
     of the run, built on the first one) for the next call."""
 
+    modes: dict[int, Mode]  # each point's mode by index, resolved once when the run was validated
     measured: list[tuple[Scenario, Mode]]
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -264,7 +265,7 @@ class PointWork:
 
             engine = MeasuredEngine(self.measured, workloads.get)
             _state = (key, workloads, engine)
-        result = _point_result(point, resolve_mode(point.scenario), workloads.get(point.scenario), engine)
+        result = _point_result(point, self.modes[point.index], workloads.get(point.scenario), engine)
         if engine is not None:
             result.device, result.checkpoint_load = engine.describe(), engine.model.load_stats
         return result

@@ -143,3 +143,16 @@ def test_cli_summary_table_keeps_numbers_whole_on_a_narrow_terminal(tmp_path):
         assert f"depth={row['scheduler.depth']}," in text
         numbers = rf"{row['mean_tpot_ms']:.3f} +{row['p99_tpot_ms']:.3f} +{row['mean_ttft_ms']:.1f} "
         assert any(re.search(numbers, ln) for ln in text.splitlines()), numbers
+
+
+def test_measured_points_on_two_models_are_bad_input_before_anything_is_written(tmp_path):
+    """A measured run builds one model on one device for all its points: sweeping the model is refused up front."""
+    doc = {**SMALL, "engine": {"backend": "torch", "device": "cpu", "cuda_graphs": False},
+           "sweep": {"engine.model": ["tiny", "llama-3.2-1b"]}}
+    try:
+        simharness.run(scenario_from_dict(doc), out=tmp_path)
+    except simharness.ScenarioError as e:
+        assert "engine.model / engine.device / engine.cuda_graphs" in str(e)
+    else:
+        raise AssertionError("a sweep over the measured model ran")
+    assert not any(tmp_path.iterdir())
