@@ -20,7 +20,7 @@ FAST_GPU = dict(mem_bandwidth_gbs=1e15, bf16_tflops=1e15, step_overhead_us=1000.
 
 def make_requests(n: int, prompt: int, output: int) -> SimpleNamespace:
     return SimpleNamespace(prompt_len=np.full(n, prompt, dtype=np.int64), output_len=np.full(n, output, dtype=np.int64),
-                           arrival_s=None, kind=np.array(["free"] * n))
+                           arrival_s=None, kind=np.array(["free"] * n), random=None)
 
 
 def scenario(depth=1, k=4, proposer="ngram_gpu", acceptance=None, host=None, gpu=None, **extra):

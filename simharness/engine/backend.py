@@ -103,8 +103,7 @@ class ModelBackend:
                  allocations_per_step: int = 0, full_every: int = 1):
         n = len(requests.prompt_len)
         # rows sampled at a temperature take the sampler's random path
-        random = getattr(requests, "random", None)  # test doubles of Requests may leave it out
-        self.random = random if random is not None else np.zeros(n, dtype=bool)
+        self.random = requests.random if requests.random is not None else np.zeros(n, dtype=bool)
         # prep's per-step allocations: a full collection pauses prep whenever they pass `full_every` more
         self.allocations_per_step, self.full_every = allocations_per_step, full_every
         self.allocated = 0
@@ -205,7 +204,7 @@ def _run_step(
     numba keeps their calls cheap only in short loops."""
     size = table.shape[1]
     tokens = kv_tokens = pairs2 = history = random_tokens = 0
-    decode_rows = decode_tokens = decode_context = prefill_reqs = prefill_tokens = 0
+    decode_rows = decode_context = prefill_reqs = prefill_tokens = 0
     any_drafts = False
     for i in range(size):
         rid = table[REQ, i]
@@ -230,7 +229,6 @@ def _run_step(
             random_tokens += 1 + slots
         kv_tokens += c + 1 + slots
         decode_rows += 1
-        decode_tokens += 1 + slots
         decode_context += c
         pairs2 += (1 + slots) * (2 * c + 2 + slots)
         history += c
@@ -254,6 +252,7 @@ def _run_step(
             history += emitted
     _hold(table, truth, k, survival, offset, valid)
     if len(fit):
+        decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
         seconds = fitted_seconds(fit, decode_rows, decode_tokens, decode_context, prefill_reqs, prefill_tokens)
         return seconds, next_uniform
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens), next_uniform

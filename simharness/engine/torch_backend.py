@@ -110,7 +110,7 @@ class TorchBackend:
         # the engine process's long-lived objects a full collection traverses, and prep's per-step allocations
         self.heap = [[i] for i in range(sc.engine.gc.heap_objects)]
         self.allocations = sc.engine.gc.allocations_per_step
-        self.random = getattr(requests, "random", None)  # rows sampled at temperature 1 (None: every row greedy)
+        self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
 
     def start_clock(self, t0: float) -> None:
         """Time each step's device work on the host's clock from `t0` on (the real level)."""
