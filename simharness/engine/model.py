@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from simharness.models import MODELS, ModelConfig
 
@@ -184,6 +185,12 @@ class _Graph:
     logits: Tensor
 
 
+# The prefill's attention backends: not cuDNN, torch's first choice on an H100, which builds an execution graph for
+# every new sequence length (about 70 ms of host time each on the H100, docs/hil.md), so that every prompt length
+# not seen before stalls the step that prefills it. vLLM runs FlashAttention, which has no per-shape build.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class Transformer(nn.Module):
     """Llama-family model with a static KV cache of `max_slots` slots x `max_len` positions.
 
@@ -307,10 +314,11 @@ class Transformer(nn.Module):
         if not 0 < tokens.shape[0] <= self.max_len - start:
             raise ValueError(f"prompt chunk of {tokens.shape[0]} tokens at {start} does not fit max_len {self.max_len}")
         slots = self.slot_ids[slot : slot + 1]
-        if start == 0:
-            x = self._forward(tokens[None], slots, torch.zeros_like(slots), prefill_slot=slot)
-        else:  # a later chunk of a chunked prefill attends to the cached prefix too: the general masked path
-            x = self._forward(tokens[None], slots, torch.full_like(slots, start), prefill_slot=None, masked=True)
+        with sdpa_kernel(PREFILL_SDPA):
+            if start == 0:
+                x = self._forward(tokens[None], slots, torch.zeros_like(slots), prefill_slot=slot)
+            else:  # a later chunk of a chunked prefill attends to the cached prefix too: the general masked path
+                x = self._forward(tokens[None], slots, torch.full_like(slots, start), prefill_slot=None, masked=True)
         return self._logits(x[-1:])[0]
 
     def verify(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
