@@ -335,3 +335,33 @@ def test_cuda_launch_gates_each_prefill_chunk_and_the_decode_step(requests, mode
     assert (steps["n_prefill_reqs"] > 2).any()
     np.testing.assert_allclose(steps["gpu_prefill_s"], 2e-3 * steps["n_prefill_reqs"])
     assert steps["harness_s"].sum() >= 2e-3 * (chunks + decodes)
+
+
+def test_prefill_shape_warm_up_runs_a_one_layer_twin_once_per_length(monkeypatch):
+    """Every length up to the longest, fresh and after a prefix, through a one-layer twin; a process warms each
+    length of a model shape once (kernels stay loaded), so a later, longer call warms only the new lengths."""
+    from simharness import measured
+
+    built, calls = [], []
+
+    class Twin:
+        def __init__(self, config, **kwargs):
+            built.append((config.n_layers, kwargs["max_len"]))
+
+        def prefill(self, slot, tokens, start=0):
+            calls.append((tokens.shape[0], start))
+
+    config = get_config("llama-3.2-1b", n_layers=4)
+    model = type("Model", (), {"device": torch.device("cuda"), "config": config, "max_slots": 3, "max_len": 64,
+                               "ops": object()})()  # fmt: skip
+    monkeypatch.setattr(measured, "Transformer", Twin)
+    monkeypatch.setattr(measured, "_warmed_lengths", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch, "zeros", lambda n, **kw: torch.empty(n, dtype=torch.int64))
+    measured.warm_prefill_shapes(model, 5)
+    assert built == [(1, 64)] and calls == [(n, s) for n in range(1, 6) for s in (0, 1)]
+    measured.warm_prefill_shapes(model, 5)
+    measured.warm_prefill_shapes(model, 3)
+    assert len(built) == 1 and len(calls) == 10
+    measured.warm_prefill_shapes(model, 7)
+    assert calls[10:] == [(6, 0), (6, 1), (7, 0), (7, 1)]

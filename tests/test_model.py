@@ -141,6 +141,23 @@ def test_reused_slot_prefill_ignores_the_previous_request() -> None:
                  reference_logits(model, torch.tensor([5, 9, 2, 4, 4]))[3:])  # fmt: skip
 
 
+def test_prefill_attention_never_takes_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's SDPA builds a graph per new sequence length (~70 ms on the H100): the prefill must not offer it."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = Transformer(TINY, max_slots=1, max_len=32, device="cpu")
+    model.prefill(0, torch.arange(9) % 7)  # fresh: causal SDPA
+    model.prefill(0, torch.arange(5) % 7, start=9)  # after a cached prefix: masked SDPA
+    assert len(seen) == 2 * TINY.n_layers and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's own setting is left as it was
+
+
 def test_sizes_match_the_parameters() -> None:
     for config in VARIANTS.values():
         model = Transformer(config, max_slots=3, max_len=16, device="cpu")
