@@ -75,6 +75,9 @@ WorkersOption = Annotated[str | None, typer.Option(
     "(each pinned to it) when points run on CUDA")]
 RayOption = Annotated[str | None, typer.Option(
     "--ray", help="run each point as a task on a Ray cluster: local (start one here), auto, or HOST:PORT")]
+ProcessOption = Annotated[bool, typer.Option(
+    "--process-per-point", help="run each point in a process started for it (with --workers, --ray or alone): "
+    "measured repeats then also differ by process (CUDA context, caches, heap)")]
 RetriesOption = Annotated[int, typer.Option("--retries", help="tries after the first for a point whose worker "
                                                               "dies or raises; then the point is marked failed")]
 
@@ -140,6 +143,7 @@ def run_cmd(
     workers: WorkersOption = None,
     ray: RayOption = None,
     retries: RetriesOption = 2,
+    process_per_point: ProcessOption = False,
 ) -> None:
     """Run a scenario's sweep; print a summary table and where the report is.
 
@@ -153,7 +157,7 @@ def run_cmd(
         sc = load(scenario, sets)
         with bar:
             result = run(sc, out_dir, resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
-                         retries=retries)
+                         retries=retries, process_per_point=process_per_point)
     except ScenarioError as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -180,6 +184,7 @@ def fidelity_cmd(
     workers: WorkersOption = None,
     ray: RayOption = None,
     retries: RetriesOption = 2,
+    process_per_point: ProcessOption = False,
 ) -> None:
     """Run every point at each level on the same requests and seed; report each level's error against the real
     level.
@@ -193,7 +198,7 @@ def fidelity_cmd(
         with SweepBar(f"{sc.name} fidelity") as bar:
             result = run_fidelity(sc, out_dir, levels=[lv.strip() for lv in levels.split(",") if lv.strip()],
                                   resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
-                                  retries=retries)
+                                  retries=retries, process_per_point=process_per_point)
     except ScenarioError as e:
         fail(str(e))
     table = Table(title="fidelity: |error| against the real level", box=box.SIMPLE_HEAD, pad_edge=False)

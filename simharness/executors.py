@@ -91,10 +91,12 @@ class LocalPool:
     """Points in `workers` local processes, started with spawn (no CUDA state is inherited). With `gpus`, worker i
     sees only GPU gpus[i] (CUDA_VISIBLE_DEVICES), so a measured point has its device to itself; each worker gets
     its share of the cores for its CPU threads (OMP_NUM_THREADS, unless set), as Ray gives its tasks. A worker
-    that dies or whose point raises is replaced by a fresh one."""
+    that dies or whose point raises is replaced by a fresh one; with `process_per_point`, so is every worker
+    after each point."""
 
-    def __init__(self, workers: int, retries: int = 2, gpus: list[str] | None = None):
+    def __init__(self, workers: int, retries: int = 2, gpus: list[str] | None = None, process_per_point: bool = False):
         self.workers, self.retries, self.gpus = workers, retries, gpus
+        self.process_per_point = process_per_point
         self.context = multiprocessing.get_context("spawn")
 
     def run(self, points: list[Point], work: Work) -> Iterator[Event]:
@@ -117,6 +119,9 @@ class LocalPool:
                     point, attempt = busy.pop(slot)
                     status, value, detail = _receive(slots[slot])
                     if status == "ok":
+                        if self.process_per_point:
+                            _stop(slots[slot])
+                            slots[slot] = None
                         yield Event("done", point, value)
                         continue
                     if status == "bad input":
@@ -196,16 +201,17 @@ def _stop(worker: _Worker) -> None:
 class RayCluster:
     """Each point a Ray task: on the cluster at `address` (host:port, ray://host:port, or auto), or on a local
     one started here (`local`). A measured point on CUDA asks for one GPU, others for one CPU. A remote cluster
-    gets this package's sources with the tasks (runtime_env py_modules); its nodes need the dependencies."""
+    gets this package's sources with the tasks (runtime_env py_modules); its nodes need the dependencies. With
+    `process_per_point`, a Ray worker process runs one task and exits (max_calls=1)."""
 
-    def __init__(self, address: str = "local", retries: int = 2):
+    def __init__(self, address: str = "local", retries: int = 2, process_per_point: bool = False):
         try:
             import ray  # noqa: F401
         except ImportError:
             raise ScenarioError(f"--ray: Ray is not installed; install it with: {RAY_INSTALL}") from None
         if address not in ("local", "auto"):
             _check_reachable(address)
-        self.address, self.retries = address, retries
+        self.address, self.retries, self.process_per_point = address, retries, process_per_point
 
     def run(self, points: list[Point], work: Work) -> Iterator[Event]:
         import ray
@@ -215,7 +221,7 @@ class RayCluster:
         started_here = self._connect()
         pending: dict[Any, tuple[Point, int]] = {}
         try:
-            task = ray.remote(_ray_task)
+            task = ray.remote(max_calls=1)(_ray_task) if self.process_per_point else ray.remote(_ray_task)
             work_ref = ray.put(work)
             resources = ray.cluster_resources()
             window = max(1, int(resources.get("CPU", 0)) + int(resources.get("GPU", 0)))
@@ -288,23 +294,27 @@ def visible_gpus() -> list[str]:
 
 
 def make_executor(points: list[Point], *, workers: int | str | None = None, ray: str | None = None,
-                  retries: int = 2) -> Executor:
+                  retries: int = 2, process_per_point: bool = False) -> Executor:
     """The executor for `points`: serial (neither option), `workers` local processes (`auto`: one per CPU, or
-    one per visible GPU when a point runs on CUDA, each pinned to its GPU), or Ray tasks at address `ray`."""
+    one per visible GPU when a point runs on CUDA, each pinned to its GPU), or Ray tasks at address `ray`. With
+    `process_per_point` each point runs in a process started for it (one worker unless `workers` says more), so
+    measured repeats also differ by process: CUDA context, allocator, compiled-kernel caches, heap."""
     if retries < 0:
         raise ScenarioError("--retries: must be >= 0")
     if workers is not None and ray is not None:
         raise ScenarioError("--workers and --ray: choose one")
     if ray is not None:
-        return RayCluster(ray, retries)
-    if workers is None:
+        return RayCluster(ray, retries, process_per_point)
+    if workers is None and not process_per_point:
         return Serial(retries)
     gpus = visible_gpus() if any(wants_gpu(p) for p in points) else None
-    if workers == "auto":
+    if workers is None:
+        workers = 1
+    elif workers == "auto":
         workers = len(gpus) if gpus is not None else os.cpu_count() or 1
     if not isinstance(workers, int) or workers < 1:
         raise ScenarioError(f"--workers {workers}: must be a whole number >= 1, or auto")
     if gpus is not None and workers > len(gpus):
         raise ScenarioError(f"--workers {workers}: a point runs on CUDA and each worker needs a GPU of its own; "
                             f"{len(gpus)} visible")
-    return LocalPool(workers, retries, gpus)
+    return LocalPool(workers, retries, gpus, process_per_point)

@@ -70,13 +70,13 @@ def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
 
 def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: list[str] | None = None,
                  resume: str | Path | None = None, progress=None, workers: int | str | None = None,
-                 ray: str | None = None, retries: int = 2) -> FidelityResult:
+                 ray: str | None = None, retries: int = 2, process_per_point: bool = False) -> FidelityResult:
     """Run `sc` at each of `levels` (default sim, hil, real) into a run directory and write its fidelity report;
-    `workers`, `ray` and `retries` choose where the points run, as for `simharness.run`."""
+    `workers`, `ray`, `retries` and `process_per_point` choose where the points run, as for `simharness.run`."""
     levels = levels or list(LEVELS)
     check_levels(sc, levels)
     run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress, workers=workers,
-                      ray=ray, retries=retries)
+                      ray=ray, retries=retries, process_per_point=process_per_point)
     return write_fidelity(run_dir, levels)
 
 

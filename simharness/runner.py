@@ -94,16 +94,18 @@ def run(
     workers: int | str | None = None,
     ray: str | None = None,
     retries: int = 2,
+    process_per_point: bool = False,
 ) -> RunResult:
     """Run every sweep point of `scenario` (a Scenario or a YAML path) into a new run directory
     under `out`, or finish the points still missing in `resume`. Points run in this process, in
     `workers` local processes (a number, or `auto`), or as tasks on the Ray cluster at `ray` (`local`
-    starts one here); a point that fails is retried `retries` times. `progress(status)` is called
-    once at the start and after each event of a point."""
+    starts one here); a point that fails is retried `retries` times; `process_per_point` starts a process for
+    each point (measured repeats then differ by process too). `progress(status)` is called once at the start
+    and after each event of a point."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress, workers=workers,
-                      ray=ray, retries=retries)
+                      ray=ray, retries=retries, process_per_point=process_per_point)
     with results.writing(run_dir, fresh=False):
         summary = results.combine(run_dir)
         write_report(run_dir)
@@ -120,6 +122,7 @@ def execute(
     workers: int | str | None = None,
     ray: str | None = None,
     retries: int = 2,
+    process_per_point: bool = False,
 ) -> Path:
     """Run `points` (derived from `scenario`, which the run directory records) into a new run directory under
     `out`, or the points still missing in `resume`; returns the run directory. Every point and the executor's
@@ -133,7 +136,7 @@ def execute(
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
     _check_one_engine([p.scenario for p in points if p.scenario.engine.backend != "model"])
-    executor = make_executor(points, workers=workers, ray=ray, retries=retries)
+    executor = make_executor(points, workers=workers, ray=ray, retries=retries, process_per_point=process_per_point)
     if resume is not None:
         run_dir = Path(resume)
         stored = results.load_run_scenario(run_dir)

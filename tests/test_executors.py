@@ -183,6 +183,31 @@ def _wait_for(condition, timeout_s: float = 180.0) -> None:
         time.sleep(0.05)
 
 
+def _pid(point):
+    return os.getpid()
+
+
+def test_process_per_point_runs_every_point_in_a_process_of_its_own(cluster):
+    from simharness.executors import RayCluster, make_executor
+
+    points = sweep_points(scenario_from_dict(SMALL))
+
+    def pids(executor) -> list[int]:
+        return [e.result for e in executor.run(points, _pid) if e.kind == "done"]
+
+    assert len(set(pids(LocalPool(1)))) == 1  # a worker keeps running points
+    assert len(set(pids(make_executor(points, process_per_point=True)))) == len(points) == 4
+    assert len(set(pids(LocalPool(2, process_per_point=True)))) == 4
+    assert len(set(pids(RayCluster("local", process_per_point=True)))) == 4
+
+
+def test_a_run_with_a_process_per_point_gives_the_serial_run_bit_for_bit(serial, tmp_path):
+    result = CliRunner().invoke(app, ["run", str(_write(tmp_path, SMALL)), "--out", str(tmp_path / "out"),
+                                      "--process-per-point"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert_same_run(serial.run_dir, next((tmp_path / "out").glob("*/*")))
+
+
 def test_killed_worker_and_killed_driver_then_resume_redoes_nothing_finished(tmp_path):
     """kill -9 a worker mid-sweep (its point is retried), then kill -9 the driver; resume finishes the rest and
     matches the serial run."""
