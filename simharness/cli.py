@@ -287,21 +287,17 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
     Exit status: 0 done; 2 not a run directory, or one that cannot be written.
     """
     from simharness import results
+    from simharness.fidelity import write_fidelity
     from simharness.report import write_report
 
     try:
         results.load_run_scenario(run_dir)
-    except ScenarioError as e:
-        fail(str(e))
-    if (run_dir / "fidelity.json").is_file():  # a fidelity run's report
-        from simharness.fidelity import write_fidelity
-
-        out.print(f"report: {write_fidelity(run_dir).report}")
-        return
-    try:
-        with results.writing(run_dir, fresh=False):
-            results.combine(run_dir)
-            report = write_report(run_dir)
+        if (run_dir / "fidelity.json").is_file():  # a fidelity run's report
+            report = write_fidelity(run_dir).report
+        else:
+            with results.writing(run_dir, fresh=False):
+                results.combine(run_dir)
+                report = write_report(run_dir)
     except ScenarioError as e:
         fail(str(e))
     out.print(f"report: {report}")

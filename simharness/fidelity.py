@@ -81,23 +81,25 @@ def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: 
 
 
 def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityResult:
-    """Compute a fidelity run's errors from its finished points and write fidelity.csv/json, plots and report.md."""
+    """Compute a fidelity run's errors from its finished points and write fidelity.csv/json, plots and report.md;
+    a full or read-only disk is bad input (`results.writing`), and the points are kept."""
     sc = results.load_run_scenario(run_dir)
-    summary = results.combine(run_dir)
-    steps = results.read_table(run_dir, "steps")
-    levels = levels or [lv for lv in LEVELS if lv in set(summary["level"])]
-    errors = error_table(summary)
-    stats = error_stats(errors)
-    violations = check_tolerances(stats, sc)
-    errors.to_csv(run_dir / "fidelity.csv", index=False)
-    facts = {"levels": levels, "stats": stats.to_dict(orient="records"), "violations": violations,
-             "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
-             "agreement": agreement(summary).to_dict(orient="records"),
-             "real_overhead": overhead(summary, steps).to_dict(orient="records")}  # fmt: skip
-    (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
-    from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
+    with results.writing(run_dir, fresh=False):
+        summary = results.combine(run_dir)
+        steps = results.read_table(run_dir, "steps", columns=OVERHEAD_COLUMNS)
+        levels = levels or [lv for lv in LEVELS if lv in set(summary["level"])]
+        errors = error_table(summary)
+        stats = error_stats(errors)
+        violations = check_tolerances(stats, sc)
+        errors.to_csv(run_dir / "fidelity.csv", index=False)
+        facts = {"levels": levels, "stats": stats.to_dict(orient="records"), "violations": violations,
+                 "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
+                 "agreement": agreement(summary).to_dict(orient="records"),
+                 "real_overhead": overhead(summary, steps).to_dict(orient="records")}  # fmt: skip
+        (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
+        from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
 
-    write_fidelity_report(run_dir, sc, summary, errors, stats, facts)
+        write_fidelity_report(run_dir, sc, summary, errors, stats, facts)
     return FidelityResult(run_dir, summary, errors, stats, violations)
 
 
@@ -166,15 +168,20 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"config": counts.index, "identical": (counts == 1).all(axis=1).to_numpy()})
 
 
+OVERHEAD_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "harness_s"]  # what `overhead` reads
+
+
 def overhead(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Per point, the real level's own host time per decode step (everything but the engine phases it times),
     median over its decode steps, against the median device step."""
     real = summary.loc[summary["level"] == REFERENCE, ["point", "config"]]
+    decode = steps[steps["n_prefill_reqs"] == 0] if len(steps) else steps
+    by_point = {point: s for point, s in decode.groupby("point", sort=False)} if len(decode) else {}
     rows = []
     for point, config in real.itertuples(index=False):
-        s = steps[(steps["point"] == point) & (steps["n_prefill_reqs"] == 0)]
-        device = float((s["gpu_end"] - s["gpu_start"]).median()) if len(s) else np.nan
-        harness = float(s["harness_s"].median()) if len(s) else np.nan
+        s = by_point.get(point)
+        device = float((s["gpu_end"] - s["gpu_start"]).median()) if s is not None else np.nan
+        harness = float(s["harness_s"].median()) if s is not None else np.nan
         rows.append({"config": config, "point": point, "harness_us": harness * 1e6, "device_us": device * 1e6,
                      "ratio": harness / device if device else np.nan})
     return pd.DataFrame(rows, columns=["config", "point", "harness_us", "device_us", "ratio"])

@@ -1,5 +1,6 @@
 """`simharness fidelity`: the error arithmetic by hand, the command end to end on a small CPU grid, bad input."""
 
+import errno
 import json
 
 import pandas as pd
@@ -62,7 +63,7 @@ def test_points_run_each_level_on_the_same_requests():
     assert len({p.id for p in points}) == len(points) and [p.index for p in points] == list(range(len(points)))
 
 
-def test_fidelity_end_to_end_on_the_cpu(tmp_path):
+def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     sc = load_scenario("scenarios/fidelity-cpu.yaml", SMALL)
     result = run_fidelity(sc, tmp_path)
     assert sorted(set(result.summary["level"])) == ["hil", "real", "sim"]
@@ -83,6 +84,17 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path):
     # the report command re-renders a fidelity run's report
     out = CliRunner().invoke(app, ["report", str(result.run_dir)])
     assert out.exit_code == 0 and "report:" in out.output
+    # a full disk while the fidelity report is written: one message, exit 2, the points kept
+    from simharness import fidelity_report
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fidelity_report, "write_fidelity_report", full)
+    out = CliRunner().invoke(app, ["report", str(result.run_dir)])
+    assert out.exit_code == 2 and "Traceback" not in out.output
+    assert "cannot write the run (No space left on device)" in " ".join(out.output.split())
+    assert len(list((result.run_dir / "points").glob("*/summary.json"))) == len(result.summary)
 
 
 def test_a_tolerance_exceeded_exits_1(tmp_path):
