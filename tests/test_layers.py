@@ -17,7 +17,7 @@ LAYERS = [
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records
     ["engine", "engine.model", "engine.model_triton", "engine.checkpoint", "engine.timing", "engine.decode",
-     "engine.backend", "engine.mirror", "engine.torch_backend"],
+     "engine.backend", "engine.mirror", "engine.slots", "engine.host_work", "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench"],  # set-up of the measured levels, benchmarks

@@ -88,7 +88,7 @@ def test_seed_options_run_on_the_real_decode_loop(backend, monkeypatch):
 
     monkeypatch.setattr(TorchBackend, "sync_op", spy)
     records, _, backend_used = run_level(sc, requests, mode, model)
-    assert len(backend_used.heap) == 1000
+    assert len(backend_used.allocations.heap) == 1000
     syncs = records.syncs_frame()
     assert ops.count("bool_mask_index") == (syncs.name == "bool_mask_index").sum() >= len(records.steps_frame()) - 1
     assert requests.random.sum() == 3

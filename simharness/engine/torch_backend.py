@@ -20,8 +20,10 @@ import numpy as np
 import torch
 
 from simharness.engine.decode import DecodeLoop, StepResult
+from simharness.engine.host_work import SYNC_OPS, Allocations
 from simharness.engine.mirror import HostMirror
 from simharness.engine.model import Transformer
+from simharness.engine.slots import Slots
 from simharness.engine.timing import DeviceClock, PartTiming
 from simharness.instrument import SyncRecorder, phase
 from simharness.modes import Mode
@@ -94,9 +96,7 @@ class TorchBackend:
         if slots > model.max_slots or positions > model.max_len:
             raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
                              f"needs ({slots} x {positions})")
-        self.free_slots = list(range(model.max_slots - 1, -1, -1))
-        self.slot = np.full(n, -1, dtype=np.int64)
-        self.prefilled = np.zeros(n, dtype=np.int64)  # prompt tokens whose prefill was launched
+        self.slots = Slots(n, model.max_slots)
         self.host = HostMirror(requests, positions, mode.k, valid_from_mirror=self.loop.invalid == "fill")
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
@@ -107,9 +107,7 @@ class TorchBackend:
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
         self.mark = time.perf_counter()
-        # the engine process's long-lived objects a full collection traverses, and prep's per-step allocations
-        self.heap = [[i] for i in range(sc.engine.gc.heap_objects)]
-        self.allocations = sc.engine.gc.allocations_per_step
+        self.allocations = Allocations(sc.engine.gc.heap_objects, sc.engine.gc.allocations_per_step)
         self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
 
     def start_clock(self, t0: float) -> None:
@@ -140,52 +138,38 @@ class TorchBackend:
             b = step.batch
             launch = _Launch(decode_rids=b.req[b.decode])
             for i in np.flatnonzero(b.prefill):
-                rid, start = int(b.req[i]), int(self.prefilled[b.req[i]])
-                if self.slot[rid] < 0:  # its first chunk
-                    self.slot[rid] = self.free_slots.pop()
+                rid = int(b.req[i])
+                if self.slots.take(rid):  # its first chunk
                     self.host.history[rid, : self.host.prompt_len[rid]] = self.req.prompt_tokens[rid]
                     if self.random is not None:  # the slot's sampling temperature (fill_: no sync)
-                        self.loop.temperature[self.slot[rid]].fill_(1.0 if self.random[rid] else 0.0)
-                end = start + int(b.tokens[i])
-                self.prefilled[rid] = end
+                        self.loop.temperature[self.slots.of[rid]].fill_(1.0 if self.random[rid] else 0.0)
+                start, end = self.slots.launch_chunk(rid, int(b.tokens[i]))
                 last = bool(b.completes_prefill[i])
                 # the whole prompt goes along with the last chunk (add_request writes the history)
                 ids = self.req.prompt_tokens[rid] if last else self.req.prompt_tokens[rid][start:end]
                 launch.prefills.append((rid, start, last, self._to_device(ids)))
             r = launch.decode_rids
             if len(r):
-                launch.slots = self._to_device(self.slot[r])
+                launch.slots = self._to_device(self.slots.of[r])
                 if not self.mode.optimistic and self.n_read == self.n_launched:
                     # the host has read every step's accepted counts: it sends exact positions
                     launch.lengths = self._to_device(self.host.positions(r))
                 if self.mode.ngram_cpu:
                     launch.drafts = self._to_device(self.host.drafts[r, : self.k]).view(len(r), self.k)
-                if self.allocations:
-                    self._allocate(r)
+                self.allocations.step(self.host, r)
             self.launches[step.step] = launch
         return self._leave(t0)
 
-    def _allocate(self, rids: np.ndarray) -> None:
-        """vLLM's backup tokens before #41043: a `.tolist()`, a list comprehension and an array each step, here
-        `engine.gc.allocations_per_step` one-item lists of the requests' last tokens and their array, dropped at
-        once; CPython's collector runs whenever their count says so, inside the measured prep."""
-        last = (self.host.positions(rids) - 1).tolist()
-        rows = [[int(self.host.history[rids[i % len(rids)], last[i % len(rids)]])] for i in range(self.allocations)]
-        np.array(rows, dtype=np.int32)
-
     def sync_op(self, step: Step, name: str) -> bool:
-        """The real operation behind a what-if sync point: `bool_mask_index` indexes a device tensor with a device
-        boolean mask (#38047's sync: the result's size needs the mask's count on the host), `metadata_item` reads
-        a device scalar with `.item()`. Either waits for everything launched."""
-        if name not in ("bool_mask_index", "metadata_item"):
+        """Run the real operation behind what-if sync point `name` (`engine.host_work.SYNC_OPS`) as part of prep;
+        False when it has none."""
+        op = SYNC_OPS.get(name)
+        if op is None:
             return False
         self.syncs.start_step(step.step)
         t0 = time.perf_counter()
         with phase("prep"):
-            if name == "bool_mask_index":
-                self.loop.lengths[self.loop.num_valid > 0].sum()
-            else:
-                self.loop.lengths.sum().item()
+            op(self.loop)
         self._leave(t0)
         return True
 
@@ -243,7 +227,7 @@ class TorchBackend:
             if timing is not None:
                 timing.before(launch.events)
             t = time.perf_counter()
-            slot = int(self.slot[rid])
+            slot = int(self.slots.of[rid])
             if not last:
                 self.loop.prefill_chunk(slot, ids, start)
             else:
@@ -270,11 +254,8 @@ class TorchBackend:
         return self._leave(t0)
 
     def release(self, rids: np.ndarray) -> None:
-        """Free the slots of requests the host saw finish. Every step that holds them was launched
-        before, and the next owner's prefill is launched after, so FIFO order keeps the slot safe."""
-        if len(rids):  # most steps finish no request
-            self.free_slots.extend(self.slot[rids].tolist())
-            self.slot[rids] = -1
+        """Free the slots of requests the host saw finish (`engine.slots`)."""
+        self.slots.release(rids)
 
     # ---------------------------------------------------------------- the device step
 
