@@ -86,7 +86,7 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
     sc = results.load_run_scenario(run_dir)
     with results.writing(run_dir, fresh=False):
         summary = results.combine(run_dir)
-        steps = results.read_table(run_dir, "steps", columns=OVERHEAD_COLUMNS)
+        steps = results.read_table(run_dir, "steps", columns=STEP_COLUMNS)
         levels = levels or [lv for lv in LEVELS if lv in set(summary["level"])]
         errors = error_table(summary)
         stats = error_stats(errors)
@@ -95,7 +95,8 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
         facts = {"levels": levels, "stats": stats.to_dict(orient="records"), "violations": violations,
                  "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
                  "agreement": agreement(summary).to_dict(orient="records"),
-                 "real_overhead": overhead(summary, steps).to_dict(orient="records")}  # fmt: skip
+                 "real_overhead": overhead(summary, steps).to_dict(orient="records"),
+                 "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records")}  # fmt: skip
         (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
         from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
 
@@ -168,7 +169,11 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"config": counts.index, "identical": (counts == 1).all(axis=1).to_numpy()})
 
 
-OVERHEAD_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "harness_s"]  # what `overhead` reads
+# the step columns `overhead` and `prefill_enqueue` read
+STEP_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "harness_s", "prep_end", "launch_end"]
+# 20 ms: the bound over which hil flags a part as one that may have outlasted its gate (engine/timing.STARVED_S);
+# 80 ms: a gate's life at the H100's measured 3.95 µs per poll (docs/hil.md).
+ENQUEUE_BOUNDS_MS = (20, 40, 80)
 
 
 def overhead(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -185,3 +190,21 @@ def overhead(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         rows.append({"config": config, "point": point, "harness_us": harness * 1e6, "device_us": device * 1e6,
                      "ratio": harness / device if device else np.nan})
     return pd.DataFrame(rows, columns=["config", "point", "harness_us", "device_us", "ratio"])
+
+
+def prefill_enqueue(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per measured level, the host's enqueue time of its steps with prefills, per prompt prefilled: the median and
+    how many steps took longer than each of ENQUEUE_BOUNDS_MS. It tells how many of hil's "may have outlasted a
+    GPU gate" notes came near a gate's life, and whether the real level's host is as slow."""
+    columns = ["level", "prefill_steps", "median_ms", *(f"over_{b}ms" for b in ENQUEUE_BOUNDS_MS)]
+    if not len(steps):
+        return pd.DataFrame(columns=columns)
+    level = summary.set_index("point")["level"]
+    s = steps[steps["n_prefill_reqs"] > 0]
+    s = s.assign(level=s["point"].map(level), ms=(s["launch_end"] - s["prep_end"]) / s["n_prefill_reqs"] * 1e3)
+    rows = []
+    for lv in [lv for lv in LEVELS if lv != "sim" and lv in set(s["level"])]:
+        ms = s.loc[s["level"] == lv, "ms"]
+        rows.append({"level": lv, "prefill_steps": len(ms), "median_ms": float(ms.median()),
+                     **{f"over_{b}ms": int((ms > b).sum()) for b in ENQUEUE_BOUNDS_MS}})  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)

@@ -14,6 +14,7 @@ from simharness.fidelity import (
     error_stats,
     error_table,
     fidelity_points,
+    prefill_enqueue,
     run_fidelity,
     spread,
 )
@@ -54,6 +55,22 @@ def test_errors_by_hand():
     assert real.loc["b", "mean_tpot_ms"] == 0
 
 
+def test_prefill_enqueue_by_hand():
+    """Per measured level: steps with prefills, the enqueue per prompt (launch / prompts), counts over each bound;
+    decode-only steps and the sim level are left out."""
+    summary = pd.DataFrame({"point": ["s", "h", "r"], "level": ["sim", "hil", "real"]})
+    launch_ms = {"s": [90, 90], "h": [10, 50, 170, 5], "r": [30, 100, 1]}
+    prompts = {"s": [1, 1], "h": [1, 2, 2, 0], "r": [1, 1, 1]}
+    steps = pd.DataFrame([{"point": p, "n_prefill_reqs": n, "prep_end": 1.0, "launch_end": 1.0 + ms / 1e3}
+                          for p in launch_ms for ms, n in zip(launch_ms[p], prompts[p], strict=True)])
+    table = prefill_enqueue(summary, steps).set_index("level")
+    assert list(table.index) == ["hil", "real"]
+    # hil per prompt: 10, 25, 85 ms (the decode-only step left out); real: 30, 100, 1 ms
+    assert table.loc["hil"].tolist() == pytest.approx([3, 25.0, 2, 1, 1])
+    assert table.loc["real"].tolist() == pytest.approx([3, 30.0, 2, 1, 1])
+    assert prefill_enqueue(summary, pd.DataFrame()).empty
+
+
 def test_points_run_each_level_on_the_same_requests():
     sc = load_scenario("scenarios/fidelity-cpu.yaml", SMALL)
     points = fidelity_points(sc, ["sim", "hil", "real"])
@@ -75,8 +92,16 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     facts = json.loads((result.run_dir / "fidelity.json").read_text())
     assert all(r["identical"] for r in facts["agreement"])  # hil and real emitted the same tokens
     assert len(facts["real_overhead"]) == 2 * 2
+    enqueue = {r["level"]: r for r in facts["prefill_enqueue"]}
+    steps = pd.read_parquet(result.run_dir / "steps.parquet")
+    levels = result.summary.set_index("point")["level"]
+    for level in ("hil", "real"):
+        prefills = steps[(steps["point"].map(levels) == level) & (steps["n_prefill_reqs"] > 0)]
+        assert enqueue[level]["prefill_steps"] == len(prefills) > 0
+        assert enqueue[level]["median_ms"] > 0 and 0 <= enqueue[level]["over_80ms"] <= enqueue[level]["over_20ms"]
     report = result.report.read_text()
     assert "## Error per level and metric" in report and "hil" in report
+    assert "## Prefill enqueue on the host" in report and "| real | " in report
     # resume: nothing left to run, the same errors
     again = run_fidelity(sc, tmp_path, resume=result.run_dir)
     pd.testing.assert_frame_equal(again.errors[["config", "level", "metric"]], result.errors[["config", "level",

@@ -118,7 +118,7 @@ def test_killed_cli_sweep_keeps_finished_points_and_resumes(tmp_path):
     assert run_dirs, "no point finished in time"
     run_dir = run_dirs[0].parents[1]
     finished = {p.name for p in (run_dir / "points").iterdir() if (p / "summary.json").is_file()}
-    assert proc.returncode == 130 and "--resume" in stderr
+    assert proc.returncode == 130 and "--resume" in stderr, stderr[-3000:]
     assert 2 <= len(finished) < 12
     r = subprocess.run(cmd + ["--resume", str(run_dir)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
