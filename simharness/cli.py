@@ -287,12 +287,13 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
     Exit status: 0 done; 2 not a run directory, or one that cannot be written.
     """
     from simharness import results
-    from simharness.fidelity import write_fidelity
     from simharness.report import write_report
 
     try:
         results.load_run_scenario(run_dir)
         if (run_dir / "fidelity.json").is_file():  # a fidelity run's report
+            from simharness.fidelity import write_fidelity
+
             report = write_fidelity(run_dir).report
         else:
             with results.writing(run_dir, fresh=False):

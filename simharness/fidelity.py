@@ -180,8 +180,7 @@ def overhead(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Per point, the real level's own host time per decode step (everything but the engine phases it times),
     median over its decode steps, against the median device step."""
     real = summary.loc[summary["level"] == REFERENCE, ["point", "config"]]
-    decode = steps[steps["n_prefill_reqs"] == 0] if len(steps) else steps
-    by_point = {point: s for point, s in decode.groupby("point", sort=False)} if len(decode) else {}
+    by_point = dict(tuple(steps[steps["n_prefill_reqs"] == 0].groupby("point", sort=False))) if len(steps) else {}
     rows = []
     for point, config in real.itertuples(index=False):
         s = by_point.get(point)

@@ -48,7 +48,7 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
         "## Agreement and overhead\n",
         _agreement_table(facts["agreement"], facts["real_overhead"]),
         "## Prefill enqueue on the host\n",
-        _enqueue_table(facts.get("prefill_enqueue", [])),
+        _enqueue_table(facts["prefill_enqueue"]),
     ]
     if len(errors):
         parts.append("![predicted vs real](plots/fidelity_scatter.png)\n\n"
@@ -117,7 +117,8 @@ def _enqueue_table(enqueue: list[dict]) -> str:
     note = ("The launch of each step with prefills, per prompt it prefills (eager, one forward per prompt). hil "
             "notes a launch part over 20 ms as one that may have outlasted its GPU gate; a gate lasts about 80 ms "
             "on the H100 (docs/hil.md). The same counts at the real level say the host, not the gate, is slow.\n\n")
-    headers = ["level", "steps with prefills", "median ms per prompt", *(f"> {b[5:-2]} ms" for b in bounds)]
+    headers = ["level", "steps with prefills", "median ms per prompt",
+               *(f"> {b.removeprefix('over_').removesuffix('ms')} ms" for b in bounds)]
     return note + _markdown_table(headers, rows)
 
 

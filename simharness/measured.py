@@ -83,7 +83,7 @@ def warm_prefill_shapes(model: Transformer, longest: int) -> None:
     if longest <= done:
         return
     # Every layer runs the same kernels on the same shapes, so a one-layer twin of the model loads them all, at
-    # 1/n_layers of the work (the full model took about 170 s for lengths up to 1024 on the H100).
+    # 1/n_layers of the work.
     twin = Transformer(dataclasses.replace(model.config, n_layers=1), max_slots=model.max_slots,
                        max_len=model.max_len, device=model.device, triton_kernels=triton)
     tokens = torch.zeros(longest, dtype=torch.int64, device=model.device)

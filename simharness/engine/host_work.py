@@ -22,8 +22,9 @@ class Allocations:
     def step(self, host: HostMirror, rids: np.ndarray) -> None:
         """vLLM's backup tokens before #41043: a `.tolist()`, a list comprehension and an array each step, here
         `per_step` one-item lists of the requests' last tokens and their array, dropped at once; CPython's
-        collector runs whenever their count says so, inside the measured prep."""
-        if not self.per_step or not len(rids):
+        collector runs whenever their count says so, inside the measured prep. `rids`: the step's decode rows
+        (at least one)."""
+        if not self.per_step:
             return
         last = (host.positions(rids) - 1).tolist()
         rows = [[int(host.history[rids[i % len(rids)], last[i % len(rids)]])] for i in range(self.per_step)]
