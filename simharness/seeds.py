@@ -10,17 +10,16 @@ and the effect is computed per repeat, then averaged.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from simharness.runner import LEVELS, run
 from simharness.scenario import load_scenario
+from simharness.stats import t_interval
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios" / "seeds"
 BACKENDS = {level: backend for backend, level in LEVELS.items()}  # sim -> model, hil -> torch, real -> real
@@ -94,7 +93,7 @@ def seed_effects(rows: pd.DataFrame) -> pd.DataFrame:
         table = group.pivot_table(index="repeat", columns="arm", values="measured")
         a, b = table["A"], table["B"]
         effect = ((b - a) / a * 100).to_numpy()
-        mean, half = _interval(effect)
+        mean, half = t_interval(effect)
         reported = seed.reported[metric]
         excludes_zero = (mean - half) > 0 or (mean + half) < 0
         same_sign = np.sign(mean) == seed.sign[metric]
@@ -104,13 +103,3 @@ def seed_effects(rows: pd.DataFrame) -> pd.DataFrame:
                     "excludes_zero": bool(excludes_zero), "same_sign": bool(same_sign), "within_2x": bool(within_2x),
                     "reproduced": bool(excludes_zero and same_sign and within_2x)})
     return pd.DataFrame(out)
-
-
-def _interval(values: np.ndarray) -> tuple[float, float]:
-    """Mean and half-width of the 95% t interval (0 with one value or no spread)."""
-    n = len(values)
-    mean = float(np.mean(values))
-    if n < 2:
-        return mean, math.nan
-    sd = float(np.std(values, ddof=1))
-    return mean, float(stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n))

@@ -36,6 +36,18 @@ def bootstrap_ci(values: np.ndarray, *, confidence: float = CONFIDENCE, resample
     return float(low), float(high)
 
 
+def t_interval(values: np.ndarray, *, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Mean and half-width of the t interval of the mean of `values` (half-width NaN with one value, 0 with no
+    spread): for few repeats of a paired effect, where a bootstrap of three values says little."""
+    x = np.asarray(values, dtype=np.float64)
+    mean = float(np.mean(x))
+    if len(x) < 2:
+        return mean, math.nan
+    from scipy.stats import t  # scipy.stats takes seconds to import: only when needed
+
+    return mean, float(t.ppf(0.5 + confidence / 2, len(x) - 1) * np.std(x, ddof=1) / math.sqrt(len(x)))
+
+
 def aggregate(summary: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
     """One row per configuration (`config_ids`): the first repeat's other columns, `config`, `repeats`, each
     metric's median over the repeats and its bootstrap interval as `ci_low.<metric>` / `ci_high.<metric>`."""

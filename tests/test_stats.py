@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simharness.stats import ALPHA, aggregate, bootstrap_ci, config_ids, significance
+from simharness.stats import ALPHA, aggregate, bootstrap_ci, config_ids, significance, t_interval
 
 REPEATS = 5
 NOISE = 0.03  # run-to-run spread of a metric: lognormal, 3% standard deviation
@@ -64,3 +64,10 @@ def test_significance_edge_cases():
     assert significance(np.array([2.0, 2.0]), np.array([3.0, 3.0])) == 0.0  # no spread, different
     assert significance(np.array([2.0, 2.0]), np.array([2.0, 2.0])) == 1.0
     assert significance(np.array([0.0, 1.0, 2.0]), np.array([0.0, 1.0, 2.0])) == pytest.approx(1.0)  # not positive
+
+
+def test_t_interval_by_hand():
+    mean, half = t_interval(np.array([1.0, 2.0, 3.0]))  # sd 1, t(0.975, 2) = 4.302653
+    assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)
+    assert t_interval(np.array([5.0, 5.0]))[1] == 0.0
+    assert t_interval(np.array([5.0]))[0] == 5.0 and np.isnan(t_interval(np.array([5.0]))[1])
