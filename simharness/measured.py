@@ -71,11 +71,15 @@ def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n:
 
 
 def warm_prefill_shapes(model: Transformer, longest: int) -> None:
-    """On CUDA: a prefill chunk of every length up to `longest`, fresh and after a cached prefix, once per process
-    and shape. A GEMM of a new shape may use a cuBLAS kernel not used before, and CUDA loads kernels lazily, on
-    first use, synchronizing the device to do so: in a measured step that blocks the host mid-enqueue (in hil,
-    behind a closed gate, until the gate gives up). docs/hil.md has the H100 measurement."""
+    """On CUDA: with CUDA graphs, capture the prefill graphs of every chunk up to `longest` tokens (capture
+    synchronizes); without, run a prefill chunk of every length up to `longest`, fresh and after a cached prefix,
+    once per process and shape. A GEMM of a new shape may use a cuBLAS kernel not used before, and CUDA loads
+    kernels lazily, on first use, synchronizing the device to do so: in a measured step that blocks the host
+    mid-enqueue (in hil, behind a closed gate, until the gate gives up). docs/hil.md has the H100 measurement."""
     if model.device.type != "cuda":
+        return
+    if model.cuda_graphs:
+        model.capture_prefill_graphs(longest)
         return
     triton = model.ops is not TORCH_OPS
     key = (model.config, model.max_slots, model.max_len, str(model.device), triton)

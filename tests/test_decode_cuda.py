@@ -6,7 +6,7 @@ import torch
 from helpers import finish
 
 from simharness.engine.decode import DecodeLoop
-from simharness.engine.model import Transformer, get_config, rope_attention_torch
+from simharness.engine.model import PREFILL_PAD, Transformer, get_config, rope_attention_torch
 from simharness.engine.model_triton import rope_attention_triton
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -93,6 +93,31 @@ def test_cuda_graph_verify_matches_eager_and_padding_rows_touch_only_scratch() -
             m.k_cache[:, 7].zero_()
     assert rel_err(graphed.k_cache[:, :8], eager.k_cache[:, :8]) < 1e-2
     assert not graphed.k_cache[:, 7].any()
+
+
+def test_cuda_graph_prefill_matches_eager_and_pads_touch_nothing_live() -> None:
+    """Fresh prompts and later chunks (at a cached prefix) through the prefill graphs give the eager logits and
+    K/V; a result survives the next prefill; the pads' K/V stay past the chunk, in its own slot."""
+    eager, graphed = (
+        Transformer(ONE_B, max_slots=8, max_len=1200, device="cuda", cuda_graphs=g) for g in (False, True)
+    )
+    graphed.capture_prefill_graphs(1100)
+    chunks = [(slot, p, 0) for slot, p in enumerate(prompts(5))]
+    long = torch.randint(ONE_B.vocab_size, (1100,), generator=torch.Generator().manual_seed(3))
+    chunks += [(5, long[:70], 0), (5, long[70:1090], 70), (6, long, 0), (0, long[:9], prompts(5)[0].shape[0])]
+    results = []
+    for m in (eager, graphed):
+        results.append([m.prefill(slot, p.cuda(), start=start) for slot, p, start in chunks])
+    for a, b in zip(*results, strict=True):
+        assert rel_err(b, a) < 2e-2
+    ends = {}
+    for slot, p, start in chunks:
+        ends[slot] = max(ends.get(slot, 0), start + p.shape[0])
+    for slot, end in ends.items():
+        assert rel_err(graphed.k_cache[:, slot, :end], eager.k_cache[:, slot, :end]) < 1e-2
+        assert rel_err(graphed.v_cache[:, slot, :end], eager.v_cache[:, slot, :end]) < 1e-2
+    assert not graphed.k_cache[:, 7].any()
+    assert graphed.k_cache.shape[2] == 1200 + PREFILL_PAD and eager.k_cache.shape[2] == 1200
 
 
 @pytest.mark.parametrize("invalid", ["pad", "fill"])

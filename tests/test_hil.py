@@ -353,7 +353,7 @@ def test_prefill_shape_warm_up_runs_a_one_layer_twin_once_per_length(monkeypatch
 
     config = get_config("llama-3.2-1b", n_layers=4)
     model = type("Model", (), {"device": torch.device("cuda"), "config": config, "max_slots": 3, "max_len": 64,
-                               "ops": object()})()  # fmt: skip
+                               "ops": object(), "cuda_graphs": False})()  # fmt: skip
     monkeypatch.setattr(measured, "Transformer", Twin)
     monkeypatch.setattr(measured, "_warmed_lengths", {})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -365,3 +365,25 @@ def test_prefill_shape_warm_up_runs_a_one_layer_twin_once_per_length(monkeypatch
     assert len(built) == 1 and len(calls) == 10
     measured.warm_prefill_shapes(model, 7)
     assert calls[10:] == [(6, 0), (6, 1), (7, 0), (7, 1)]
+
+
+def test_prefill_warm_up_with_cuda_graphs_captures_the_prefill_graphs_instead(monkeypatch):
+    from simharness import measured
+
+    captured = []
+    model = type("Model", (), {"device": torch.device("cuda"), "cuda_graphs": True,
+                               "capture_prefill_graphs": lambda self, n: captured.append(n)})()  # fmt: skip
+    monkeypatch.setattr(measured, "Transformer", None)  # no twin is built
+    measured.warm_prefill_shapes(model, 700)
+    assert captured == [700]
+
+
+def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
+    from simharness.engine.model import PREFILL_PAD, prefill_sizes
+
+    assert prefill_sizes(1) == [16] and prefill_sizes(16) == [16] and prefill_sizes(17) == [16, 32]
+    assert prefill_sizes(1024)[-4:] == [832, 896, 960, 1024] and prefill_sizes(1025)[-2:] == [1024, 1280]
+    for n in [*range(1, 2100), 8192, 8193]:
+        size = next(s for s in prefill_sizes(n) if s >= n)
+        assert n <= size <= n + PREFILL_PAD and (size - n < 64 or n > 1024)
+        assert prefill_sizes(size) == prefill_sizes(n)  # the bucket of n is the largest captured for n

@@ -17,6 +17,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +184,22 @@ class _Graph:
     slots: Tensor
     start_pos: Tensor
     logits: Tensor
+    last: Tensor | None = None  # a prefill graph's index of the chunk's last real token
+
+
+def prefill_sizes(longest: int) -> list[int]:
+    """The token buckets of the prefill graphs that cover chunks up to `longest` tokens: 16, 32, then steps of
+    64 up to 1024 and of 256 beyond (a chunk pads to the next one: at most 63 tokens of extra device work up to
+    1024, a quarter at most beyond). vLLM captures its piecewise graphs at such token-count buckets too."""
+    sizes = [16, 32, *range(64, 1025, 64)]
+    while sizes[-1] < longest:
+        sizes.append(sizes[-1] + 256)
+    return [s for s in sizes if s < longest] + [next(s for s in sizes if s >= longest)]
+
+
+# A prefill graph pads its chunk with tokens whose K/V land past the chunk, in its own slot; the cache holds
+# this many positions past max_len so that they never overwrite a real one.
+PREFILL_PAD = 255
 
 
 # The prefill's attention backends: not cuDNN, torch's first choice on an H100, which builds an execution graph for
@@ -197,7 +214,10 @@ class Transformer(nn.Module):
     bf16 on CUDA, fp32 elsewhere. Weights are random, drawn from `seed`; with `seed=None` they are left
     uninitialised for a checkpoint to be copied in (`engine.checkpoint.load_checkpoint`). With `cuda_graphs`,
     `verify` replays a graph captured per batch-size bucket (and per T); the first verify with a new T captures
-    all buckets (call `capture_graphs` to do it up front, since capture synchronises).
+    all buckets (call `capture_graphs` to do it up front, since capture synchronises). A prefill chunk replays a
+    graph captured per token bucket (`prefill_sizes`; `capture_prefill_graphs` captures them up front), so that
+    its host cost is a few launches, not a few hundred eager ones: an eager 1B prefill took 5-10 ms of host time
+    on the H100 for 2-3 ms of device work, and the host's speed moved runs by up to 40% (docs/hil.md).
     """
 
     def __init__(
@@ -242,10 +262,11 @@ class Transformer(nn.Module):
         )
 
         # Zero-filled, not empty: the torch attention path multiplies masked positions by 0, and NaN * 0 = NaN.
-        cache_shape = (c.n_layers, max_slots + 1, max_len, c.n_kv_heads, c.head_dim)
+        cache_len = max_len + (PREFILL_PAD if cuda_graphs else 0)
+        cache_shape = (c.n_layers, max_slots + 1, cache_len, c.n_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
-        angles = torch.arange(max_len, device=device, dtype=torch.float64)[:, None] * rope_frequencies(c, device)
+        angles = torch.arange(cache_len, device=device, dtype=torch.float64)[:, None] * rope_frequencies(c, device)
         self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [max_len, head_dim / 2]
         self.slot_ids = torch.arange(max_slots + 1, device=device)
         # Arrival counters of the attention kernel's chunk merge (one per (row, kv head) of a launch): zero between
@@ -253,6 +274,7 @@ class Transformer(nn.Module):
         self.counters = torch.zeros((max_slots + 1) * config.n_kv_heads, dtype=torch.int32, device=device)
         self._graph_sizes = sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._prefill_graphs: dict[tuple[int, bool], _Graph] = {}  # by token bucket, and fresh or a later chunk
         self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self.load_stats: dict[str, float | str] | None = None  # a checkpoint's loading time and memory
 
@@ -267,11 +289,10 @@ class Transformer(nn.Module):
         untied = self.tok_embeddings.numel() * self.tok_embeddings.element_size()
         return total - (0 if self.config.tie_embeddings else untied)
 
-    def _forward(
-        self, tokens: Tensor, slots: Tensor, start_pos: Tensor, prefill_slot: int | None, masked: bool = False
-    ) -> Tensor:
+    def _forward(self, tokens: Tensor, slots: Tensor, start_pos: Tensor, attention: str = "verify") -> Tensor:
         """Final normed hidden states [B*T, dim]; writes every layer's K/V for the tokens into the cache.
-        `masked` takes torch's masked attention (any T) instead of the verify kernel (built for T = 1 + k)."""
+        `attention`: "verify" (the verify kernel, built for T = 1 + k), "masked" (torch's masked attention over the
+        cached prefix, any T), "fresh" (one row at positions 0..T-1: causal attention over its own tokens only)."""
         c, ops = self.config, self.ops
         n_tokens = tokens.shape[1]
         residual = F.embedding(tokens.reshape(-1), self.tok_embeddings)
@@ -281,17 +302,18 @@ class Transformer(nn.Module):
             qkv = F.linear(x, layer.wqkv, layer.bqkv)
             if c.qk_norm:
                 ops.qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
-            if prefill_slot is None and not masked:
+            if attention == "verify":
                 attn = ops.rope_attention(
                     qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads, self.counters
                 )
             else:
                 q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
-                if masked:
+                if attention == "masked":
                     attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens)
                 else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
-                    k = k_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]  # [1, Hkv, T, D]
-                    v = v_cache[prefill_slot, :n_tokens].transpose(0, 1)[None]
+                    # index_select, not k_cache[slot]: the slot is a device tensor inside a prefill graph.
+                    k = k_cache[:, :n_tokens].index_select(0, slots).transpose(1, 2)  # [1, Hkv, T, D]
+                    v = v_cache[:, :n_tokens].index_select(0, slots).transpose(1, 2)
                     attn = F.scaled_dot_product_attention(
                         q.transpose(0, 1)[None], k, v, is_causal=True, enable_gqa=True
                     )
@@ -313,13 +335,65 @@ class Transformer(nn.Module):
         already cached); returns the chunk's last position's logits [V]."""
         if not 0 < tokens.shape[0] <= self.max_len - start:
             raise ValueError(f"prompt chunk of {tokens.shape[0]} tokens at {start} does not fit max_len {self.max_len}")
+        if self.cuda_graphs:
+            return self._replay_prefill(slot, tokens, start)
         slots = self.slot_ids[slot : slot + 1]
         with sdpa_kernel(PREFILL_SDPA):
-            if start == 0:
-                x = self._forward(tokens[None], slots, torch.zeros_like(slots), prefill_slot=slot)
-            else:  # a later chunk of a chunked prefill attends to the cached prefix too: the general masked path
-                x = self._forward(tokens[None], slots, torch.full_like(slots, start), prefill_slot=None, masked=True)
+            # A later chunk of a chunked prefill attends to the cached prefix too: the general masked path.
+            x = self._forward(tokens[None], slots, torch.full_like(slots, start), "fresh" if start == 0 else "masked")
         return self._logits(x[-1:])[0]
+
+    def _replay_prefill(self, slot: int, tokens: Tensor, start: int) -> Tensor:
+        """`prefill` through the graph of the chunk's token bucket and attention (captured on first use); the
+        chunk's tokens lead the bucket and the rest pad it: causal attention keeps them out of the chunk's rows,
+        their K/V land past the chunk (overwritten before anything attends there) and their logits nowhere."""
+        n = tokens.shape[0]
+        key = (next(s for s in prefill_sizes(n) if s >= n), start == 0)
+        if key not in self._prefill_graphs:
+            self.capture_prefill_graphs(key[0])
+        g = self._prefill_graphs[key]
+        # fill_ takes the scalars as kernel arguments: no host-to-device copy, no sync.
+        g.tokens[0, :n].copy_(tokens)
+        g.slots.fill_(slot)
+        g.start_pos.fill_(start)
+        g.last.fill_(n - 1)
+        g.graph.replay()
+        return g.logits.clone()  # the buffer is the next prefill's
+
+    def capture_prefill_graphs(self, longest: int) -> None:
+        """Capture the prefill of every token bucket up to `longest` tokens not yet captured, largest first, in
+        the verify graphs' pool: a fresh prompt (causal attention over its own tokens, FlashAttention) and a later
+        chunk (masked attention over the cached prefix)."""
+        for size in reversed(prefill_sizes(longest)):
+            for fresh in (True, False):
+                if (size, fresh) not in self._prefill_graphs:
+                    self._prefill_graphs[(size, fresh)] = self._capture_prefill(size, fresh)
+
+    def _capture_prefill(self, size: int, fresh: bool) -> _Graph:
+        tokens = torch.zeros(1, size, dtype=torch.int64, device=self.device)
+        slots = torch.full((1,), self.pad_slot, dtype=torch.int64, device=self.device)
+        start_pos, last = torch.zeros(1, dtype=torch.int64, device=self.device), torch.zeros_like(slots)
+
+        def forward() -> Tensor:
+            with sdpa_kernel(PREFILL_SDPA):
+                x = self._forward(tokens, slots, start_pos, "fresh" if fresh else "masked")
+            return self._logits(x.index_select(0, last))[0]
+
+        graph, logits = self._capture(forward)
+        return _Graph(graph, tokens, slots, start_pos, logits, last)
+
+    def _capture(self, forward: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """`forward` captured into the model's graph pool, and its output buffer; warmed up first on a side stream
+        (kernel compilation, cuBLAS handles), as capture requires."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            output = forward()
+        return graph, output
 
     def verify(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
         """Logits [B, T, V] (fp32) for `tokens [B, T]` at positions start_pos..start_pos+T-1 of `slots`.
@@ -330,7 +404,7 @@ class Transformer(nn.Module):
         """
         batch, n_tokens = tokens.shape
         if not self.cuda_graphs:
-            return self._logits(self._forward(tokens, slots, start_pos, None)).view(batch, n_tokens, -1)
+            return self._logits(self._forward(tokens, slots, start_pos)).view(batch, n_tokens, -1)
         if (self.max_slots, n_tokens) not in self._graphs:
             self.capture_graphs(n_tokens)
         size = next(s for s in self._graph_sizes if s >= batch)
@@ -344,6 +418,9 @@ class Transformer(nn.Module):
         g.graph.replay()
         return g.logits[:batch]
 
+    def _verify_logits(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
+        return self._logits(self._forward(tokens, slots, start_pos))
+
     def capture_graphs(self, n_tokens: int) -> None:
         """Capture the verify step for T = n_tokens at every batch-size bucket (largest first, one pool);
         a no-op when already captured."""
@@ -353,15 +430,7 @@ class Transformer(nn.Module):
             tokens = torch.zeros(size, n_tokens, dtype=torch.int64, device=self.device)
             slots = torch.full((size,), self.pad_slot, dtype=torch.int64, device=self.device)
             start_pos = torch.zeros(size, dtype=torch.int64, device=self.device)
-            # Warm up on a side stream (kernel compilation, cuBLAS handles) as graph capture requires.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._logits(self._forward(tokens, slots, start_pos, None))
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                logits = self._logits(self._forward(tokens, slots, start_pos, None))
+            graph, logits = self._capture(partial(self._verify_logits, tokens, slots, start_pos))
             self._graphs[(size, n_tokens)] = _Graph(graph, tokens, slots, start_pos, logits.view(size, n_tokens, -1))
 
 
