@@ -7,10 +7,11 @@
 --first-calls N: a one-layer model of the shape, a sync after each prefill, lengths 1..N fresh and after a
 cached prefix; prints the total, the median and slowest first calls, and a second call of one length (a cost
 paid once per length shows as first calls far above the second). --profile adds cProfile over 40 more lengths.
---warm L: the full model, `measured.warm_prefill_shapes(model, L)` timed (and its memoised second call), then
-three calls of warmed lengths and two of lengths past L. Run the two parts in separate processes: what the first
-loads, the second would not pay. docs/hil.md ("cuDNN attention builds per shape") has the H100 figures; they
-came from two scratch scripts whose parts this file joins.
+--warm L: the full model with CUDA graphs, `measured.warm_prefill_shapes(model, L)` timed (since the prefill runs
+through CUDA graphs, that is the capture of every token bucket up to L), its second call (a no-op), then three
+calls of lengths up to L and two past it (whose bucket is captured on its first call). Run the two parts in
+separate processes: what the first loads, the second would not pay. docs/hil.md ("cuDNN attention builds per
+shape") has the H100 figures of the eager prefill; they came from two scratch scripts whose parts this file joins.
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ def warmed(name: str, longest: int) -> None:
     tokens = torch.zeros(longest + 90, dtype=torch.int64, device="cuda")
     t = time.perf_counter()
     measured.warm_prefill_shapes(model, longest)
-    print(f"warm-up of lengths 1..{longest}: {time.perf_counter() - t:.1f} s")
+    print(f"warm-up of chunks up to {longest} tokens: {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
     measured.warm_prefill_shapes(model, longest)
-    print(f"  its second call (memoised): {time.perf_counter() - t:.3f} s")
+    print(f"  its second call (nothing left to do): {time.perf_counter() - t:.3f} s")
     for length in sorted({1, 7, 100, longest // 3, longest // 2, longest - 1, longest} & set(range(1, longest + 1))):
         fresh = [timed_ms(model.prefill, 0, tokens[:length]) for _ in range(3)]
         cached = [timed_ms(model.prefill, 0, tokens[:length], start=1) for _ in range(3)]
@@ -84,7 +85,7 @@ def warmed(name: str, longest: int) -> None:
               f"{' / '.join(f'{v:.1f}' for v in cached)} ms")
     for length in (longest + 6, longest + 66):
         fresh = [timed_ms(model.prefill, 0, tokens[:length]) for _ in range(2)]
-        print(f"  length {length} (not warmed): fresh {fresh[0]:.1f} / {fresh[1]:.1f} ms")
+        print(f"  length {length} (past the warm-up): fresh {fresh[0]:.1f} / {fresh[1]:.1f} ms")
 
 
 def main() -> None:

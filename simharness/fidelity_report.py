@@ -114,9 +114,10 @@ def _enqueue_table(enqueue: list[dict]) -> str:
     bounds = [k for k in (enqueue[0] if enqueue else {}) if k.startswith("over_")]
     rows = [[r["level"], str(r["prefill_steps"]), _cell(r["median_ms"], "{:.1f}"), *(str(r[b]) for b in bounds)]
             for r in enqueue]  # fmt: skip
-    note = ("The launch of each step with prefills, per prompt it prefills (eager, one forward per prompt). hil "
-            "notes a launch part over 20 ms as one that may have outlasted its GPU gate; a gate lasts about 80 ms "
-            "on the H100 (docs/hil.md). The same counts at the real level say the host, not the gate, is slow.\n\n")
+    note = ("The launch of each step with prefills, per prompt it prefills (one forward per prompt: a CUDA-graph "
+            "replay with `engine.cuda_graphs`, eager launches without). hil notes a launch part over 20 ms as one "
+            "that may have outlasted its GPU gate; a gate lasts about 80 ms on the H100 (docs/hil.md). The same "
+            "counts at the real level say the host, not the gate, is slow.\n\n")
     headers = ["level", "steps with prefills", "median ms per prompt",
                *(f"> {b.removeprefix('over_').removesuffix('ms')} ms" for b in bounds)]
     return note + _markdown_table(headers, rows)
