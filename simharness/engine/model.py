@@ -3,8 +3,9 @@
 gpt-fast style: RMSNorm, RoPE (rotate-half pairing, as HF Llama; Llama 3's frequency scaling), grouped-query
 attention, SwiGLU, tied or untied LM head; Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorm. Shapes come
 from the catalogue (`simharness.models`); weights are random and seeded, or a checkpoint's
-(`simharness.engine.checkpoint`). The cache is allocated once, `[layers, slots + 1, max_len,
-kv_heads, head_dim]`; the extra slot is scratch for the padding rows of a CUDA-graph batch bucket.
+(`simharness.engine.checkpoint`). The cache is allocated once, `[layers, slots + 1, max_len (+ PREFILL_PAD with
+CUDA graphs), kv_heads, head_dim]`; the extra slot is scratch for the padding rows of a CUDA-graph batch bucket,
+the extra positions for the padding tokens of a prefill graph's token bucket.
 
 `verify` runs T = 1 + k tokens per batch row, each row at its own slot and start position (tensors, so
 nothing is read on the host). On CUDA the per-token ops are small Triton kernels (fused residual add +
@@ -267,7 +268,7 @@ class Transformer(nn.Module):
         self.k_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(cache_shape, device=device, dtype=dtype)
         angles = torch.arange(cache_len, device=device, dtype=torch.float64)[:, None] * rope_frequencies(c, device)
-        self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [max_len, head_dim / 2]
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()  # [cache_len, head_dim / 2]
         self.slot_ids = torch.arange(max_slots + 1, device=device)
         # Arrival counters of the attention kernel's chunk merge (one per (row, kv head) of a launch): zero between
         # launches, each launch leaves them zero.
