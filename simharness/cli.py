@@ -247,7 +247,7 @@ def calibrate_cmd(
     out.print(f"calibration: {calibration}")
     if check:
         try:
-            stats, run_dir = check_calibration(data, calibration, calibration.parent / "check")
+            stats, run_dir, drift = check_calibration(data, calibration, calibration.parent / "check")
         except ScenarioError as e:
             fail(str(e))
         table = Table(title=f"held-out points: |error| against the {data.level} level", box=box.SIMPLE_HEAD,
@@ -258,6 +258,8 @@ def calibrate_cmd(
             table.add_row(r.level, r.metric, str(r.points), f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}")
         out.print(table)
         out.print(f"check run: {run_dir}")
+        if drift:
+            err.print(f"[yellow]warning:[/] {escape(drift)}", highlight=False, soft_wrap=True)
 
 
 def summary_table(summary, swept: list[str]) -> Table:

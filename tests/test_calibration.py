@@ -216,3 +216,29 @@ def test_real_level_device_residue_is_fitted_on_plain_error():
             assert error < 0.2, error
         else:  # relative error: the residues win, the device-bound steps come out far too short
             assert error > 0.5, error
+
+
+def test_check_warns_when_this_machines_sim_does_not_reproduce_the_runs_own(sim_run, tmp_path):
+    """A run that also ran the sim level (as a fidelity run does): the check's uncalibrated sim is compared with it,
+    silently where they agree, with a warning naming the difference where they do not (the requests rebuilt here
+    differ: another Python's corpus, numpy's random streams, another source)."""
+    measured = as_measured(shutil.copytree(sim_run, tmp_path / "run"))
+    points = sorted((measured / "points").iterdir())
+    twins = []
+    for i, point in enumerate(points):  # each hil point's sim twin: the same values, as the same code gives
+        summary = json.loads((point / "summary.json").read_text())
+        twin = measured / "points" / f"{len(points) + i:04d}"
+        shutil.copytree(point, twin)
+        (twin / "summary.json").write_text(json.dumps({**summary, "level": "sim", "index": len(points) + i}))
+        twins.append(twin)
+    args = ("calibrate", str(measured), "--out", str(tmp_path / "c.yaml"), "--fit-where", "workload.concurrency=4",
+            "--check")
+    r = invoke(*args)
+    assert r.exit_code == 0 and "does not reproduce" not in r.output, r.output
+    twin = next(t for t in twins if json.loads((t / "summary.json").read_text())["workload.concurrency"] == 16)
+    summary = json.loads((twin / "summary.json").read_text())
+    (twin / "summary.json").write_text(json.dumps({**summary, "p99_tpot_ms": summary["p99_tpot_ms"] * 1.1}))
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert "does not reproduce the run's own sim level in 1 of 2 held-out configurations" in r.output
+    assert "p99_tpot_ms -4.5%" in r.output.replace("\n", " ")  # the median of 0 and 1 / 1.1 - 1
