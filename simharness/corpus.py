@@ -1,4 +1,4 @@
-"""The text corpus: Python standard-library source, present on every machine without a download.
+"""The text corpus: Python standard-library source, shipped with the package.
 
 Two token streams, each cut into natural passages:
 - `code`: the full source of `FILES`, cut at every top-level `def`/`class` and every method (with
@@ -6,21 +6,21 @@ Two token streams, each cut into natural passages:
 - `prose`: the docstrings of the same files (module, class and function docstrings, cleaned as
   `inspect.cleandoc` does), one passage per docstring, in source order.
 
-`FILES` are modules whose text is byte-identical in CPython 3.11.2 (Debian 12), 3.11.7, 3.12.1 and
-3.13.0, so the vocabulary and every token stream, and with them replay acceptance, are the same on
-those versions (checked: equal `Corpus.fingerprint`). Other patch releases may differ: security
-backports touch modules such as `email/header.py`, which is why it is not listed. Files that
-packagers split off (idlelib, tkinter, turtledemo) are left out; a listed file that is missing is
-skipped, and the fingerprint tells two machines' corpora apart.
+The files' text is vendored (`SOURCES`, written by `scripts/vendor-corpus` from CPython 3.11.7, PSF licence in
+`data/CORPUS-LICENSE.txt`), not read from the running Python: the listed files are byte-identical in CPython
+3.11.2, 3.11.7, 3.12.1 and 3.13.0, but patch releases backport fixes into such modules, and a corpus that
+follows the installed Python gives other requests, and other replay acceptance, on another machine (the H100's
+Python 3.12.3 did: docs/calibration.md). `Corpus.fingerprint` tells two machines' corpora apart.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import gzip
 import hashlib
 import itertools
-import sysconfig
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,8 +117,8 @@ class Corpus:
         return h.hexdigest()[:16]
 
 
-def stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+# The vendored source of FILES: {"python": where it was taken from, "files": {name: text}}.
+SOURCES = Path(__file__).with_name("data") / "corpus.json.gz"
 
 
 def _split_code(source: str, tree: ast.Module) -> tuple[str, ...]:
@@ -149,18 +149,13 @@ def _docstrings(tree: ast.Module) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=1)
 def documents() -> tuple[Document, ...]:
-    """The corpus files that exist on this machine, as text passages."""
-    root = stdlib_dir()
+    """The corpus files as text passages, in FILES order."""
+    sources = json.loads(gzip.decompress(SOURCES.read_bytes()))["files"]
     docs = []
     for name in FILES:
-        path = root / name
-        if not path.is_file():
-            continue
-        source = path.read_text(encoding="utf-8")
+        source = sources[name]
         tree = ast.parse(source)
         docs.append(Document(name, _split_code(source, tree), _docstrings(tree)))
-    if not docs:
-        raise FileNotFoundError(f"none of the corpus files exist under {root}")
     return tuple(docs)
 
 
