@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import finish
 
-from simharness.engine.decode import DecodeLoop
+from simharness.engine.decode import FORWARD, DecodeLoop
 from simharness.engine.model import PREFILL_PAD, Transformer, get_config, rope_attention_torch
 from simharness.engine.model_triton import rope_attention_triton
 
@@ -147,6 +147,10 @@ def test_step_makes_no_host_sync(invalid: str) -> None:
     outs = [finish(loop, r) for r in results]
     assert all((out.num_emitted >= 1).all() for out in outs)
     assert all(len(out.phase_s) == 4 and min(out.phase_s) >= 0 for out in outs)
+    # the verify graph's launch returned within the forward's part (hil starts the part's device work there)
+    for r in results:
+        marks = loop.host_marks(r)
+        assert marks[FORWARD] < loop.graph_launched(r) <= marks[FORWARD + 1]
 
 
 def run_loop(k: int, *, refs: list[list[int]] | None, n_steps: int, **kwargs) -> list[list[int]]:

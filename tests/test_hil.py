@@ -387,3 +387,35 @@ def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
         size = next(s for s in prefill_sizes(n) if s >= n)
         assert n <= size <= n + PREFILL_PAD and (size - n < 64 or n > 1024)
         assert prefill_sizes(size) == prefill_sizes(n)  # the bucket of n is the largest captured for n
+
+
+def test_a_graphed_forward_starts_on_the_device_when_its_launch_returned():
+    """The decode step's parts are enqueued between the host's marks; with CUDA graphs the forward's part begins
+    when the graph's launch returned (the device cannot run a graph before), which delays the step's device end
+    where the device would otherwise have started earlier; on the CPU no graph is launched."""
+    from types import SimpleNamespace
+
+    from simharness.engine.timing import decode_enqueue
+    from simharness.simulation import _overlapped_end
+
+    class Loop:
+        launched = None
+
+        def host_marks(self, result):
+            return [10.0, 10.1, 10.3, 10.4, 10.5, 10.6]  # start, then the end of each of the five parts
+
+        def graph_launched(self, result):
+            return self.launched
+
+    loop, device_s = Loop(), (0.05, 1.0, 0.05, 0.05, 0.05)
+    eager = decode_enqueue(loop, None, 10.0)
+    np.testing.assert_allclose(eager, [(0, 0.1), (0.1, 0.3), (0.3, 0.4), (0.4, 0.5), (0.5, 0.6)])
+    loop.launched = 10.25
+    graphed = decode_enqueue(loop, None, 10.0)
+    np.testing.assert_allclose(graphed, [(0, 0.1), (0.25, 0.3), (0.3, 0.4), (0.4, 0.5), (0.5, 0.6)])
+    ends = [_overlapped_end(SimpleNamespace(launch_start=0.0, enqueue=e, parts_s=device_s), 0.0)
+            for e in (eager, graphed)]
+    assert ends == pytest.approx([0.1 + 1.0 + 0.15, 0.25 + 1.0 + 0.15])  # the forward waits 0.15 for its launch
+    cpu = DecodeLoop(Transformer(get_config("tiny"), max_slots=2, max_len=64, device="cpu"), k=2, min_n=1, max_n=3)
+    cpu.add_request(0, [1, 2, 3, 1, 2])
+    assert cpu.graph_launched(cpu.step(torch.tensor([0]))) is None

@@ -30,6 +30,7 @@ from simharness.records import DEVICE_PHASES
 PHASES = DEVICE_PHASES[1:]  # the decode step's device phases, in order (a step's prefill chunks come first)
 # Part boundaries of a decode step: its start, the verify's forward, then the end of each of PHASES.
 MARKS = len(PHASES) + 2
+FORWARD = 1  # the verify forward's part, after its inputs'
 # Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
 STEER_MARGIN = 30.0
 # Steps that may be launched and not yet read back: async queue depth (<= 3 in vLLM) plus one.
@@ -69,6 +70,7 @@ class _Staging:
     host: Tensor
     events: list = field(default_factory=list)  # CUDA: a mark per part boundary (MARKS), then copy done
     times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
+    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when the verify graph's launch returned
     step_id: int = -1
 
 
@@ -225,7 +227,7 @@ class DecodeLoop:
             raise ValueError("without a device proposer every step needs the host's drafts")
         ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
-        staging.step_id, staging.times = self._step_id, []
+        staging.step_id, staging.times, staging.graph_launched = self._step_id, [], None
         self._mark(staging)
         with phase("gpu_verify"):
             if lengths is None:
@@ -246,6 +248,8 @@ class DecodeLoop:
             model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
             self._mark(staging)  # the forward's own part: a graph replay enqueued last is not spread out
             logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
+            if self.model.cuda_graphs:  # verify returns as soon as the graph's launch has
+                staging.graph_launched = time.perf_counter()
             if self._steered:
                 # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
                 ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
@@ -300,6 +304,11 @@ class DecodeLoop:
     def host_marks(self, result: StepResult) -> list[float]:
         """The host's perf_counter at the step's part boundaries (its start, then the end of each part)."""
         return self._staging(result).times
+
+    def graph_launched(self, result: StepResult) -> float | None:
+        """With CUDA graphs, the host's perf_counter when the verify graph's launch returned (within the forward's
+        part, after its inputs' copies): the graph runs once launched whole, so not before then. Else None."""
+        return self._staging(result).graph_launched
 
     def wait(self, result: StepResult) -> None:
         """Block until the step and its copy to the host are done (CUDA; on the CPU it ran when launched)."""

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from simharness.engine.decode import FORWARD, DecodeLoop, StepResult
 from simharness.kernels.gate import MAX_POLLS, Gate
 
 # An enqueue longer than this may have outlasted the gate's polls (about 4 us each on the H100; 1 us is taken as
@@ -59,6 +60,19 @@ class PartTiming:
         t = time.perf_counter()
         record(events)
         self.host_s += time.perf_counter() - t
+
+
+def decode_enqueue(loop: DecodeLoop, result: StepResult, shift: float) -> list[tuple[float, float]]:
+    """When the host enqueued each part of a decode step, relative to `shift`: between its marks. With CUDA graphs
+    the forward's part begins when the graph's launch returned: the device cannot start a graph before it is
+    launched whole, and the launch (with the inputs' copies before it) takes host time that the gated device time
+    leaves out (about 190 us on the H100: docs/hil.md, "What hil still misses")."""
+    marks = loop.host_marks(result)
+    parts = [(marks[i] - shift, marks[i + 1] - shift) for i in range(len(marks) - 1)]
+    launched = loop.graph_launched(result)
+    if launched is not None:
+        parts[FORWARD] = (launched - shift, parts[FORWARD][1])
+    return parts
 
 
 def record(events: list) -> None:

@@ -24,7 +24,7 @@ from simharness.engine.host_work import SYNC_OPS, Allocations
 from simharness.engine.mirror import HostMirror
 from simharness.engine.model import Transformer
 from simharness.engine.slots import Slots
-from simharness.engine.timing import DeviceClock, PartTiming
+from simharness.engine.timing import DeviceClock, PartTiming, decode_enqueue
 from simharness.instrument import SyncRecorder, phase
 from simharness.modes import Mode
 from simharness.policy import COMPLETES, EMITTED
@@ -198,8 +198,7 @@ class TorchBackend:
                 step_s = time.perf_counter() - t
                 if timing is not None:
                     timing.after(step_s)
-                    marks, shift = self.loop.host_marks(launch.result), t0 + timing.host_s
-                    launch.enqueue += [(marks[i] - shift, marks[i + 1] - shift) for i in range(len(marks) - 1)]
+                    launch.enqueue += decode_enqueue(self.loop, launch.result, t0 + timing.host_s)
             if launch.first_device is not None:
                 host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
                 launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
