@@ -10,7 +10,7 @@ The files' text is vendored (`SOURCES`, written by `scripts/vendor-corpus` from 
 `data/CORPUS-LICENSE.txt`), not read from the running Python: the listed files are byte-identical in CPython
 3.11.2, 3.11.7, 3.12.1 and 3.13.0, but patch releases backport fixes into such modules, and a corpus that
 follows the installed Python gives other requests, and other replay acceptance, on another machine (the H100's
-Python 3.12.3 did: docs/calibration.md). `Corpus.fingerprint` tells two machines' corpora apart.
+Python 3.12.3 most likely did: docs/calibration.md). `Corpus.fingerprint` tells two machines' corpora apart.
 """
 
 from __future__ import annotations
