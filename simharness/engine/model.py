@@ -349,7 +349,7 @@ class Transformer(nn.Module):
         chunk's tokens lead the bucket and the rest pad it: causal attention keeps them out of the chunk's rows,
         their K/V land past the chunk (overwritten before anything attends there) and their logits nowhere."""
         n = tokens.shape[0]
-        key = (next(s for s in prefill_sizes(n) if s >= n), start == 0)
+        key = (prefill_sizes(n)[-1], start == 0)  # the last bucket is the one that holds n tokens
         if key not in self._prefill_graphs:
             self.capture_prefill_graphs(key[0])
         g = self._prefill_graphs[key]
