@@ -27,7 +27,7 @@ from simharness.measured import MeasuredEngine, run_level, warm_up
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import resolve_mode
-from simharness.scenario import parse_value
+from simharness.scenario import parse_sets
 from simharness.workload import build_requests
 
 PROBE = {"engine.backend": "real", "scheduler.policy": "optimistic", "scheduler.depth": 2,
@@ -82,10 +82,7 @@ def main() -> None:
     ap.add_argument("--freeze", action="store_true", help="gc.collect() and gc.freeze() before each measured run")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the scenario")
     args = ap.parse_args()
-    overrides = dict(PROBE)
-    for item in args.set:
-        path, _, value = item.partition("=")
-        overrides[path] = parse_value(value)
+    overrides = {**PROBE, **parse_sets(args.set)}
     points = simharness.sweep_points(simharness.load_scenario(args.scenario, overrides))
     modes = [resolve_mode(p.scenario) for p in points]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 import simharness
-from simharness.scenario import parse_value
+from simharness.scenario import parse_sets
 
 
 def main() -> None:
@@ -45,10 +45,7 @@ def main() -> None:
         effects.to_csv(args.out / "effects.csv", index=False)
         print(table(effects))
         return
-    overrides = {}
-    for item in args.set:
-        path, _, value = item.partition("=")
-        overrides[path] = parse_value(value)
+    overrides = parse_sets(args.set)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = args.out / "runs" if args.keep_runs else Path(tempfile.mkdtemp(prefix="seeds-"))
     all_rows, seconds = [], []

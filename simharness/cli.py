@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_value
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets
 
 # Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -58,16 +58,6 @@ def load(scenario: Path, sets: list[str]) -> Scenario:
         else:
             warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     return sc
-
-
-def parse_sets(sets: list[str]) -> dict[str, object]:
-    overrides = {}
-    for item in sets:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            fail(f"--set {item!r}: expected KEY=VALUE, e.g. --set scheduler.depth=3")
-        overrides[key.strip()] = parse_value(value)
-    return overrides
 
 
 WorkersOption = Annotated[str | None, typer.Option(

@@ -494,6 +494,17 @@ def parse_value(text: str) -> Any:
         raise ScenarioError(f"cannot parse value {text!r}: {e}") from None
 
 
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items -> {dotted path: parsed value}."""
+    overrides = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ScenarioError(f"--set {item!r}: expected KEY=VALUE, e.g. --set scheduler.depth=3")
+        overrides[key.strip()] = parse_value(value)
+    return overrides
+
+
 def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None) -> Scenario:
     """Validate a scenario mapping, after applying dotted-path overrides."""
     if not isinstance(data, dict):
