@@ -71,10 +71,12 @@ def test_real_timeline_is_wall_clock_and_ordered(requests, model):  # noqa: F811
     assert (steps["gpu_start"] >= steps["prep_end"]).all() and (steps["gpu_end"] <= steps["launch_end"]).all()
     assert (steps["update_start"] >= steps["gpu_end"]).all()
     assert (steps[DEVICE_PHASE_COLUMNS].sum(axis=1) <= (steps["gpu_end"] - steps["gpu_start"]) * (1 + 1e-9)).all()
-    # the modelled host work is really spun: each schedule phase lasts at least its modelled cost
+    # the modelled host work is really spun, less the loop's own time it absorbs (which `harness_s` holds)
     cost = sc.engine.host_costs
-    modelled = (cost.schedule_us + cost.schedule_per_req_us * steps["n_reqs"]) * 1e-6
-    assert ((steps["schedule_end"] - steps["schedule_start"]) >= modelled).all()
+    modelled = (cost.schedule_us + cost.update_us + (cost.schedule_per_req_us + cost.update_per_req_us)
+                * steps["n_reqs"]).sum() * 1e-6
+    spun = (steps["schedule_end"] - steps["schedule_start"] + steps["update_end"] - steps["update_start"]).sum()
+    assert modelled > 0 and spun + steps["harness_s"].sum() >= modelled
     assert duration == pytest.approx(records.requests["last_token_s"].max())
     syncs = records.syncs_frame()
     assert set(syncs["name"]) == {"output_readback", "accepted_counts", "valid_draft_counts"}
@@ -107,3 +109,35 @@ def test_real_level_through_the_public_api(tmp_path):
     for name in ("summary", "requests", "steps", "syncs", "emissions", "device_syncs"):
         assert list(getattr(real, name).columns) == list(getattr(sim, name).columns), name
     assert real.steps["gpu_verify_s"].notna().all()
+
+
+class _EngineClock:
+    """Stands in for the backend's engine-time account in `RealLoop._work`."""
+
+    def __init__(self):
+        self.engine_s, self.spun = 0.0, []
+
+    def engine_time(self, seconds: float) -> None:
+        self.engine_s += seconds
+        self.spun.append(seconds)
+
+
+def test_modelled_host_work_absorbs_the_loops_own_time():
+    """The loop's own host time since the last modelled work is charged against the next modelled work: it spins
+    only the rest; engine time in between (the backend's phases) is not the loop's and absorbs nothing."""
+    import time
+
+    loop = RealLoop.__new__(RealLoop)
+    loop.backend = _EngineClock()
+    loop._mark_own()
+    loop.own_from -= 0.2  # the loop's own work began 200 ms ago ...
+    loop.backend.engine_time(0.15)  # ... and 150 ms of it were the engine's: 50 ms are the loop's own
+    loop.backend.spun.clear()
+    loop._work(0.1)
+    assert 0.03 < loop.backend.spun[0] <= 0.05 + 1e-9
+    loop.own_from = time.perf_counter() - 0.2  # 200 ms of the loop's own time: more than the 100 ms modelled
+    loop._work(0.1)
+    assert loop.backend.spun[1] == 0.0
+    before = loop.own_from
+    loop._work(0.0)  # no modelled work: nothing spun, the loop's own time keeps counting
+    assert len(loop.backend.spun) == 2 and loop.own_from == before

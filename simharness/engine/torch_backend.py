@@ -107,6 +107,7 @@ class TorchBackend:
         # copy, the CPU proposer), per read-back step
         self.inside = 0.0
         self.mark = time.perf_counter()
+        self.engine_s = 0.0  # all engine host time so far, never reset (`realloop.RealLoop._work` reads it)
         self.allocations = Allocations(sc.engine.gc.heap_objects, sc.engine.gc.allocations_per_step)
         self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
 
@@ -115,8 +116,10 @@ class TorchBackend:
         self.clock = DeviceClock(self.cuda, t0)
 
     def engine_time(self, seconds: float) -> None:
-        """Host time of engine work done outside the backend (the real level's modelled phases): not harness time."""
+        """Count `seconds` of host time as the engine's work (the backend's phases, the real level's modelled ones),
+        not the harness's."""
         self.inside += seconds
+        self.engine_s += seconds
 
     # ---------------------------------------------------------------- host view
 
@@ -209,10 +212,10 @@ class TorchBackend:
         self.n_launched += 1
         wall = time.perf_counter() - t0
         if timing is None:  # the CPU: the device work ran synchronously inside the launch
-            self.inside += wall
+            self.engine_time(wall)
             return max(wall - launch.prefill_s - step_s, 0.0)
         wall -= timing.host_s  # the timing's own host time is the harness's
-        self.inside += wall
+        self.engine_time(wall)
         self.starved_steps += timing.starved
         step.enqueue = launch.enqueue
         return wall
@@ -321,5 +324,5 @@ class TorchBackend:
     def _leave(self, t0: float) -> float:
         """Seconds since `t0`, counted as time inside the backend."""
         dt = time.perf_counter() - t0
-        self.inside += dt
+        self.engine_time(dt)
         return dt
