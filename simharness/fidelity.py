@@ -55,16 +55,20 @@ def check_levels(sc: Scenario, levels: list[str]) -> None:
 
 
 def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
-    """Every sweep point at each level: once at the sim level, `fidelity.runs` times at a measured one."""
+    """Every sweep point at each level: once at the sim level, `fidelity.runs` times at a measured one. The
+    measured levels take turns run by run (hil 0, real 0, hil 1, real 1, ...): a slow spell of the host then
+    lands on one run of each level, which the median over runs discards, not on every run of one level."""
     points = []
+    measured = [level for level in levels if level != "sim"]
     for p in sweep_points(sc):
-        for level in levels:
-            for run in range(1 if level == "sim" else sc.fidelity.runs):
-                scenario = p.scenario.model_copy(deep=True)
-                scenario.engine.backend = LEVELS[level]
-                point_id = f"level={level},run={run}" + ("" if p.id == "base" else f",{p.id}")
-                values = {"config": p.id, "level": level, "run": run, **p.values}
-                points.append(Point(id=point_id, index=len(points), values=values, scenario=scenario))
+        runs = [("sim", 0)] if "sim" in levels else []
+        runs += [(level, run) for run in range(sc.fidelity.runs) for level in measured]
+        for level, run in runs:
+            scenario = p.scenario.model_copy(deep=True)
+            scenario.engine.backend = LEVELS[level]
+            point_id = f"level={level},run={run}" + ("" if p.id == "base" else f",{p.id}")
+            values = {"config": p.id, "level": level, "run": run, **p.values}
+            points.append(Point(id=point_id, index=len(points), values=values, scenario=scenario))
     return points
 
 

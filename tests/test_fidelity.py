@@ -78,6 +78,9 @@ def test_points_run_each_level_on_the_same_requests():
     assert {p.scenario.engine.backend for p in points} == {"model", "torch", "real"}
     assert {p.scenario.seed for p in points} == {sc.seed}
     assert len({p.id for p in points}) == len(points) and [p.index for p in points] == list(range(len(points)))
+    # per sweep point: sim, then the measured levels taking turns run by run
+    order = [(p.values["level"], p.values["run"]) for p in points[:5]]
+    assert order == [("sim", 0), ("hil", 0), ("real", 0), ("hil", 1), ("real", 1)]
 
 
 def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
