@@ -100,7 +100,8 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
                  "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
                  "agreement": agreement(summary).to_dict(orient="records"),
                  "real_overhead": overhead(summary, steps).to_dict(orient="records"),
-                 "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records")}  # fmt: skip
+                 "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records"),
+                 "host": host_speed(summary).to_dict(orient="records")}  # fmt: skip
         (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
         from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
 
@@ -210,4 +211,24 @@ def prefill_enqueue(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         ms = s.loc[s["level"] == lv, "ms"]
         rows.append({"level": lv, "prefill_steps": len(ms), "median_ms": float(ms.median()),
                      **{f"over_{b}ms": int((ms > b).sum()) for b in ENQUEUE_BOUNDS_MS}})  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
+
+
+# a run whose host gauge was this many times slower than the fastest is counted as measured in a slow spell
+SLOW_HOST = 1.2
+
+
+def host_speed(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per measured level, the host gauge around its runs (`simharness.hostspeed`): the median and largest slowdown,
+    the runs over SLOW_HOST, and the runs measured more than once (`engine.host_slowdown`). Empty for runs made
+    before the gauge existed."""
+    columns = ["level", "runs", "median_slowdown", "max_slowdown", f"over_{SLOW_HOST}", "measured_again"]
+    if "host_slowdown" not in summary:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for level, runs in summary[summary["level"] != "sim"].groupby("level", sort=False):
+        slowdown = runs["host_slowdown"]
+        rows.append({"level": level, "runs": len(runs), "median_slowdown": float(slowdown.median()),
+                     "max_slowdown": float(slowdown.max()), f"over_{SLOW_HOST}": int((slowdown > SLOW_HOST).sum()),
+                     "measured_again": int((runs["host_attempts"] > 1).sum())})  # fmt: skip
     return pd.DataFrame(rows, columns=columns)

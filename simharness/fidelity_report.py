@@ -49,6 +49,8 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
         _agreement_table(facts["agreement"], facts["real_overhead"]),
         "## Prefill enqueue on the host\n",
         _enqueue_table(facts["prefill_enqueue"]),
+        "## The host during the runs\n",
+        _host_table(facts["host"]),
     ]
     if len(errors):
         parts.append("![predicted vs real](plots/fidelity_scatter.png)\n\n"
@@ -120,6 +122,21 @@ def _enqueue_table(enqueue: list[dict]) -> str:
             "counts at the real level say the host, not the gate, is slow.\n\n")
     headers = ["level", "steps with prefills", "median ms per prompt",
                *(f"> {b.removeprefix('over_').removesuffix('ms')} ms" for b in bounds)]
+    return note + _markdown_table(headers, rows)
+
+
+def _host_table(host: list[dict]) -> str:
+    """The host gauge around the measured runs, per level."""
+    if not host:
+        return "No host gauge in these runs (measured before `simharness.hostspeed` existed).\n"
+    over = next(k for k in host[0] if k.startswith("over_"))
+    rows = [[r["level"], str(r["runs"]), _cell(r["median_slowdown"], "{:.2f}x"), _cell(r["max_slowdown"], "{:.2f}x"),
+             str(r[over]), str(r["measured_again"])] for r in host]  # fmt: skip
+    note = ("A fixed pure-Python workload timed before and after each run, against the fastest time of its process "
+            "(`simharness.hostspeed`): a small model's decode loop is host-bound, so a run measured while the host "
+            "was slow is slow too, at either level. `engine.host_slowdown` measures such a run again.\n\n")
+    headers = ["level", "runs", "median slowdown", "largest", f"runs > {over.removeprefix('over_')}x",
+               "measured again"]
     return note + _markdown_table(headers, rows)
 
 

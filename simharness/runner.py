@@ -302,7 +302,13 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
     notes = [mode.note]
     level = LEVELS[sc.engine.backend]
     if level != "sim":
-        records, duration, backend = measured.run(sc, requests, mode)
+        run = measured.run(sc, requests, mode)
+        records, duration, backend = run.records, run.duration, run.backend
+        host = {"host_slowdown": run.host_slowdown, "host_attempts": run.host_attempts}
+        limit = sc.engine.host_slowdown
+        if limit is not None and (run.host_attempts > 1 or run.host_slowdown > limit):
+            notes.append(f"measured {run.host_attempts} times: the host was {run.host_slowdown:.2f}x slower than its "
+                         f"fastest around the run kept (engine.host_slowdown: {limit})")
         device_syncs = backend.syncs.frame()
         if level == "hil" and backend.starved_steps:
             notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
@@ -314,6 +320,7 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
             notes.append(message)
     else:
         records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
+        host = {}
         device_syncs = device_syncs_frame([])
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(
@@ -330,6 +337,7 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
     summary.update(point.values)
     summary.update(effective_depth=mode.depth, note="; ".join(filter(None, notes)))
     summary.update(metrics)
+    summary.update(host)
     events = trace_events(steps, syncs, max_steps=sc.report.trace_steps)
     tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
               "device_syncs": device_syncs}

@@ -249,6 +249,11 @@ class Engine(Strict):
         True, description="torch backend: steer the logits to the reference text (false: the model's own greedy "
         "predictions decide what is accepted)"
     )
+    host_slowdown: float | None = Field(
+        None, gt=1, le=10, description="hil/real: measure a run again (at most twice more) when the host gauge around "
+        "it (`simharness.hostspeed`) was this many times slower than the fastest this process has seen; every run's "
+        "gauge is in the summary (host_slowdown, host_attempts)"
+    )
     speculation: Speculation = Speculation()
     gpu_costs: GpuCosts = GpuCosts()
     host_costs: HostCosts = HostCosts()

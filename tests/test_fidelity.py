@@ -14,6 +14,7 @@ from simharness.fidelity import (
     error_stats,
     error_table,
     fidelity_points,
+    host_speed,
     prefill_enqueue,
     run_fidelity,
     spread,
@@ -71,6 +72,15 @@ def test_prefill_enqueue_by_hand():
     assert prefill_enqueue(summary, pd.DataFrame()).empty
 
 
+def test_host_speed_by_hand():
+    summary = pd.DataFrame({"level": ["sim", "hil", "hil", "real", "real", "real"],
+                            "host_slowdown": [float("nan"), 1.0, 1.5, 1.1, 1.3, 1.0],
+                            "host_attempts": [float("nan"), 1, 3, 1, 2, 1]})  # fmt: skip
+    table = host_speed(summary).set_index("level")
+    assert table.loc["hil"].tolist() == [2, 1.25, 1.5, 1, 1] and table.loc["real"].tolist() == [3, 1.1, 1.3, 1, 1]
+    assert host_speed(summary.drop(columns=["host_slowdown", "host_attempts"])).empty  # runs before the gauge
+
+
 def test_points_run_each_level_on_the_same_requests():
     sc = load_scenario("scenarios/fidelity-cpu.yaml", SMALL)
     points = fidelity_points(sc, ["sim", "hil", "real"])
@@ -95,6 +105,8 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     facts = json.loads((result.run_dir / "fidelity.json").read_text())
     assert all(r["identical"] for r in facts["agreement"])  # hil and real emitted the same tokens
     assert len(facts["real_overhead"]) == 2 * 2
+    assert {r["level"]: r["runs"] for r in facts["host"]} == {"hil": 4, "real": 4}  # the gauge ran around each
+    assert (result.summary.loc[result.summary["level"] != "sim", "host_slowdown"] >= 1).all()
     enqueue = {r["level"]: r for r in facts["prefill_enqueue"]}
     steps = pd.read_parquet(result.run_dir / "steps.parquet")
     levels = result.summary.set_index("point")["level"]

@@ -8,7 +8,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels"],  # the scenario, model catalogue, leaf utilities
+    # the scenario, model catalogue, leaf utilities (the host gauge among them)
+    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels", "hostspeed"],
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",

@@ -50,6 +50,7 @@ def test_overrides_reach_any_field():
         ({"sweep": {"scheduler.depth": []}}, "sweep.scheduler.depth: needs a non-empty list of values"),
         ({"bogus": 1}, "bogus: unknown field"),
         ({"scheduler": {"depth": "two"}}, "scheduler.depth: Input should be a valid integer"),
+        ({"engine": {"host_slowdown": 1.0}}, "engine.host_slowdown: Input should be greater than 1"),
         ({"workload": {"prompt_len": {"dist": "uniform", "min": 9, "max": 3}}}, "min (9) must be <= max (3)"),
     ],
 )
