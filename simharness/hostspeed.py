@@ -2,7 +2,7 @@
 
 A decode loop of a small model is host-bound: its TPOT follows the host's speed. On a shared machine the host
 slows down in spells (the H100 machines of the device tool: every host phase about 1.6 times as long for a few
-seconds at a time; docs/hil.md, "What is left: the host's speed"), so a run measured in a spell is not comparable
+seconds at a time; docs/hil.md, "The host's speed"), so a run measured in a spell is not comparable
 with one measured outside it. The gauge times a fixed pure-Python workload (the interpreter's speed is what the
 host phases need) before and after a run; the run's slowdown is the slower of the two against the fastest time
 this process has seen.
@@ -18,7 +18,7 @@ RETRIES = 2  # at most this many more runs of a point measured in a spell (`engi
 
 
 def _workload() -> int:
-    """About 100 us of interpreter work on the H100 machines' hosts: a loop, integer arithmetic, a dict."""
+    """About 0.15 ms of interpreter work (on the development machine): a loop, integer arithmetic, a dict."""
     seen: dict[int, int] = {}
     total = 0
     for i in range(2000):

@@ -5,11 +5,11 @@ pass for real. As vLLM's engine core does, the host prepares and launches step N
 step N (eager launches return at once, so the device starts on the first kernel), and blocks only where the
 policy needs device data: at a sync point (it waits for the step the point waits for, and reads back every
 step up to it, in launch order) and at the by-design readback of the oldest step before settling it. Host
-work the harness does not reproduce (the scheduler's and output processor's own cost, modelled GC pauses,
-`engine.host_costs`) is spun on the host for its modelled time, as hil adds it in virtual time. Device
-timestamps come from CUDA events on the host's clock (`engine.timing.DeviceClock`). Requests arrive in
-wall-clock time: the engine takes in those that arrived at the top of each loop iteration, as vLLM's engine
-core reads its input queue once per step.
+work the harness does not reproduce (the scheduler's and output processor's own cost, `engine.host_costs`) is
+spun on the host for its modelled time, less the loop's own bookkeeping since the last such work, and modelled GC
+pauses whole, as hil adds them in virtual time. Device timestamps come from CUDA events on the host's clock
+(`engine.timing.DeviceClock`). Requests arrive in wall-clock time: the engine takes in those that arrived at the
+top of each loop iteration, as vLLM's engine core reads its input queue once per step.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class RealLoop:
         """Modelled engine work on the host: spun, and counted as the engine's time. The loop's own host work since
         the last modelled work (reading outcomes back, settling requests, records) is charged against it, not
         added to it: a real engine's scheduler and output processor, which the model costs, do that work, and
-        hil leaves the harness's time out. It is still measured (`Step.harness_s`); docs/real.md."""
+        hil leaves the harness's time out. It is still measured (`Step.harness_s`); docs/hil.md,
+        "The real loop's own host time"."""
         if seconds <= 0.0:
             return
         now = time.perf_counter()
@@ -72,6 +73,11 @@ class RealLoop:
         spin(spun)
         self.backend.engine_time(spun)
         self._mark_own()
+
+    def _pause(self, seconds: float) -> None:
+        """A modelled stall of the host (a GC pause): spun whole, and the engine's time; it absorbs nothing."""
+        spin(seconds)
+        self.backend.engine_time(seconds)
 
     def _mark_own(self) -> None:
         """Start counting the loop's own host time anew (after modelled work, or a wait for arrivals)."""
@@ -140,7 +146,7 @@ class RealLoop:
             launched = False
             if len(in_flight) < depth:  # fill the batch queue before consuming any output
                 gc_pause = core.gc_pause() if gc else 0.0
-                self._work(gc_pause)
+                self._pause(gc_pause)
                 step = core.schedule(gc_pause)
                 self._take_in()
                 if step is not None:

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
 from simharness import results
@@ -320,7 +321,7 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
             notes.append(message)
     else:
         records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
-        host = {}
+        host = {"host_slowdown": np.nan, "host_attempts": np.nan}  # the same columns at every level
         device_syncs = device_syncs_frame([])
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(

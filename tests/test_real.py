@@ -141,3 +141,7 @@ def test_modelled_host_work_absorbs_the_loops_own_time():
     before = loop.own_from
     loop._work(0.0)  # no modelled work: nothing spun, the loop's own time keeps counting
     assert len(loop.backend.spun) == 2 and loop.own_from == before
+    loop.own_from = time.perf_counter() - 0.05  # 50 ms of the loop's own time ...
+    loop._pause(0.02)  # ... which a modelled GC pause does not absorb: it is spun whole, as the engine's time
+    loop._work(0.1)  # the next modelled work still absorbs the 50 ms (the pause was engine time, not the loop's)
+    assert loop.backend.spun[2] == 0.02 and 0.03 < loop.backend.spun[3] <= 0.05 + 1e-9
