@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from simharness import results
-from simharness.runner import execute
+from simharness.runner import execute, without_ignored
 from simharness.scenario import FidelityMetric, Point, Scenario, ScenarioError, sweep_points
 
 METRICS: tuple[str, ...] = get_args(FidelityMetric)
@@ -66,6 +66,7 @@ def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
         for level, run in runs:
             scenario = p.scenario.model_copy(deep=True)
             scenario.engine.backend = LEVELS[level]
+            without_ignored(scenario, level)
             point_id = f"level={level},run={run}" + ("" if p.id == "base" else f",{p.id}")
             values = {"config": p.id, "level": level, "run": run, **p.values}
             points.append(Point(id=point_id, index=len(points), values=values, scenario=scenario))

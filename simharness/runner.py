@@ -280,22 +280,38 @@ _state: tuple[str, _Workloads, MeasuredEngine | None] | None = None  # this proc
 
 # The level of each engine.backend.
 LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
-# Fields a measured point reads nowhere: its device and step times are measured, its acceptance is the sampler's.
-MEASURED_IGNORES = ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration",
-                    "engine.gc.full_every", "engine.host_costs.gc_ns_per_object")
+# Fields a level reads nowhere: a measured point's device and step times are measured and its acceptance is the
+# sampler's; a sim point runs no decode loop and has no host to gauge.
+IGNORED = {
+    "measured": ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration",
+                 "engine.gc.full_every", "engine.host_costs.gc_ns_per_object"),
+    "sim": ("engine.device", "engine.cuda_graphs", "engine.steer", "engine.host_slowdown"),
+}
 
 
-def ignored_fields(sc: Scenario) -> list[str]:
-    """The fields of a measured point set away from their defaults, which it ignores."""
+def ignored_fields(sc: Scenario, level: str) -> list[str]:
+    """The fields a point of `level` ignores that `sc` sets away from their defaults."""
     default = Scenario(name=sc.name)
     changed = []
-    for path in MEASURED_IGNORES:
+    for path in IGNORED["sim" if level == "sim" else "measured"]:
         mine, theirs = sc, default
         for part in path.split("."):
             mine, theirs = getattr(mine, part), getattr(theirs, part)
         if mine != theirs:
             changed.append(path)
     return changed
+
+
+def without_ignored(sc: Scenario, level: str) -> None:
+    """Set the fields a point of `level` ignores back to their defaults (a fidelity run drives one scenario at
+    every level on purpose, so its points do not warn about the other levels' fields)."""
+    default = Scenario(name=sc.name)
+    for path in ignored_fields(sc, level):
+        *parents, name = path.split(".")
+        mine, theirs = sc, default
+        for part in parents:
+            mine, theirs = getattr(mine, part), getattr(theirs, part)
+        setattr(mine, name, getattr(theirs, name))
 
 
 def _point_result(point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> PointResult:
@@ -314,15 +330,16 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
         if level == "hil" and backend.starved_steps:
             notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
                          "may include launch gaps)")
-        ignored = ignored_fields(sc)
-        if ignored:
-            message = f"{', '.join(ignored)}: set, but a {level} point measures what they model; ignored"
-            warnings.warn(f"sweep point {point.id}: {message}", stacklevel=2)
-            notes.append(message)
     else:
         records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
         host = {"host_slowdown": np.nan, "host_attempts": np.nan}  # the same columns at every level
         device_syncs = device_syncs_frame([])
+    ignored = ignored_fields(sc, level)
+    if ignored:
+        reason = "runs no decode loop" if level == "sim" else "measures what they model"
+        message = f"{', '.join(ignored)}: set, but a {level} point {reason}; ignored"
+        warnings.warn(f"sweep point {point.id}: {message}", stacklevel=2)
+        notes.append(message)
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(
         records.requests,

@@ -19,6 +19,7 @@ from simharness.fidelity import (
     run_fidelity,
     spread,
 )
+from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
 
 SMALL = {"sweep": {"scheduler.depth": [1, 2]}, "workload.num_requests": 3,
@@ -176,3 +177,13 @@ def test_levels_of_a_point_agree_on_its_emitted_tokens():
                             "total_output_tokens": [1, 5, 5, 7, 8], "accepted_tokens": [0, 3, 3, 4, 4]})
     got = agreement(summary).set_index("config")["identical"]
     assert got.to_dict() == {"a": True, "b": False}
+
+
+def test_fidelity_points_drop_what_each_level_ignores():
+    """One scenario drives every level of a fidelity run: each point keeps only what its level reads."""
+    sc = load_scenario("scenarios/fidelity-cpu.yaml", {**SMALL, "engine.device": "cpu", "engine.host_slowdown": 1.5})
+    points = fidelity_points(sc, ["sim", "hil", "real"])
+    for p in points:
+        level = p.values["level"]
+        assert ignored_fields(p.scenario, level) == []
+        assert p.scenario.engine.host_slowdown == (None if level == "sim" else 1.5)

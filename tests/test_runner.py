@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from helpers import SMALL
 
 import simharness
@@ -158,3 +159,14 @@ def test_measured_points_on_two_models_are_bad_input_before_anything_is_written(
     else:
         raise AssertionError("a sweep over the measured model ran")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_field_the_level_ignores_is_named_not_silently_dropped(tmp_path):
+    """A sim point ignores the decode loop's fields: it says so in a warning and in its note."""
+    sc = scenario_from_dict({**SMALL, "sweep": {}, "engine": {**SMALL.get("engine", {}), "steer": False,
+                                                               "host_slowdown": 1.5}})  # fmt: skip
+    with pytest.warns(UserWarning, match="engine.steer, engine.host_slowdown: set, but a sim point runs no decode"):
+        result = simharness.run(sc, out=tmp_path)
+    assert "engine.steer, engine.host_slowdown: set, but a sim point runs no decode loop; ignored" in \
+        result.summary["note"].iloc[0]
+
