@@ -33,7 +33,7 @@ from simharness.costfile import DEVICE_FEATURES, FORMAT
 from simharness.costmodel import GPUS
 from simharness.fidelity import error_stats, error_table
 from simharness.jit import loaded_digest
-from simharness.runner import execute
+from simharness.runner import execute, without_ignored
 from simharness.scenario import Point, Scenario, ScenarioError, parse_value, scenario_from_dict
 from simharness.stats import config_ids
 
@@ -335,6 +335,7 @@ def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFra
             for level, calibration in (("sim", None), ("sim-calibrated", str(costs))):
                 scenario = point_scenario(sc, group.iloc[0])
                 scenario.engine.backend = "model"
+                without_ignored(scenario, "sim")  # the measured run's decode-loop fields
                 scenario.engine.calibration = None  # the scenario's own, if any, is neither of the two
                 if calibration is not None:
                     scenario.engine.gpu = data.gpu
