@@ -23,7 +23,15 @@ from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
 from simharness.records import device_syncs_frame
 from simharness.report import write_report
-from simharness.scenario import Point, Scenario, ScenarioError, load_scenario, scenario_diff, sweep_points
+from simharness.scenario import (
+    Point,
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    resolve_field,
+    scenario_diff,
+    sweep_points,
+)
 from simharness.simulation import Simulation
 from simharness.trace import trace_events, write_trace
 from simharness.workload import Requests, build_requests
@@ -292,14 +300,8 @@ IGNORED = {
 def ignored_fields(sc: Scenario, level: str) -> list[str]:
     """The fields a point of `level` ignores that `sc` sets away from their defaults."""
     default = Scenario(name=sc.name)
-    changed = []
-    for path in IGNORED["sim" if level == "sim" else "measured"]:
-        mine, theirs = sc, default
-        for part in path.split("."):
-            mine, theirs = getattr(mine, part), getattr(theirs, part)
-        if mine != theirs:
-            changed.append(path)
-    return changed
+    return [path for path in IGNORED["sim" if level == "sim" else "measured"]
+            if getattr(*resolve_field(sc, path)) != getattr(*resolve_field(default, path))]
 
 
 def without_ignored(sc: Scenario, level: str) -> None:
@@ -307,11 +309,8 @@ def without_ignored(sc: Scenario, level: str) -> None:
     every level on purpose, so its points do not warn about the other levels' fields)."""
     default = Scenario(name=sc.name)
     for path in ignored_fields(sc, level):
-        *parents, name = path.split(".")
-        mine, theirs = sc, default
-        for part in parents:
-            mine, theirs = getattr(mine, part), getattr(theirs, part)
-        setattr(mine, name, getattr(theirs, name))
+        section, name = resolve_field(sc, path)
+        setattr(section, name, getattr(*resolve_field(default, path)))
 
 
 def _point_result(point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> PointResult:

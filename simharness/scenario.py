@@ -405,7 +405,7 @@ class Scenario(Strict):
                 raise ValueError(f"sweep.{path}: value {twice} appears more than once; to run a point several "
                                  "times set `repeats: N`")
             try:
-                _resolve(self, path)
+                resolve_field(self, path)
             except ValueError as e:
                 raise ValueError(f"sweep: {e}") from None
         return self
@@ -420,7 +420,7 @@ class Point(BaseModel):
     scenario: Scenario
 
 
-def _resolve(scenario: BaseModel, path: str) -> tuple[BaseModel, str]:
+def resolve_field(scenario: BaseModel, path: str) -> tuple[BaseModel, str]:
     """Return (section, field) for a dotted path, or raise naming the part that does not exist."""
     parts = path.split(".")
     node: Any = scenario

@@ -405,7 +405,7 @@ class Transformer(nn.Module):
         """
         batch, n_tokens = tokens.shape
         if not self.cuda_graphs:
-            return self._logits(self._forward(tokens, slots, start_pos)).view(batch, n_tokens, -1)
+            return self._verify_logits(tokens, slots, start_pos).view(batch, n_tokens, -1)
         if (self.max_slots, n_tokens) not in self._graphs:
             self.capture_graphs(n_tokens)
         size = next(s for s in self._graph_sizes if s >= batch)

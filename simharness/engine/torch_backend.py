@@ -103,11 +103,11 @@ class TorchBackend:
         self.timing = PartTiming(gate) if self.cuda else None
         self.clock: DeviceClock | None = None  # the real level's: device timestamps of each step (`start_clock`)
         self.starved_steps = 0  # steps whose enqueue may have outlasted a gate: their device time may hold gaps
-        # harness overhead: wall time outside the engine's measured work (prep, launch, the readback wait and
-        # copy, the CPU proposer), per read-back step
-        self.inside = 0.0
+        # Harness overhead per read-back step: wall time since `mark` (the last read-back) outside the engine's
+        # work (prep, launch, the readback wait and copy, the CPU proposer; the real level's modelled phases).
+        # `engine_s` is all engine host time so far, never reset (`realloop.RealLoop._work` reads it too).
+        self.engine_s = self.engine_at_mark = 0.0
         self.mark = time.perf_counter()
-        self.engine_s = 0.0  # all engine host time so far, never reset (`realloop.RealLoop._work` reads it)
         self.allocations = Allocations(sc.engine.gc.heap_objects, sc.engine.gc.allocations_per_step)
         self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
 
@@ -118,7 +118,6 @@ class TorchBackend:
     def engine_time(self, seconds: float) -> None:
         """Count `seconds` of host time as the engine's work (the backend's phases, the real level's modelled ones),
         not the harness's."""
-        self.inside += seconds
         self.engine_s += seconds
 
     # ---------------------------------------------------------------- host view
@@ -300,8 +299,8 @@ class TorchBackend:
         self.n_read += 1
         step.device_syncs = self.syncs.count(step.step)
         now = time.perf_counter()
-        step.harness_s = (now - self.mark) - self.inside
-        self.mark, self.inside = now, 0.0
+        step.harness_s = (now - self.mark) - (self.engine_s - self.engine_at_mark)
+        self.mark, self.engine_at_mark = now, self.engine_s
         return prefill_s + sum(decode_s), readback_s
 
     def _wait(self, launch: _Launch) -> None:
