@@ -126,7 +126,8 @@ def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
     if summary.empty:
         return summary
     summary = summary.sort_values("index", ignore_index=True)
-    summary["note"] = summary["note"].fillna("")
+    # a run whose every point failed has only the failed records' columns
+    summary["note"] = summary["note"].fillna("") if "note" in summary else ""
     if REPEAT in summary:
         summary = _collapse_repeats(run_dir, summary, scenario)
     paths = list(scenario.sweep)
@@ -151,10 +152,11 @@ def point_label(row: pd.Series, paths: list[str]) -> str:
     """A short label from swept values: strings as they are, others as `name=value`
     (`depth=2, ngram_gpu, optimistic`); a depth the engine fell back from shows `depth=2→1`."""
     parts = []
+    effective = row.get("effective_depth")  # none for a failed point
     for path in paths:
         value = row[path]
         name = path.rsplit(".", 1)[-1]
-        if path == "scheduler.depth" and row["effective_depth"] != value:
+        if path == "scheduler.depth" and pd.notna(effective) and effective != value:
             parts.append(f"depth={value}→{row['effective_depth']}")
         elif isinstance(value, str):
             parts.append(value)

@@ -149,6 +149,17 @@ def test_a_failed_point_is_recorded_kept_apart_and_retried_by_resume(serial, tmp
     assert_same_run(serial.run_dir, resumed.run_dir)
 
 
+def test_a_run_whose_every_point_failed_still_gets_its_report(tmp_path, monkeypatch):
+    def broken(point, *args):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(runner, "_point_result", broken)
+    run = simharness.run(scenario_from_dict(SMALL), out=tmp_path, retries=0)
+    assert run.failed["failed"].tolist() == ["ValueError: boom"] * 4
+    text = run.report.read_text()
+    assert "No finished sweep points yet." in text and text.count("ValueError: boom") == 4
+
+
 def _write(tmp_path: Path, scenario: dict) -> Path:
     path = tmp_path / f"{scenario['name']}.yaml"
     path.write_text(yaml.safe_dump(scenario))
