@@ -279,7 +279,7 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
     Exit status: 0 done; 2 not a run directory, or one that cannot be written.
     """
     from simharness import results
-    from simharness.report import write_report
+    from simharness.runner import combine_and_report
 
     try:
         results.load_run_scenario(run_dir)
@@ -288,9 +288,8 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
 
             report = write_fidelity(run_dir).report
         else:
-            with results.writing(run_dir, fresh=False):
-                results.combine(run_dir)
-                report = write_report(run_dir)
+            combine_and_report(run_dir)
+            report = run_dir / "report.md"
     except ScenarioError as e:
         fail(str(e))
     out.print(f"report: {report}")

@@ -104,16 +104,20 @@ class LocalPool:
         payload = pickle.dumps(work)
         slots: list[_Worker | None] = [None] * self.workers
         busy: dict[int, tuple[Point, int]] = {}  # slot -> (point, attempt)
+        def dispatch(slot: int) -> Iterator[Event]:
+            """Give an idle slot the next point (starting its worker if it has none)."""
+            if todo:
+                slots[slot] = slots[slot] or self._start(slot, payload)
+                busy[slot] = todo.popleft()
+                with contextlib.suppress(OSError):  # died while idle: its sentinel tells below; retried
+                    slots[slot].conn.send(busy[slot][0])
+                yield Event("started", busy[slot][0])
+
         try:
             while todo or busy:
                 for slot in range(self.workers):
-                    if slot in busy or not todo:
-                        continue
-                    slots[slot] = slots[slot] or self._start(slot, payload)
-                    busy[slot] = todo.popleft()
-                    with contextlib.suppress(OSError):  # died while idle: its sentinel tells below; retried
-                        slots[slot].conn.send(busy[slot][0])
-                    yield Event("started", busy[slot][0])
+                    if slot not in busy:
+                        yield from dispatch(slot)
                 watched = {w: s for s in busy for w in (slots[s].conn, slots[s].process.sentinel)}
                 for slot in sorted({watched[w] for w in wait(list(watched))}):
                     point, attempt = busy.pop(slot)
@@ -122,6 +126,8 @@ class LocalPool:
                         if self.process_per_point:
                             _stop(slots[slot])
                             slots[slot] = None
+                        # the worker goes on with its next point while the driver writes this one
+                        yield from dispatch(slot)
                         yield Event("done", point, value)
                         continue
                     if status == "bad input":
@@ -226,12 +232,16 @@ class RayCluster:
             resources = ray.cluster_resources()
             window = max(1, int(resources.get("CPU", 0)) + int(resources.get("GPU", 0)))
             todo = deque((p, 0) for p in points)
-            while todo or pending:
+
+            def submit() -> Iterator[Event]:
                 while todo and len(pending) < window:
                     point, attempt = todo.popleft()
                     need = {"num_gpus": 1, "num_cpus": 1} if wants_gpu(point) else {"num_cpus": 1}
                     pending[task.options(max_retries=0, **need).remote(work_ref, point)] = (point, attempt)
                     yield Event("started", point)
+
+            while todo or pending:
+                yield from submit()
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 point, attempt = pending.pop(ready[0])
                 try:
@@ -245,6 +255,7 @@ class RayCluster:
                         todo.appendleft((point, attempt + 1))
                     yield Event(kind, point, reason=describe_error(cause or e), detail=str(e))
                     continue
+                yield from submit()  # the freed slot goes on while the driver writes this point
                 yield Event("done", point, result)
         finally:
             for ref in pending:

@@ -1,10 +1,11 @@
 """The run report: `report.md` with a summary table, PNG plots and the host sync points.
 
-Rendered only from the files of a run directory (scenario.yaml, summary.csv, steps.parquet,
-syncs.parquet, device_syncs.parquet, meta.json), so `simharness report RUN_DIR` can redo it at any
-time. A "mode" is one combination of the swept values other than concurrency; plots draw one line per
-mode against concurrency when concurrency is swept, and bars per point otherwise. Points measured on
-hardware (hil) add two sections: the synchronizing CUDA operations caught, and measured vs modelled.
+Rendered only from the files of a run directory (scenario.yaml, summary.csv, meta.json and each point's
+steps, syncs and device_syncs under points/), so `simharness report RUN_DIR` can redo it at any time,
+and a run renders it while the run-level tables are being combined. A "mode" is one combination of the
+swept values other than concurrency; plots draw one line per mode against concurrency when concurrency
+is swept, and bars per point otherwise. Points measured on hardware (hil) add two sections: the
+synchronizing CUDA operations caught, and measured vs modelled.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from matplotlib.patches import Patch
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
-from simharness.results import load_run_scenario
+from simharness.results import load_run_scenario, point_dir
 from simharness.scenario import Scenario, sweep_points
 from simharness.stats import REPEAT, aggregate
 
@@ -56,12 +57,13 @@ def write_report(run_dir: Path) -> Path:
     if summary.empty:
         path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n" + failed)
         return path
-    steps_of, measured = _step_index(run_dir)
+    index_of = _point_indices(run_dir)
+    steps_of, measured = _step_index(run_dir, index_of)
     by_concurrency = CONCURRENCY in scenario.sweep
     where, timeline_rows = _timeline_points(summary, by_concurrency)
     hil = _hil_points(summary, measured)
-    steps = _read_points(run_dir, "steps", {*timeline_rows["point"], *hil})
-    syncs = _read_points(run_dir, "syncs", {*timeline_rows["point"], *hil})
+    steps = _read_points(run_dir, "steps", {*timeline_rows["point"], *hil}, index_of)
+    syncs = _read_points(run_dir, "syncs", {*timeline_rows["point"], *hil}, index_of)
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     _plot_tpot(summary, by_concurrency, plots / "tpot.png")
@@ -88,11 +90,11 @@ def write_report(run_dir: Path) -> Path:
         "## Speculation\n",
         _speculation_table(summary),
         "## Host sync points\n",
-        _sync_table(summary, run_dir, steps_of),
+        _sync_table(summary, run_dir, steps_of, index_of),
     ])
     if hil:
-        device_syncs_path = run_dir / "device_syncs.parquet"
-        device_syncs = pd.read_parquet(device_syncs_path) if device_syncs_path.is_file() else None
+        device_syncs = _read_points(run_dir, "device_syncs", set(hil), index_of)
+        device_syncs = device_syncs if len(device_syncs.columns) else None
         text += "\n".join([
             "\n## Device sync sites\n",
             _device_sync_table(summary, steps, device_syncs, hil),
@@ -266,25 +268,24 @@ def _speculation_table(summary: pd.DataFrame) -> str:
     )
 
 
-def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.ndarray]) -> str:
-    """Per mode, over all its points: how often each sync point fires per step and how long it waits. Read a batch
-    of syncs at a time: a large sweep's syncs need not fit in memory."""
-    path = run_dir / "syncs.parquet"
-    columns = ["point", "step", "name", "phase", "waits_for", "start_s", "end_s"]
-    file = pq.ParquetFile(path) if path.is_file() else None
-    if file is None or file.metadata.num_rows == 0 or "point" not in file.schema_arrow.names:
-        return "No host syncs recorded.\n"
-    mode_of = summary.set_index("point")["mode"]
+def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.ndarray],
+                index_of: dict[str, int]) -> str:
+    """Per mode, over all its points: how often each sync point fires per step and how long it waits. One point's
+    syncs in memory at a time: a large sweep's need not fit."""
+    columns = ["step", "name", "phase", "waits_for", "start_s", "end_s"]
     parts = []
-    for batch in file.iter_batches(columns=columns, batch_size=1 << 16):
-        s = batch.to_pandas()
-        recorded = np.zeros(len(s), dtype=bool)  # recorded steps only, as in metrics
-        for point, rows in s.groupby("point", sort=False).indices.items():
-            recorded[rows] = np.isin(s["step"].to_numpy()[rows], steps_of.get(point, []))
-        s = s[recorded]
-        s = s.assign(mode=s["point"].map(mode_of), wait_us=(s["end_s"] - s["start_s"]) * 1e6)
+    for point, mode in zip(summary["point"], summary["mode"], strict=True):
+        path = _point_table(run_dir, "syncs", point, index_of)
+        if path is None:
+            continue
+        s = pd.read_parquet(path, columns=columns)
+        s = s[np.isin(s["step"].to_numpy(), steps_of.get(point, []))]  # recorded steps only, as in metrics
+        s = s.assign(mode=mode, wait_us=(s["end_s"] - s["start_s"]) * 1e6)
         parts.append(s.groupby(["mode", "name", "phase", "waits_for"], sort=False)["wait_us"].agg(["size", "sum"]))
+    if not parts:
+        return "No host syncs recorded.\n"
     g = pd.concat(parts).groupby(level=[0, 1, 2, 3], sort=False).sum()
+    mode_of = summary.set_index("point")["mode"]
     steps_per_mode = pd.Series({p: len(v) for p, v in steps_of.items()}, dtype=np.int64).groupby(mode_of).sum()
     rows = []
     for (mode, name, phase, waits_for), r in g.iterrows():
@@ -297,32 +298,44 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.nda
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
 
 
-def _step_index(run_dir: Path) -> tuple[dict[str, np.ndarray], set[str]]:
-    """Per point, its recorded step numbers, and the points whose steps have measured device phases (hil); read a
-    batch at a time."""
-    path = run_dir / "steps.parquet"
-    file = pq.ParquetFile(path) if path.is_file() else None
-    if file is None or "point" not in file.schema_arrow.names:
-        return {}, set()
-    columns = ["point", "step"] + (["gpu_verify_s"] if "gpu_verify_s" in file.schema_arrow.names else [])
-    steps_of: dict[str, list[np.ndarray]] = {}
+def _point_indices(run_dir: Path) -> dict[str, int]:
+    """Each point's index, by point id (summary.csv)."""
+    rows = pd.read_csv(run_dir / "summary.csv", usecols=["point", "index"])
+    return dict(zip(rows["point"], rows["index"].astype(int), strict=True))
+
+
+def _point_table(run_dir: Path, name: str, point: str, index_of: dict[str, int]) -> Path | None:
+    """A point's own table file, or None where the point has none (failed, or run before the table existed)."""
+    path = point_dir(run_dir, index_of[point]) / f"{name}.parquet"
+    return path if path.is_file() else None
+
+
+def _step_index(run_dir: Path, index_of: dict[str, int]) -> tuple[dict[str, np.ndarray], set[str]]:
+    """Per point, its recorded step numbers, and the points whose steps have measured device phases (hil)."""
+    steps_of: dict[str, np.ndarray] = {}
     measured = set()
-    for batch in file.iter_batches(columns=columns, batch_size=1 << 16):
-        df = batch.to_pandas()
-        for point, group in df.groupby("point", sort=False):
-            steps_of.setdefault(point, []).append(group["step"].to_numpy())
-            if "gpu_verify_s" in group and group["gpu_verify_s"].notna().any():
-                measured.add(point)
-    return {p: np.concatenate(parts) for p, parts in steps_of.items()}, measured
+    for point in index_of:
+        path = _point_table(run_dir, "steps", point, index_of)
+        if path is None:
+            continue
+        columns = ["step"] + (["gpu_verify_s"] if "gpu_verify_s" in pq.read_schema(path).names else [])
+        df = pd.read_parquet(path, columns=columns)
+        steps_of[point] = df["step"].to_numpy()
+        if "gpu_verify_s" in df and df["gpu_verify_s"].notna().any():
+            measured.add(point)
+    return steps_of, measured
 
 
-def _read_points(run_dir: Path, name: str, points: set[str]) -> pd.DataFrame:
-    """The rows of `points` in a run-level table; other points' row groups are skipped by their statistics."""
-    path = run_dir / f"{name}.parquet"
-    schema = pq.read_schema(path)
-    if "point" not in schema.names or not points:
-        return schema.empty_table().to_pandas()
-    return pd.read_parquet(path, filters=[("point", "in", sorted(points))])
+def _read_points(run_dir: Path, name: str, points: set[str], index_of: dict[str, int]) -> pd.DataFrame:
+    """The rows of `points` (a `point` column first), in point order, from each point's own table; a frame without
+    columns when no point has the table (a run from before it existed)."""
+    frames = []
+    for point in sorted(points, key=index_of.__getitem__):
+        path = _point_table(run_dir, name, point, index_of)
+        if path is not None:
+            df = pd.read_parquet(path)
+            frames.append(df.assign(point=point)[["point", *df.columns]])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def _hil_points(summary: pd.DataFrame, measured: set[str]) -> list[str]:
@@ -337,7 +350,7 @@ def _device_sync_table(summary: pd.DataFrame, steps: pd.DataFrame, device_syncs:
                        points: list[str]) -> str:
     """Per hil point, each (site, phase) where torch's sync debug mode caught a synchronizing CUDA operation."""
     if device_syncs is None:
-        return "Not recorded: this run directory has no `device_syncs.parquet`.\n"
+        return "Not recorded: these points have no `device_syncs.parquet`.\n"
     n_steps = steps.groupby("point").size()
     found = device_syncs[device_syncs["point"].isin(points)] if len(device_syncs) else device_syncs
     if found.empty:

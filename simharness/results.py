@@ -10,6 +10,7 @@ rebuilt from the points, one point's table at a time, so they may be larger than
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import platform
@@ -94,14 +95,26 @@ def finished_points(run_dir: Path) -> set[int]:
     return found
 
 
-def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, pd.DataFrame]) -> None:
-    """Write one point's results atomically (temp dir, then rename); a failed record of an earlier try goes."""
+def encode_tables(tables: dict[str, pd.DataFrame]) -> dict[str, bytes]:
+    """Each table as the bytes of its parquet file: a worker encodes its point's tables, so the driver only writes
+    them (and pickles bytes, not frames, between processes)."""
+    encoded = {}
+    for name, df in tables.items():
+        buffer = io.BytesIO()
+        df.to_parquet(buffer, index=False)
+        encoded[name] = buffer.getvalue()
+    return encoded
+
+
+def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, bytes]) -> None:
+    """Write one point's results atomically (temp dir, then rename); a failed record of an earlier try goes.
+    `tables`: each table's parquet bytes (`encode_tables`)."""
     final = point_dir(run_dir, index)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name, df in tables.items():
-        df.to_parquet(tmp / f"{name}.parquet", index=False)
+    for name, data in tables.items():
+        (tmp / f"{name}.parquet").write_bytes(data)
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
     os.replace(tmp, final)
     failed_path(run_dir, index).unlink(missing_ok=True)
@@ -141,8 +154,15 @@ def read_table(run_dir: Path, name: str, columns: list[str] | None = None) -> pd
 
 
 def combine(run_dir: Path) -> pd.DataFrame:
+    """Rebuild the run's summary and its run-level tables from the points; returns the summary."""
+    summary = combine_summary(run_dir)
+    combine_tables(run_dir)
+    return summary
+
+
+def combine_summary(run_dir: Path) -> pd.DataFrame:
     """Rebuild summary.csv/json (a row per point by index; a `failed` column, only when a point failed, gives
-    the reason) and the run-level parquet tables from the points; returns the summary."""
+    the reason) from the points; returns it."""
     indices = sorted(finished_points(run_dir))
     rows = {i: json.loads((point_dir(run_dir, i) / "summary.json").read_text()) for i in indices}
     failed = failed_points(run_dir)
@@ -153,12 +173,17 @@ def combine(run_dir: Path) -> pd.DataFrame:
     summary = pd.DataFrame(records, columns=columns)
     summary.to_csv(run_dir / "summary.csv", index=False)
     (run_dir / "summary.json").write_text(json.dumps(records, indent=1, default=_json_default))
-    points = [(i, rows[i]["point"]) for i in indices]
+    return summary
+
+
+def combine_tables(run_dir: Path) -> None:
+    """Rebuild the run-level parquet tables (`TABLES`) from the finished points' tables."""
+    indices = sorted(finished_points(run_dir))
+    points = [(i, json.loads((point_dir(run_dir, i) / "summary.json").read_text())["point"]) for i in indices]
     # One thread per table: reading, encoding and compressing parquet run outside the GIL.
     with ThreadPoolExecutor(len(TABLES)) as pool:
         for done in [pool.submit(_combine_table, run_dir, name, points) for name in TABLES]:
             done.result()
-    return summary
 
 
 def _combine_table(run_dir: Path, name: str, points: list[tuple[int, str]]) -> None:

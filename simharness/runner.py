@@ -6,6 +6,7 @@ import re
 import uuid
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,7 +34,7 @@ from simharness.scenario import (
     sweep_points,
 )
 from simharness.simulation import Simulation
-from simharness.trace import trace_events, write_trace
+from simharness.trace import trace_events, trace_json
 from simharness.workload import Requests, build_requests
 
 if TYPE_CHECKING:
@@ -115,10 +116,21 @@ def run(
         scenario = load_scenario(scenario)
     run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress, workers=workers,
                       ray=ray, retries=retries, process_per_point=process_per_point)
-    with results.writing(run_dir, fresh=False):
-        summary = results.combine(run_dir)
-        write_report(run_dir)
+    summary = combine_and_report(run_dir)
     return RunResult(run_dir, summary)
+
+
+def combine_and_report(run_dir: Path) -> pd.DataFrame:
+    """Rebuild a run's summary and run-level tables from its points and render its report; returns the summary.
+    The report reads the points' own tables, so it renders while another thread combines the run-level ones
+    (parquet's reading and encoding run outside the GIL)."""
+    with results.writing(run_dir, fresh=False):
+        summary = results.combine_summary(run_dir)
+        with ThreadPoolExecutor(1) as pool:
+            tables = pool.submit(results.combine_tables, run_dir)
+            write_report(run_dir)
+            tables.result()
+    return summary
 
 
 def execute(
@@ -199,7 +211,7 @@ def _record(run_dir: Path, event: Event, status: SweepStatus) -> None:
         result = event.result
         trace_dir = run_dir / "traces"
         trace_dir.mkdir(exist_ok=True)
-        write_trace(trace_dir / f"{point.index:04d}_{_slug(point.id)}.json", result.trace, {"point": point.id})
+        (trace_dir / f"{point.index:04d}_{_slug(point.id)}.json").write_text(result.trace)
         results.write_point(run_dir, point.index, result.summary, result.tables)
         status.running, status.done = status.running - 1, status.done + 1
     else:
@@ -247,12 +259,13 @@ class _Workloads:
 
 @dataclass
 class PointResult:
-    """One finished point as a worker hands it to the driver: its summary row, tables and trace events, and for a
-    measured point the device that ran it and the checkpoint's load statistics (meta.json)."""
+    """One finished point as a worker hands it to the driver: its summary row, its tables as parquet bytes and its
+    trace as JSON (encoded where the point ran: the driver only writes them), and for a measured point the device
+    that ran it and the checkpoint's load statistics (meta.json)."""
 
     summary: dict
-    tables: dict[str, pd.DataFrame]
-    trace: list[dict]
+    tables: dict[str, bytes]
+    trace: str
     device: str | None = None
     checkpoint_load: dict | None = None
 
@@ -355,10 +368,10 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
     summary.update(effective_depth=mode.depth, note="; ".join(filter(None, notes)))
     summary.update(metrics)
     summary.update(host)
-    events = trace_events(steps, syncs, max_steps=sc.report.trace_steps)
+    trace = trace_json(trace_events(steps, syncs, max_steps=sc.report.trace_steps), {"point": point.id})
     tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
               "device_syncs": device_syncs}
-    return PointResult(summary, tables, events)
+    return PointResult(summary, results.encode_tables(tables), trace)
 
 
 def _slug(point_id: str) -> str:

@@ -114,12 +114,17 @@ def has_measured_phases(steps: pd.DataFrame) -> bool:
 
 
 def write_trace(path: Path | str, events: list[dict], metadata: Mapping[str, Any]) -> None:
-    """Write a trace JSON object; `metadata` (scenario, point, seed...) goes to `otherData`. Strict JSON: an event
-    at a non-finite time is left out, and any other non-finite number is written as null (no `Infinity`/`NaN`,
-    which trace viewers reject)."""
+    """Write a trace JSON object (`trace_json`)."""
+    Path(path).write_text(trace_json(events, metadata))
+
+
+def trace_json(events: list[dict], metadata: Mapping[str, Any]) -> str:
+    """A trace JSON object; `metadata` (scenario, point, seed...) goes to `otherData`. Strict JSON: an event at a
+    non-finite time is left out, and any other non-finite number is written as null (no `Infinity`/`NaN`, which
+    trace viewers reject)."""
     timed = [ev for ev in events if all(_finite(ev[key]) for key in ("ts", "dur") if key in ev)]
     obj = _finite_json({"traceEvents": timed, "displayTimeUnit": "ms", "otherData": dict(metadata)})
-    Path(path).write_text(json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False))
+    return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False)
 
 
 def _finite(x: Any) -> bool:

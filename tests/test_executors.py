@@ -85,6 +85,17 @@ def test_a_killed_worker_process_gets_its_point_retried(tmp_path):
     assert sorted(i for kind, i, _ in seen if kind == "done") == [0, 1, 2, 3]
 
 
+def _index(point):
+    return point.index
+
+
+def test_a_worker_gets_its_next_point_before_the_driver_writes_the_last():
+    """A freed worker starts its next point before the driver receives (and writes) the finished one."""
+    seen = events(LocalPool(1), _index)
+    assert [(kind, i) for kind, i, _ in seen] == [("started", 0), ("started", 1), ("done", 0), ("started", 2),
+                                                  ("done", 1), ("started", 3), ("done", 2), ("done", 3)]
+
+
 def test_a_killed_ray_worker_gets_its_task_retried(cluster, tmp_path):
     from simharness.executors import RayCluster
 

@@ -50,7 +50,7 @@ def make_run(root: Path, sweep: dict) -> Path:
         summary = {"point": point.id, "index": point.index, **point.values, "effective_depth": depth, "note": note,
                    **metrics}
         tables = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
-        results.write_point(run_dir, point.index, summary, tables)
+        results.write_point(run_dir, point.index, summary, results.encode_tables(tables))
     results.combine(run_dir)
     return run_dir
 
@@ -157,22 +157,19 @@ def sim_run_dir(tmp_path_factory) -> Path:
 
 
 def _as_hil_run(sim_run_dir: Path, tmp_path: Path, device_syncs: pd.DataFrame | None) -> tuple[Path, pd.DataFrame]:
-    """A copy of the run whose first point (depth=1) is made a hil point; returns it and that point's steps."""
+    """A copy of the run whose first point (depth=1) is made a hil point (its own files, which the report reads);
+    returns it and that point's steps."""
     run_dir = Path(shutil.copytree(sim_run_dir, tmp_path / sim_run_dir.name))
     summary = pd.read_csv(run_dir / "summary.csv")
-    hil_point = summary.loc[0, "point"]
     summary.loc[0, "level"] = "hil"
     summary.to_csv(run_dir / "summary.csv", index=False)
-    steps = pd.read_parquet(run_dir / "steps.parquet")
-    mine = steps["point"] == hil_point
-    hil = as_hil(steps[mine])
-    hil["harness_s"] = np.arange(mine.sum()) * 1e-6  # median: (n - 1) / 2 us
-    steps = pd.concat([hil, steps[~mine]], ignore_index=True)
-    steps.to_parquet(run_dir / "steps.parquet", index=False)
-    (run_dir / "device_syncs.parquet").unlink(missing_ok=True)
+    point = results.point_dir(run_dir, int(summary.loc[0, "index"]))
+    hil = as_hil(pd.read_parquet(point / "steps.parquet"))
+    hil["harness_s"] = np.arange(len(hil)) * 1e-6  # median: (n - 1) / 2 us
+    hil.to_parquet(point / "steps.parquet", index=False)
+    (point / "device_syncs.parquet").unlink(missing_ok=True)
     if device_syncs is not None:
-        device_syncs.assign(point=hil_point)[["point", "step", "phase", "site", "wait_s"]].to_parquet(
-            run_dir / "device_syncs.parquet", index=False)
+        device_syncs[["step", "phase", "site", "wait_s"]].to_parquet(point / "device_syncs.parquet", index=False)
     return run_dir, hil
 
 
@@ -220,9 +217,10 @@ def test_hil_run_without_device_syncs(sim_run_dir, tmp_path) -> None:
     assert section.strip() == (f"No synchronizing CUDA operation outside the by-design readback in {len(hil):,} "
                                "steps: torch's sync debug mode caught none (the readback waits on a CUDA event, "
                                "which that mode does not report).")
-    (run_dir / "device_syncs.parquet").unlink()
+    for path in (run_dir / "points").glob("*/device_syncs.parquet"):
+        path.unlink()  # a run from before the table existed
     text = write_report(run_dir).read_text()
-    assert "Not recorded: this run directory has no `device_syncs.parquet`." in text
+    assert "Not recorded: these points have no `device_syncs.parquet`." in text
     assert "## Measured vs modelled" in text
 
 
