@@ -55,6 +55,7 @@ class RealLoop:
         self.next_id = 0
         self.free_at: deque[float] = deque([0.0] * sc.workload.concurrency)
         self.arriving: list[tuple[int, float]] = []  # closed loop: sent on a completion, not yet taken in
+        self.freeing: list[float] = []  # capped open loop: slots freed by a completion, not yet taken in
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -108,15 +109,18 @@ class RealLoop:
                     self.arriving.append((self.next_id, t))
                     self.next_id += 1
             else:
-                self.free_at.append(t)
+                self.freeing.append(t)
 
     def _take_in(self) -> None:
-        """Requests sent on a completion reach the engine after its next scheduling decision, as in virtual time
-        (where the client runs once the engine next waits): a completion's response and the next request take
-        their time to travel in a real serving stack too."""
+        """Requests sent on a completion (a closed-loop user's next, or a capped open loop's next through the freed
+        slot) reach the engine after its next scheduling decision, as in virtual time (where the client runs once
+        the engine next waits): a completion's response and the next request take their time to travel in a real
+        serving stack too."""
         for rid, t in self.arriving:
             self._arrive(rid, t)
         self.arriving.clear()
+        self.free_at.extend(self.freeing)
+        self.freeing.clear()
 
     def _idle(self) -> None:
         """Nothing to run: wait for the open loop's next arrival."""

@@ -100,6 +100,23 @@ def test_open_loop_arrivals_are_honoured_in_wall_clock_time(requests, model):  #
     assert (records.requests["first_token_s"].to_numpy() > got).all() and duration > 0.62
 
 
+def test_a_capped_open_loop_takes_in_freed_slots_as_hil_does(requests, model):  # noqa: F811
+    """Every request arrives at once into fewer slots than requests: at both levels a slot freed by a completion
+    takes its next request after the engine's next scheduling decision, so the batches match step by step (the
+    real loop used to admit it before that decision, one step earlier than hil)."""
+    hil_sc = hil_scenario(2, "optimistic", "ngram_gpu", "fill").model_copy(deep=True)
+    hil_sc.workload.arrival, hil_sc.workload.cap_concurrency, hil_sc.workload.concurrency = "poisson", True, 2
+    sc = hil_sc.model_copy(deep=True)
+    sc.engine.backend = "real"
+    at_once = dataclasses.replace(requests, arrival_s=np.zeros(N_REQUESTS))
+    _, records, _ = run_real(sc, at_once, model)
+    _, hil_records = run_hil(hil_sc, at_once, model)
+    counts = STEP_COLUMNS[1:10]
+    steps, hil_steps = records.steps_frame(), hil_records.steps_frame()
+    np.testing.assert_array_equal(steps[counts].to_numpy(), hil_steps[counts].to_numpy())
+    assert (records.requests["arrival_s"].to_numpy()[2:] > 0).all()  # the later three waited for a slot
+
+
 def test_real_level_through_the_public_api(tmp_path):
     """The CI variant of the hil scenario at the real level: the same tables as the other levels."""
     overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
