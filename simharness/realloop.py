@@ -198,7 +198,7 @@ class RealLoop:
             start = self.now()
             target = core.sync_target(sp)
             # the device operation that blocks, where the backend has one; otherwise a wait and a readback
-            if not self.backend.sync_op(step, sp.name) and target is not None:
+            if self.backend.sync_op(step, sp.name) is None and target is not None:
                 self._read_through(target)
             core.record_sync(step, sp.name, sp.phase, sp.waits_for, start, self.now())
 

@@ -165,12 +165,13 @@ class Simulation:
         if newest is not None and newest.gpu_end > self.env.now:
             yield newest.done
         for sp in core.phase_syncs[ph]:
-            self.backend.sync_op(step, sp.name)  # hil: the real operation, if any (its wait stays modelled)
+            # hil: the real operation, if any, timed alone (its wait stays modelled) is the sync's own cost
+            op_s = self.backend.sync_op(step, sp.name)
             start = t
             target = core.sync_target(sp)
             if target is not None and target.gpu_end > t:
                 t = target.gpu_end
-            t += self.sync_s
+            t += self.sync_s if op_s is None else op_s
             core.record_sync(step, sp.name, sp.phase, sp.waits_for, start, t)
         return t
 

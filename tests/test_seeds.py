@@ -1,6 +1,8 @@
 """The seed changes at the sim level: each A/B runs and its effect has the sign the PR posted (a change of the model
 that flips one fails here); the options the seeds added do what they say at every level."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,24 @@ def test_seed_options_run_on_the_real_decode_loop(backend, monkeypatch):
     syncs = records.syncs_frame()
     assert ops.count("bool_mask_index") == (syncs.name == "bool_mask_index").sum() >= len(records.steps_frame()) - 1
     assert requests.random.sum() == 3
+
+
+def test_hil_charges_a_sync_its_operations_own_time(monkeypatch):
+    """At hil a what-if sync's wait is modelled and its real operation, timed alone, is its own cost: a slow
+    operation (50 ms here) lengthens every such sync by that much, which the modelled 15 µs would not."""
+    from simharness.engine import host_work
+
+    monkeypatch.setitem(host_work.SYNC_OPS, "bool_mask_index", lambda loop: time.sleep(0.05))
+    sc = scenario_from_dict({
+        "name": "t", "seed": 1,
+        "workload": {"num_requests": 4, "concurrency": 2, "prompt_len": {"dist": "uniform", "min": 24, "max": 40},
+                     "output_len": {"dist": "fixed", "value": 6}},
+        "engine": {"backend": "torch", "device": "cpu", "model": "tiny"},
+        "scheduler": {"depth": 2, "sync_points": {"add": ["bool_mask_index"]}},
+    })  # fmt: skip
+    requests = build_requests(sc.workload, sc.seed)
+    mode = resolve_mode(sc)
+    records, _, _ = run_level(sc, requests, mode, build_model(sc.engine, *capacity(sc, requests, mode)))
+    syncs = records.syncs_frame()
+    waits = (syncs["end_s"] - syncs["start_s"])[syncs["name"] == "bool_mask_index"]
+    assert len(waits) > 3 and (waits >= 0.05).all()

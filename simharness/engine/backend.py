@@ -69,9 +69,10 @@ class Backend(Protocol):
         """The CPU n-gram proposer drafts for these requests (after their step was settled); returns its host time."""
         ...
 
-    def sync_op(self, step: Step, name: str) -> bool:
+    def sync_op(self, step: Step, name: str) -> float | None:
         """For `step`, run the device operation that makes sync point `name` block, where this backend has one
-        (it then blocks until the device is done with everything launched); returns whether it did."""
+        (it then blocks until the device is done with everything launched); returns the operation's own host
+        seconds, or None where the backend has none."""
         ...
 
     def release(self, rids: np.ndarray) -> None:
@@ -137,8 +138,8 @@ class ModelBackend:
                 seconds += self.cost.full_gc_s
         return seconds
 
-    def sync_op(self, step: Step, name: str) -> bool:
-        return False  # every sync point is modelled here
+    def sync_op(self, step: Step, name: str) -> float | None:
+        return None  # every sync point is modelled here
 
     def launch(self, step: Step) -> float:
         if self.launch_s is not None:

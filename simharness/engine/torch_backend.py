@@ -162,18 +162,24 @@ class TorchBackend:
             self.launches[step.step] = launch
         return self._leave(t0)
 
-    def sync_op(self, step: Step, name: str) -> bool:
+    def sync_op(self, step: Step, name: str) -> float | None:
         """Run the real operation behind what-if sync point `name` (`engine.host_work.SYNC_OPS`) as part of prep;
-        False when it has none."""
+        None when it has none. At the real level the operation is the wait itself. At hil, where the wait is
+        modelled, the device is settled first and the operation timed alone: its host seconds (the tiny kernels
+        it launches, their copy back and the host's wake-up) are the sync's own cost, which the model adds after
+        the wait."""
         op = SYNC_OPS.get(name)
         if op is None:
-            return False
+            return None
         self.syncs.start_step(step.step)
         t0 = time.perf_counter()
         with phase("prep"):
+            if self.clock is None and self.cuda:  # hil
+                torch.cuda.synchronize()
+            t_op = time.perf_counter()
             op(self.loop)
         self._leave(t0)
-        return True
+        return time.perf_counter() - t_op
 
     def launch(self, step: Step) -> float:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time (on the CPU,
