@@ -15,7 +15,6 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -111,11 +110,6 @@ def trace_events(steps: pd.DataFrame, syncs: pd.DataFrame, *, max_steps: int) ->
 def has_measured_phases(steps: pd.DataFrame) -> bool:
     """Whether steps carry device phases measured on hardware (not so at the sim level or in old runs)."""
     return "gpu_verify_s" in steps.columns and bool(steps["gpu_verify_s"].notna().any())
-
-
-def write_trace(path: Path | str, events: list[dict], metadata: Mapping[str, Any]) -> None:
-    """Write a trace JSON object (`trace_json`)."""
-    Path(path).write_text(trace_json(events, metadata))
 
 
 def trace_json(events: list[dict], metadata: Mapping[str, Any]) -> str:

@@ -22,7 +22,7 @@ from simharness.trace import (
     check_trace,
     complete_slices,
     trace_events,
-    write_trace,
+    trace_json,
 )
 
 
@@ -182,7 +182,7 @@ def test_json_round_trip(tmp_path) -> None:
     steps, syncs = synthetic_records(40)
     events = trace_events(steps, syncs, max_steps=25)
     path = tmp_path / "trace.json"
-    write_trace(path, events, {"scenario": "demo", "point": "scheduler.depth=2", "seed": np.int64(3)})
+    path.write_text(trace_json(events, {"scenario": "demo", "point": "scheduler.depth=2", "seed": np.int64(3)}))
     obj = json.loads(path.read_text())
     assert obj["traceEvents"] == copy.deepcopy(events)
     assert obj["otherData"] == {"scenario": "demo", "point": "scheduler.depth=2", "seed": "3"}
@@ -273,7 +273,7 @@ def test_measured_phases_group(sim_run, tmp_path) -> None:
         assert first[step]["ts"] < finish["ts"] < first[step]["ts"] + first[step]["dur"]
 
     path = tmp_path / "trace.json"
-    write_trace(path, events, {"point": "base"})
+    path.write_text(trace_json(events, {"point": "base"}))
     obj = json.loads(path.read_text())
     assert obj["traceEvents"] == copy.deepcopy(events)
     assert check_trace(obj) == []
@@ -293,7 +293,7 @@ def test_trace_json_is_strict(tmp_path):
         {"ph": "C", "name": "nan", "pid": 0, "ts": float("nan"), "args": {"steps": 1}},
     ]
     path = tmp_path / "t.json"
-    write_trace(path, events, {"point": "p", "bad": [np.float64("-inf")]})
+    path.write_text(trace_json(events, {"point": "p", "bad": [np.float64("-inf")]}))
 
     def no_constants(name):
         raise AssertionError(f"non-standard JSON constant {name}")
