@@ -1,10 +1,10 @@
 """Peak resident memory of the process that drives a large sim sweep (1,000 points of 200 requests by default).
 
 This process is the driver, doing what `simharness run` does: it runs the sweep (points in `--workers` local
-processes, or here with `--workers 0`) writing each point as it arrives, combines the run's tables and renders
-the report. Printed: the driver's peak RSS (getrusage) after each of the three, the largest worker's, the wall
-time, and how large the run's combined tables are uncompressed: what the driver would hold if it kept every
-point's records at once. Usage:
+processes, or here with `--workers 0`) writing each point as it arrives, then combines the run's tables while it
+renders the report (`runner.combine_and_report`). Printed: the driver's peak RSS (getrusage) after the points and
+after the rest, the largest worker's, the wall time, and how large the run's combined tables are uncompressed:
+what the driver would hold if it kept every point's records at once. Usage:
 
     python benchmarks/sweep_memory.py [--points 1000] [--requests 200] [--workers 2] [--out DIR] [--resume RUN]
 """
@@ -19,10 +19,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from simharness import results
-from simharness.report import write_report
 from simharness.results import TABLES
-from simharness.runner import execute
+from simharness.runner import combine_and_report, execute
 from simharness.scenario import scenario_from_dict, sweep_points
 
 # 40 modes (depth x k x policy x invalid slots) x 25 concurrencies = 1,000 points
@@ -50,16 +48,14 @@ def main() -> None:
     start = time.perf_counter()
     run_dir = execute(sc, sweep_points(sc), out, resume=args.resume, workers=args.workers or None)
     peaks = {"points": peak_mib()}
-    summary = results.combine(run_dir)
-    peaks["combine"] = peak_mib()
-    write_report(run_dir)
-    peaks["report"] = peak_mib()
+    summary = combine_and_report(run_dir)
+    peaks["tail"] = peak_mib()
     wall = time.perf_counter() - start
     worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(f"{len(summary)} points x {args.requests} requests, workers: {args.workers or 'this process'}"
           f"{f', resuming {args.resume}' if args.resume else ''}; {wall:.0f} s; run directory {run_dir}")
-    print(f"driver peak RSS: {peaks['report']:.0f} MiB (after the points {peaks['points']:.0f}, after combining "
-          f"{peaks['combine']:.0f}, after the report {peaks['report']:.0f}); largest worker's: {worker:.0f} MiB")
+    print(f"driver peak RSS: {peaks['tail']:.0f} MiB (after the points {peaks['points']:.0f}, after combining the "
+          f"tables beside the report {peaks['tail']:.0f}); largest worker's: {worker:.0f} MiB")
     total = 0
     for name in TABLES:
         meta = pq.read_metadata(run_dir / f"{name}.parquet")
