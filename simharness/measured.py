@@ -16,6 +16,7 @@ import torch
 from simharness.engine.checkpoint import load_checkpoint
 from simharness.engine.model import TORCH_OPS, Transformer
 from simharness.engine.torch_backend import TorchBackend, capacity
+from simharness.gcwatch import GcWatch
 from simharness.hostspeed import RETRIES, HostGauge
 from simharness.models import checkpoint_dir, model_config
 from simharness.modes import Mode
@@ -116,13 +117,15 @@ def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) 
 @dataclasses.dataclass
 class MeasuredRun:
     """A measured point's records and duration, its backend, and the host gauge around the run that was kept:
-    how many times slower than its fastest the host was, and which run of the point it is (1: the first)."""
+    how many times slower than its fastest the host was, and which run of the point it is (1: the first); and
+    CPython's garbage collections during that run."""
 
     records: Records
     duration: float
     backend: TorchBackend
     host_slowdown: float
     host_attempts: int
+    gc: GcWatch
 
 
 class MeasuredEngine:
@@ -153,7 +156,8 @@ class MeasuredEngine:
         while True:
             attempt += 1
             before = self.gauge.probe()
-            records, duration, backend = run_level(sc, requests, mode, self.model)
+            with GcWatch() as collections:
+                records, duration, backend = run_level(sc, requests, mode, self.model)
             slowdown = self.gauge.slowdown(before, self.gauge.probe())
             if limit is None or slowdown <= limit or attempt > RETRIES:
-                return MeasuredRun(records, duration, backend, slowdown, attempt)
+                return MeasuredRun(records, duration, backend, slowdown, attempt, collections)

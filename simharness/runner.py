@@ -19,6 +19,7 @@ import pandas as pd
 from simharness import results
 from simharness.engine.backend import model_backend
 from simharness.executors import Event, Executor, make_executor
+from simharness.gcwatch import GC_COLUMNS
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
@@ -333,7 +334,7 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
     if level != "sim":
         run = measured.run(sc, requests, mode)
         records, duration, backend = run.records, run.duration, run.backend
-        host = {"host_slowdown": run.host_slowdown, "host_attempts": run.host_attempts}
+        host = {"host_slowdown": run.host_slowdown, "host_attempts": run.host_attempts, **run.gc.summary()}
         limit = sc.engine.host_slowdown
         if limit is not None and (run.host_attempts > 1 or run.host_slowdown > limit):
             notes.append(f"measured {run.host_attempts} times: the host was {run.host_slowdown:.2f}x slower than its "
@@ -344,7 +345,8 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
                          "may include launch gaps)")
     else:
         records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
-        host = {"host_slowdown": np.nan, "host_attempts": np.nan}  # the same columns at every level
+        # the same columns at every level (a sim point's GC pauses are modelled, in its steps' gc_pause_s)
+        host = dict.fromkeys(["host_slowdown", "host_attempts", *GC_COLUMNS], np.nan)
         device_syncs = device_syncs_frame([])
     ignored = ignored_fields(sc, level)
     if ignored:
