@@ -8,8 +8,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    # the scenario, model catalogue, leaf utilities (the host gauge among them)
-    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels", "hostspeed"],
+    # the scenario, model catalogue, leaf utilities (the host gauge and the GC watch among them)
+    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels", "hostspeed", "gcwatch"],
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",
