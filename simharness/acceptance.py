@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from simharness.jit import njit
-from simharness.kernels.ngram_row import propose_ngram_row
+from simharness.kernels import check_ngram_args
 from simharness.scenario import Speculation
 from simharness.workload import Requests
 
@@ -136,24 +136,52 @@ def _replay_tables(
 
     Every length, not only those on the greedy path (j -> j + accepted + 1), so that a scheduler
     that verifies fewer drafts than were proposed (vLLM trims drafts to the token budget) still
-    finds its entry."""
+    finds its entry. One compiled pass per request (`_replay_request`, the proposer of
+    `kernels.ngram_row.propose_ngram_row`, against which it is tested)."""
+    check_ngram_args(min_n, max_n, k, tie_break)
     offset = _offsets(requests)
     valid = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
     accepted = np.zeros_like(valid)
     for r, (prompt, output) in enumerate(zip(requests.prompt_tokens, requests.output_tokens, strict=True)):
-        history = np.concatenate([prompt, output])
-        base, p = int(offset[r]), len(prompt)
-        for j in range(len(output)):
-            drafts = propose_ngram_row(history[: p + j], min_n=min_n, max_n=max_n, k=k, tie_break=tie_break)
-            if drafts.size == 0:
-                continue
-            # The target's greedy token after prompt + output[:j + i] is output[j + i]; drafts past
-            # the end of the reference have nothing to match and count as rejected.
-            ref = output[j : j + drafts.size]
-            same = drafts[: ref.size] == ref
-            valid[base + j] = drafts.size
-            accepted[base + j] = ref.size if same.all() else int(same.argmin())
+        history = np.concatenate([prompt, output]).astype(np.int64)
+        _replay_request(history, len(prompt), k, min_n, max_n, tie_break == "latest", valid, accepted,
+                        int(offset[r]))
     return offset, valid, accepted
+
+
+@njit
+def _replay_request(history: np.ndarray, p: int, k: int, min_n: int, max_n: int, latest: bool,
+                    valid: np.ndarray, accepted: np.ndarray, base: int) -> None:
+    """For each committed length j of one request (`history` = prompt + reference output, `p` prompt tokens):
+    the n-gram proposer's drafts on history[:p + j] (the window ending at the last token that matches the
+    longest suffix, at most max_n and at least min_n tokens; the earliest or `latest` such window), how many
+    (valid[base + j]) and how many equal the reference's next tokens (accepted[base + j]). Under greedy
+    decoding the target's token after prompt + output[:j + i] is output[j + i]; drafts past the end of the
+    reference have nothing to match and count as rejected."""
+    total = len(history)
+    for j in range(total - p):
+        size = p + j
+        if k == 0 or size <= min_n:
+            continue
+        last = history[size - 1]
+        best_n, best_end = 0, -1
+        for end in range(size - 1):
+            if history[end] != last:
+                continue
+            n = 1
+            while n < max_n and end - n >= 0 and history[end - n] == history[size - 1 - n]:
+                n += 1
+            if n > best_n or (latest and n == best_n):
+                best_n, best_end = n, end
+        if best_n < min_n:
+            continue
+        drafts = min(k, size - best_end - 1)
+        valid[base + j] = drafts
+        ref = min(drafts, total - size)
+        same = 0
+        while same < ref and history[best_end + 1 + same] == history[size + same]:
+            same += 1
+        accepted[base + j] = same
 
 
 def _offsets(requests: Requests) -> np.ndarray:

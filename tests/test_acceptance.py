@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from simharness.acceptance import accepted_drafts, build_replay, held_drafts, make_acceptance
+from simharness.acceptance import _replay_request, accepted_drafts, build_replay, held_drafts, make_acceptance
 from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.scenario import LengthDist, Speculation, Workload
 from simharness.workload import KINDS, build_requests
@@ -171,3 +171,41 @@ def test_replay_is_deterministic():
     np.testing.assert_array_equal(a.valid, b.valid)
     np.testing.assert_array_equal(a.accepted, b.accepted)
     np.testing.assert_array_equal(a.offset, b.offset)
+
+
+def _replay_reference(history, p, k, min_n, max_n, tie_break):
+    """The replay tables of one request from the numpy proposer, position by position (the old build)."""
+    n_out = len(history) - p
+    valid, accepted = np.zeros(n_out, np.int64), np.zeros(n_out, np.int64)
+    for j in range(n_out):
+        drafts = propose_ngram_row(history[: p + j], min_n=min_n, max_n=max_n, k=k, tie_break=tie_break)
+        if drafts.size == 0:
+            continue
+        ref = history[p + j : p + j + drafts.size]
+        same = drafts[: ref.size] == ref
+        valid[j] = drafts.size
+        accepted[j] = ref.size if same.all() else int(same.argmin())
+    return valid, accepted
+
+
+@pytest.mark.parametrize("tie_break", ["earliest", "latest"])
+def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break):
+    """Random histories over small vocabularies (many repeats, so long matches and ties), every min_n <= max_n
+    up to 4 and k up to 5, and edge cases: an empty prompt, a one-token history, no output."""
+    rng = np.random.default_rng(7)
+    cases = [(np.array([3], np.int64), 1), (np.array([1, 1, 1, 1], np.int64), 0), (np.array([2, 2, 2], np.int64), 3)]
+    for _ in range(120):
+        vocab = int(rng.integers(2, 6))
+        history = rng.integers(0, vocab, size=int(rng.integers(1, 60))).astype(np.int64)
+        cases.append((history, int(rng.integers(0, len(history) + 1))))
+    for history, p in cases:
+        for min_n in range(1, 5):
+            for max_n in range(min_n, 5):
+                for k in (1, 3, 5):
+                    n_out = len(history) - p
+                    valid, accepted = np.zeros(n_out + 2, np.int64), np.zeros(n_out + 2, np.int64)
+                    _replay_request(history, p, k, min_n, max_n, tie_break == "latest", valid, accepted, 1)
+                    want_valid, want_accepted = _replay_reference(history, p, k, min_n, max_n, tie_break)
+                    np.testing.assert_array_equal(valid[1 : n_out + 1], want_valid, err_msg=f"{history} {p}")
+                    np.testing.assert_array_equal(accepted[1 : n_out + 1], want_accepted, err_msg=f"{history} {p}")
+                    assert valid[0] == valid[-1] == accepted[0] == accepted[-1] == 0  # nothing outside its rows
