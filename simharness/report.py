@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
@@ -272,19 +274,22 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.nda
                 index_of: dict[str, int]) -> str:
     """Per mode, over all its points: how often each sync point fires per step and how long it waits. One point's
     syncs in memory at a time: a large sweep's need not fit."""
-    columns = ["step", "name", "phase", "waits_for", "start_s", "end_s"]
+    keys = ["name", "phase", "waits_for"]
     parts = []
     for point, mode in zip(summary["point"], summary["mode"], strict=True):
         path = _point_table(run_dir, "syncs", point, index_of)
         if path is None:
             continue
-        s = pd.read_parquet(path, columns=columns)
-        s = s[np.isin(s["step"].to_numpy(), steps_of.get(point, []))]  # recorded steps only, as in metrics
-        s = s.assign(mode=mode, wait_us=(s["end_s"] - s["start_s"]) * 1e6)
-        parts.append(s.groupby(["mode", "name", "phase", "waits_for"], sort=False)["wait_us"].agg(["size", "sum"]))
+        s = pq.read_table(path, columns=["step", *keys, "start_s", "end_s"])
+        # recorded steps only, as in metrics; aggregated in Arrow (a point's syncs are many rows of a few names)
+        s = s.filter(pc.is_in(s["step"], value_set=pa.array(steps_of.get(point, []), type=s["step"].type)))
+        wait_us = pc.multiply(pc.subtract(s["end_s"], s["start_s"]), 1e6)
+        g = pa.table([*(s[k] for k in keys), wait_us], names=[*keys, "wait_us"]).group_by(keys, use_threads=False)
+        parts.append(g.aggregate([("wait_us", "count"), ("wait_us", "sum")]).to_pandas().assign(mode=mode))
     if not parts:
         return "No host syncs recorded.\n"
-    g = pd.concat(parts).groupby(level=[0, 1, 2, 3], sort=False).sum()
+    g = pd.concat(parts).groupby(["mode", *keys], sort=False)[["wait_us_count", "wait_us_sum"]].sum()
+    g.columns = ["size", "sum"]
     mode_of = summary.set_index("point")["mode"]
     steps_per_mode = pd.Series({p: len(v) for p, v in steps_of.items()}, dtype=np.int64).groupby(mode_of).sum()
     rows = []
