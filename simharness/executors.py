@@ -104,6 +104,7 @@ class LocalPool:
         payload = pickle.dumps(work)
         slots: list[_Worker | None] = [None] * self.workers
         busy: dict[int, tuple[Point, int]] = {}  # slot -> (point, attempt)
+
         def dispatch(slot: int) -> Iterator[Event]:
             """Give an idle slot the next point (starting its worker if it has none)."""
             if todo:
