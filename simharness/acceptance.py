@@ -143,7 +143,7 @@ def _replay_tables(
     valid = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
     accepted = np.zeros_like(valid)
     for r, (prompt, output) in enumerate(zip(requests.prompt_tokens, requests.output_tokens, strict=True)):
-        history = np.concatenate([prompt, output]).astype(np.int64)
+        history = np.concatenate([prompt, output], dtype=np.int64)
         _replay_request(history, len(prompt), k, min_n, max_n, tie_break == "latest", valid, accepted,
                         int(offset[r]))
     return offset, valid, accepted

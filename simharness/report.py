@@ -323,8 +323,9 @@ def _step_index(run_dir: Path, index_of: dict[str, int]) -> tuple[dict[str, np.n
         path = _point_table(run_dir, "steps", point, index_of)
         if path is None:
             continue
-        columns = ["step"] + (["gpu_verify_s"] if "gpu_verify_s" in pq.read_schema(path).names else [])
-        df = pd.read_parquet(path, columns=columns)
+        file = pq.ParquetFile(path)
+        columns = ["step"] + (["gpu_verify_s"] if "gpu_verify_s" in file.schema_arrow.names else [])
+        df = file.read(columns=columns).to_pandas()
         steps_of[point] = df["step"].to_numpy()
         if "gpu_verify_s" in df and df["gpu_verify_s"].notna().any():
             measured.add(point)

@@ -156,7 +156,7 @@ def read_table(run_dir: Path, name: str, columns: list[str] | None = None) -> pd
 def combine(run_dir: Path) -> pd.DataFrame:
     """Rebuild the run's summary and its run-level tables from the points; returns the summary."""
     summary = combine_summary(run_dir)
-    combine_tables(run_dir)
+    combine_tables(run_dir, summary)
     return summary
 
 
@@ -176,10 +176,11 @@ def combine_summary(run_dir: Path) -> pd.DataFrame:
     return summary
 
 
-def combine_tables(run_dir: Path) -> None:
-    """Rebuild the run-level parquet tables (`TABLES`) from the finished points' tables."""
-    indices = sorted(finished_points(run_dir))
-    points = [(i, json.loads((point_dir(run_dir, i) / "summary.json").read_text())["point"]) for i in indices]
+def combine_tables(run_dir: Path, summary: pd.DataFrame) -> None:
+    """Rebuild the run-level parquet tables (`TABLES`) from the finished points' tables; `summary` (from
+    `combine_summary`) names each point."""
+    point_of = dict(zip(summary["index"], summary["point"], strict=True)) if len(summary) else {}
+    points = [(i, point_of[i]) for i in sorted(finished_points(run_dir))]
     # One thread per table: reading, encoding and compressing parquet run outside the GIL.
     with ThreadPoolExecutor(len(TABLES)) as pool:
         for done in [pool.submit(_combine_table, run_dir, name, points) for name in TABLES]:

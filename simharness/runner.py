@@ -128,7 +128,7 @@ def combine_and_report(run_dir: Path) -> pd.DataFrame:
     with results.writing(run_dir, fresh=False):
         summary = results.combine_summary(run_dir)
         with ThreadPoolExecutor(1) as pool:
-            tables = pool.submit(results.combine_tables, run_dir)
+            tables = pool.submit(results.combine_tables, run_dir, summary)
             write_report(run_dir)
             tables.result()
     return summary
