@@ -1,5 +1,5 @@
-"""Wall time of one sweep run serially, in local worker processes and on a local Ray cluster; or, with --gpu, a
-hil sweep on one GPU and on two (one worker pinned to each).
+"""Wall time of one sweep run serially, in local worker processes, on a local Ray cluster the run starts and on
+one already running; or, with --gpu, a hil sweep on one GPU and on two (one worker pinned to each).
 
 Each configuration is the `simharness run` command itself (a fresh process: start-up, worker start, the cluster's
 start and the final report all count), run in turn `--repeats` times; the table gives the median wall time, the
@@ -90,6 +90,17 @@ def timed_run(scenario: Path, out: Path, options: list[str], watch_gpus: bool) -
     return wall, run_dir, used
 
 
+def start_cluster() -> str:
+    """A local Ray cluster of 2 CPUs, started before a `--ray auto` run joins it (as a Ray user has one up): that
+    configuration's wall time leaves out the cluster's start and stop. Returns the `ray` command."""
+    ray = str(Path(sys.executable).parent / "ray")
+    started = subprocess.run([ray, "start", "--head", "--num-cpus=2", "--include-dashboard=false",
+                              "--disable-usage-stats"], capture_output=True, text=True)
+    if started.returncode != 0:
+        sys.exit(f"ray start failed:\n{started.stderr[-2000:]}")
+    return ray
+
+
 def _watch_gpus(used: set[str], done: threading.Event) -> None:
     """The GPUs (bus ids) on which a compute process runs, sampled each second: shows that workers are pinned."""
     while not done.wait(1.0):
@@ -116,7 +127,8 @@ def main() -> None:
         configs = {"1 GPU": ["--workers", "1"], "2 GPUs": ["--workers", "2"]}
     else:
         scenario = {**SIM, "workload": {**SIM["workload"], "num_requests": args.requests or 200}}
-        configs = {"serial": [], "--workers 2": ["--workers", "2"], "--ray local": ["--ray", "local"]}
+        configs = {"serial": [], "--workers 2": ["--workers", "2"], "--ray local": ["--ray", "local"],
+                   "--ray auto (running cluster)": ["--ray", "auto"]}
     path = out / f"{scenario['name']}.yaml"
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
     points = 1
@@ -133,7 +145,10 @@ def main() -> None:
     summaries, gpus = set(), {}
     for _ in range(args.repeats or (1 if args.gpu else 2)):
         for name, options in configs.items():
+            ray = start_cluster() if "auto" in options else None  # not timed: a Ray user's cluster is up
             wall, run_dir, used = timed_run(path, out / "runs", options, watch_gpus=args.gpu)
+            if ray is not None:
+                subprocess.run([ray, "stop"], capture_output=True)
             walls[name].append(wall)
             gpus[name] = sorted(used)
             summary = (run_dir / "summary.csv").read_bytes()

@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -261,13 +262,17 @@ class RayCluster:
         finally:
             for ref in pending:
                 ray.cancel(ref, force=True)
-            if started_here:
-                ray.shutdown()
+            if started_here:  # stopping a local cluster takes ~1.5 s: the driver writes the run meanwhile
+                global _ray_stopping
+                _ray_stopping = threading.Thread(target=ray.shutdown, name="ray-shutdown")
+                _ray_stopping.start()
 
     def _connect(self) -> bool:
         """Join the cluster unless this process already has (a caller's ray.init); True when joined here."""
         import ray
 
+        if _ray_stopping is not None:
+            _ray_stopping.join()  # the last run's local cluster is still going down
         if ray.is_initialized():
             return False
         options: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "include_dashboard": False}
@@ -278,6 +283,9 @@ class RayCluster:
         except (ConnectionError, RuntimeError) as e:
             raise ScenarioError(f"--ray {self.address}: cannot join the Ray cluster ({describe_error(e)})") from None
         return True
+
+
+_ray_stopping: threading.Thread | None = None  # the shutdown of the local cluster the last run started
 
 
 def _ray_task(work: Work, point: Point) -> Any:

@@ -101,9 +101,17 @@ def encode_tables(tables: dict[str, pd.DataFrame]) -> dict[str, bytes]:
     encoded = {}
     for name, df in tables.items():
         buffer = io.BytesIO()
-        df.to_parquet(buffer, index=False)
+        table = pa.Table.from_pandas(df, preserve_index=False)
+        pq.write_table(table, buffer, use_dictionary=_text_columns(table.schema))
         encoded[name] = buffer.getvalue()
     return encoded
+
+
+def _text_columns(schema: pa.Schema) -> list[str]:
+    """The columns worth dictionary-encoding: text (a point's id, a sync's name). pyarrow's default tries a
+    dictionary on every column; on the float and counter columns of a large table it made writing 2.5x and
+    reading 4x slower, and the file larger."""
+    return [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
 
 
 def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, bytes]) -> None:
@@ -203,7 +211,7 @@ def _combine_table(run_dir: Path, name: str, points: list[tuple[int, str]]) -> N
     schema = pa.unify_schemas([pq.read_schema(path).remove_metadata() for path, _ in filled],
                               promote_options="permissive")
     schema = pa.schema([pa.field("point", pa.string()), *schema])
-    with pq.ParquetWriter(tmp, schema) as writer:
+    with pq.ParquetWriter(tmp, schema, use_dictionary=_text_columns(schema)) as writer:
         for path, pid in filled:
             table = pq.read_table(path)
             # the point's id on every row, built in C++ (a Python list of it took most of a large table's time)

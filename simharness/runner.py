@@ -24,7 +24,6 @@ from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
 from simharness.records import device_syncs_frame
-from simharness.report import write_report
 from simharness.scenario import (
     Point,
     Scenario,
@@ -125,6 +124,8 @@ def combine_and_report(run_dir: Path) -> pd.DataFrame:
     """Rebuild a run's summary and run-level tables from its points and render its report; returns the summary.
     The report reads the points' own tables, so it renders while another thread combines the run-level ones
     (parquet's reading and encoding run outside the GIL)."""
+    from simharness.report import write_report  # matplotlib: ~0.5 s that a worker process, which draws nothing, skips
+
     with results.writing(run_dir, fresh=False):
         summary = results.combine_summary(run_dir)
         with ThreadPoolExecutor(1) as pool:
