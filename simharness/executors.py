@@ -271,8 +271,7 @@ class RayCluster:
         """Join the cluster unless this process already has (a caller's ray.init); True when joined here."""
         import ray
 
-        if _ray_stopping is not None:
-            _ray_stopping.join()  # the last run's local cluster is still going down
+        ray_stopped()
         if ray.is_initialized():
             return False
         options: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "include_dashboard": False}
@@ -286,6 +285,13 @@ class RayCluster:
 
 
 _ray_stopping: threading.Thread | None = None  # the shutdown of the local cluster the last run started
+
+
+def ray_stopped() -> None:
+    """Wait until a local Ray cluster that a run of this process started has stopped: it stops in a thread while
+    the driver writes the run, and `simharness.run` returns only after, so its caller may start Ray again."""
+    if _ray_stopping is not None:
+        _ray_stopping.join()
 
 
 def _ray_task(work: Work, point: Point) -> Any:

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from simharness import results
+from simharness.executors import ray_stopped
 from simharness.runner import execute, without_ignored
 from simharness.scenario import FidelityMetric, Point, Scenario, ScenarioError, sweep_points
 
@@ -82,7 +83,9 @@ def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: 
     check_levels(sc, levels)
     run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress, workers=workers,
                       ray=ray, retries=retries, process_per_point=process_per_point)
-    return write_fidelity(run_dir, levels)
+    result = write_fidelity(run_dir, levels)
+    ray_stopped()
+    return result
 
 
 def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityResult:

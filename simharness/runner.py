@@ -18,7 +18,7 @@ import pandas as pd
 
 from simharness import results
 from simharness.engine.backend import model_backend
-from simharness.executors import Event, Executor, make_executor
+from simharness.executors import Event, Executor, make_executor, ray_stopped
 from simharness.gcwatch import GC_COLUMNS
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
@@ -117,6 +117,7 @@ def run(
     run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress, workers=workers,
                       ray=ray, retries=retries, process_per_point=process_per_point)
     summary = combine_and_report(run_dir)
+    ray_stopped()
     return RunResult(run_dir, summary)
 
 
