@@ -10,6 +10,8 @@ count, bounds what two workers can gain. Usage:
 
     python benchmarks/sweep_scale.py [--repeats 2] [--requests 200] [--out DIR]  # 64 sim points, 2 workers
     python3 benchmarks/sweep_scale.py --gpu --out $OUT         # a 2-GPU machine: 32 hil points (about 4 minutes)
+
+Each run directory is deleted once its summary is checked, unless --keep-runs.
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="hil points on CUDA: --workers 1 vs --workers 2")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each configuration (sim 2, hil 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per point (sim 200, hil 64)")
-    parser.add_argument("--out", type=Path, default=None, help="keep the runs and scale.json here")
+    parser.add_argument("--out", type=Path, default=None, help="write scale.json (and kept runs) here")
+    parser.add_argument("--keep-runs", action="store_true",
+                        help="keep every run directory (a 64-point run of 4,000-request points is about 1.8 GB)")
     parser.add_argument("--scenario", type=Path, default=ROOT / "scenarios" / "hil.yaml",
                         help="--gpu: the hil scenario whose sweep is replaced (hil-cpu.yaml: try it on a CPU)")
     args = parser.parse_args()
@@ -154,6 +158,8 @@ def main() -> None:
             summary = (run_dir / "summary.csv").read_bytes()
             assert summary.count(b"\n") == points + 1, f"{run_dir}: not every point finished"
             summaries.add(summary)
+            if not args.keep_runs:
+                shutil.rmtree(run_dir)
             print(f"  {name}: {wall:.1f} s  ({run_dir})", flush=True)
     base = statistics.median(next(iter(walls.values())))
     print(f"\n| configuration | median wall s | min-max s | speed-up |{' GPUs used |' if args.gpu else ''}")
