@@ -81,11 +81,12 @@ def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: 
     `workers`, `ray`, `retries` and `process_per_point` choose where the points run, as for `simharness.run`."""
     levels = levels or list(LEVELS)
     check_levels(sc, levels)
-    run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress, workers=workers,
-                      ray=ray, retries=retries, process_per_point=process_per_point)
-    result = write_fidelity(run_dir, levels)
-    ray_stopped()
-    return result
+    try:
+        run_dir = execute(sc, fidelity_points(sc, levels), out, resume=resume, progress=progress, workers=workers,
+                          ray=ray, retries=retries, process_per_point=process_per_point)
+        return write_fidelity(run_dir, levels)
+    finally:
+        ray_stopped()
 
 
 def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityResult:

@@ -114,10 +114,12 @@ def run(
     and after each event of a point."""
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
-    run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress, workers=workers,
-                      ray=ray, retries=retries, process_per_point=process_per_point)
-    summary = combine_and_report(run_dir)
-    ray_stopped()
+    try:
+        run_dir = execute(scenario, sweep_points(scenario), out, resume=resume, progress=progress, workers=workers,
+                          ray=ray, retries=retries, process_per_point=process_per_point)
+        summary = combine_and_report(run_dir)
+    finally:
+        ray_stopped()  # a local cluster this run started stops beside its tail, even one cut short
     return RunResult(run_dir, summary)
 
 
