@@ -173,8 +173,9 @@ class _Tables:
         self.combined: dict[str, pd.DataFrame] = {}
 
     def get(self, name: str, index: int, point: str) -> pd.DataFrame:
-        if (results.point_dir(self.run_dir, index) / f"{name}.parquet").is_file():
-            return results.read_point_table(self.run_dir, index, name)
+        path = results.point_table(self.run_dir, index, name)
+        if path is not None:
+            return pd.read_parquet(path)
         if name not in self.combined:
             path = self.run_dir / f"{name}.parquet"
             if not path.is_file():

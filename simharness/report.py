@@ -26,7 +26,7 @@ from matplotlib.patches import Patch
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
-from simharness.results import load_run_scenario, point_dir
+from simharness.results import load_run_scenario, point_table
 from simharness.scenario import Scenario, sweep_points
 from simharness.stats import REPEAT, aggregate
 
@@ -277,7 +277,7 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.nda
     keys = ["name", "phase", "waits_for"]
     parts = []
     for point, mode in zip(summary["point"], summary["mode"], strict=True):
-        path = _point_table(run_dir, "syncs", point, index_of)
+        path = point_table(run_dir, index_of[point], "syncs")
         if path is None:
             continue
         s = pq.read_table(path, columns=["step", *keys, "start_s", "end_s"])
@@ -309,18 +309,12 @@ def _point_indices(run_dir: Path) -> dict[str, int]:
     return dict(zip(rows["point"], rows["index"].astype(int), strict=True))
 
 
-def _point_table(run_dir: Path, name: str, point: str, index_of: dict[str, int]) -> Path | None:
-    """A point's own table file, or None where the point has none (failed, or run before the table existed)."""
-    path = point_dir(run_dir, index_of[point]) / f"{name}.parquet"
-    return path if path.is_file() else None
-
-
 def _step_index(run_dir: Path, index_of: dict[str, int]) -> tuple[dict[str, np.ndarray], set[str]]:
     """Per point, its recorded step numbers, and the points whose steps have measured device phases (hil)."""
     steps_of: dict[str, np.ndarray] = {}
     measured = set()
     for point in index_of:
-        path = _point_table(run_dir, "steps", point, index_of)
+        path = point_table(run_dir, index_of[point], "steps")
         if path is None:
             continue
         file = pq.ParquetFile(path)
@@ -337,7 +331,7 @@ def _read_points(run_dir: Path, name: str, points: set[str], index_of: dict[str,
     columns when no point has the table (a run from before it existed)."""
     frames = []
     for point in sorted(points, key=index_of.__getitem__):
-        path = _point_table(run_dir, name, point, index_of)
+        path = point_table(run_dir, index_of[point], name)
         if path is not None:
             df = pd.read_parquet(path)
             frames.append(df.assign(point=point)[["point", *df.columns]])

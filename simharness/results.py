@@ -151,8 +151,11 @@ def failed_points(run_dir: Path) -> dict[int, dict]:
     return found
 
 
-def read_point_table(run_dir: Path, index: int, name: str) -> pd.DataFrame:
-    return pd.read_parquet(point_dir(run_dir, index) / f"{name}.parquet")
+def point_table(run_dir: Path, index: int, name: str) -> Path | None:
+    """A point's own file of table `name`, or None where it has none (a point that failed, or one run before the
+    table existed)."""
+    path = point_dir(run_dir, index) / f"{name}.parquet"
+    return path if path.is_file() else None
 
 
 def read_table(run_dir: Path, name: str, columns: list[str] | None = None) -> pd.DataFrame:
@@ -199,8 +202,7 @@ def _combine_table(run_dir: Path, name: str, points: list[tuple[int, str]]) -> N
     """Append every point's table to `<name>.parquet` (`point` first), one point in memory at a time. Columns
     are the union over points in order of appearance (a point lacking one gets nulls); points with no rows are
     left out unless no point has any (a point written before the table existed has no file)."""
-    parts = [(point_dir(run_dir, i) / f"{name}.parquet", pid) for i, pid in points]
-    parts = [(path, pid) for path, pid in parts if path.is_file()]
+    parts = [(path, pid) for i, pid in points if (path := point_table(run_dir, i, name)) is not None]
     filled = [(path, pid) for path, pid in parts if pq.read_metadata(path).num_rows] or parts[:1]
     final = run_dir / f"{name}.parquet"
     tmp = final.with_name(final.name + ".tmp")
