@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
 import threading
 import traceback
 from collections import deque
@@ -99,17 +100,36 @@ class LocalPool:
         self.workers, self.retries, self.gpus = workers, retries, gpus
         self.process_per_point = process_per_point
         self.context = multiprocessing.get_context("spawn")
+        self.slots: list[_Worker | None] = [None] * workers
+
+    def start(self) -> None:
+        """Start every worker now, before the points and their work are known: a GPU worker imports torch while
+        the driver still validates the run (itself importing torch to check the device), ~2.6 s on an H100 host."""
+        self.slots = [w or self._start(i) for i, w in enumerate(self.slots)]
+
+    def close(self) -> None:
+        for w in self.slots:
+            if w is not None:
+                _stop(w)
+        self.slots = [None] * self.workers
 
     def run(self, points: list[Point], work: Work) -> Iterator[Event]:
         todo = deque((p, 0) for p in points)
         payload = pickle.dumps(work)
-        slots: list[_Worker | None] = [None] * self.workers
+        slots = self.slots
+        fed: set[int] = set()  # the slots whose worker has this run's work
         busy: dict[int, tuple[Point, int]] = {}  # slot -> (point, attempt)
 
         def dispatch(slot: int) -> Iterator[Event]:
             """Give an idle slot the next point (starting its worker if it has none)."""
             if todo:
-                slots[slot] = slots[slot] or self._start(slot, payload)
+                if slots[slot] is None:
+                    slots[slot] = self._start(slot)
+                    fed.discard(slot)
+                if slot not in fed:
+                    with contextlib.suppress(OSError):  # died before: its sentinel tells below
+                        slots[slot].conn.send_bytes(payload)
+                    fed.add(slot)
                 busy[slot] = todo.popleft()
                 with contextlib.suppress(OSError):  # died while idle: its sentinel tells below; retried
                     slots[slot].conn.send(busy[slot][0])
@@ -142,27 +162,32 @@ class LocalPool:
                     else:
                         yield Event("failed", point, reason=value, detail=detail)
         finally:
-            for w in slots:
-                if w is not None:
-                    _stop(w)
+            self.close()
 
-    def _start(self, slot: int, payload: bytes) -> _Worker:
+    def _start(self, slot: int) -> _Worker:
         env = {"CUDA_VISIBLE_DEVICES": self.gpus[slot % len(self.gpus)]} if self.gpus else {}
         if "OMP_NUM_THREADS" not in os.environ:  # the workers share the cores (torch on the CPU would oversubscribe)
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.workers))
         parent, child = self.context.Pipe()
-        process = self.context.Process(target=_worker_main, args=(child, payload, env), name=f"simharness-{slot}")
+        process = self.context.Process(target=_worker_main, args=(child, env), name=f"simharness-{slot}")
         process.start()
         child.close()
         return _Worker(process, parent)
 
 
-def _worker_main(conn: Connection, payload: bytes, env: dict[str, str]) -> None:
-    """A worker process: pin the device before anything can touch CUDA, then run points until the driver hangs up.
-    Ctrl-C goes to the whole process group; the driver alone handles it (and stops its workers)."""
+def _worker_main(conn: Connection, env: dict[str, str]) -> None:
+    """A worker process: pin the device before anything can touch CUDA, receive the run's work, then run points
+    until the driver hangs up. Ctrl-C goes to the whole process group; the driver alone handles it (and stops its
+    workers)."""
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    work = pickle.loads(payload)
+    if "CUDA_VISIBLE_DEVICES" in env:  # a GPU worker: its measured engine's imports, made while it waits
+        with contextlib.suppress(ImportError):  # a broken install says so where the first point imports them
+            import simharness.measured  # noqa: F401
+    try:
+        work = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return  # started ahead and not needed (the run was refused, or had fewer points than workers)
     while True:
         try:
             point = conn.recv()
@@ -310,10 +335,16 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (or their indices)."""
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (or their indices). Counted by nvidia-smi
+    where it can (0.1 s, where importing torch to ask takes 2-3 s), else by torch."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [g.strip() for g in listed.split(",") if g.strip()]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        lines = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
+        gpus = [line for line in lines.splitlines() if line.startswith("GPU ")]
+        if gpus and "MIG " not in lines:  # MIG instances are CUDA devices of their own: let torch count them
+            return [str(i) for i in range(len(gpus))]
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]

@@ -18,7 +18,7 @@ import pandas as pd
 
 from simharness import results
 from simharness.engine.backend import model_backend
-from simharness.executors import Event, Executor, make_executor, ray_stopped
+from simharness.executors import Event, Executor, LocalPool, make_executor, ray_stopped
 from simharness.gcwatch import GC_COLUMNS
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
@@ -157,23 +157,38 @@ def execute(
     for p in points:  # validate every point before writing anything
         try:
             modes[p.index] = resolve_mode(p.scenario)
-            if p.scenario.engine.backend != "model" and ray in (None, "local"):  # a cluster may have GPUs we lack
-                _require_device(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
     _check_one_engine([p.scenario for p in points if p.scenario.engine.backend != "model"])
-    executor = make_executor(points, workers=workers, ray=ray, retries=retries, process_per_point=process_per_point)
-    if resume is not None:
-        run_dir = Path(resume)
-        stored = results.load_run_scenario(run_dir)
-        if stored != scenario:
-            raise ScenarioError(f"{run_dir}: was started from a different scenario (differs in "
-                                f"{', '.join(scenario_diff(stored, scenario))}); resume it with the same one")
-    else:
-        run_dir = results.new_run_dir(Path(out), scenario)
-    with results.writing(run_dir, fresh=resume is None):
-        _execute_points(run_dir, scenario, points, modes, progress, executor)
+    # a cluster may have GPUs this machine lacks: only a local run checks its device
+    local = [p for p in points if p.scenario.engine.backend != "model" and ray in (None, "local")]
+    try:
+        executor = make_executor(points, workers=workers, ray=ray, retries=retries, process_per_point=process_per_point)
+    except ScenarioError:
+        _require_devices(local)  # a missing device is the first thing to say
+        raise
+    if isinstance(executor, LocalPool) and executor.gpus:
+        executor.start()  # its workers import torch while this process does, to check the device
+    try:
+        _require_devices(local)
+        run_dir = _run_dir(scenario, out, resume)
+        with results.writing(run_dir, fresh=resume is None):
+            _execute_points(run_dir, scenario, points, modes, progress, executor)
+    finally:
+        if isinstance(executor, LocalPool):
+            executor.close()  # workers started ahead wait for work until told to go
     return run_dir
+
+
+def _run_dir(scenario: Scenario, out: str | Path, resume: str | Path | None) -> Path:
+    """A new run directory under `out`, or `resume` once it is known to hold a run of the same scenario."""
+    if resume is None:
+        return results.new_run_dir(Path(out), scenario)
+    stored = results.load_run_scenario(Path(resume))
+    if stored != scenario:
+        raise ScenarioError(f"{resume}: was started from a different scenario (differs in "
+                            f"{', '.join(scenario_diff(stored, scenario))}); resume it with the same one")
+    return Path(resume)
 
 
 def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], modes: dict[int, Mode],
@@ -234,14 +249,15 @@ def _check_one_engine(measured: list[Scenario]) -> None:
                             "one device; do not sweep them")
 
 
-def _require_device(sc: Scenario) -> None:
+def _require_devices(points: list[Point]) -> None:
     """A measured point asking for CUDA where torch sees none is bad input, found before anything is written."""
-    if sc.engine.device == "cuda":
-        import torch
+    for p in points:
+        if p.scenario.engine.device == "cuda":
+            import torch
 
-        if not torch.cuda.is_available():
-            raise ScenarioError(f"engine.device: cuda was asked for (engine.backend: {sc.engine.backend}) but torch "
-                                "sees no CUDA device here")
+            if not torch.cuda.is_available():
+                raise ScenarioError(f"sweep point {p.id}: engine.device: cuda was asked for (engine.backend: "
+                                    f"{p.scenario.engine.backend}) but torch sees no CUDA device here")
 
 
 class _Workloads:

@@ -134,6 +134,63 @@ def test_each_worker_sees_only_its_gpu():
     assert set.union(*by_pid.values()) == {"0", "1"}
 
 
+def test_workers_started_ahead_run_the_points_and_stop_when_closed_unused():
+    """A GPU pool starts its workers before the run is validated (they import torch meanwhile); those same workers
+    then run the points, and a pool closed without a run leaves no process behind."""
+    points = sweep_points(scenario_from_dict(SMALL))
+    pool = LocalPool(2, gpus=["0", "1"])
+    pool.start()
+    started = {w.process.pid for w in pool.slots}
+    assert {pid for _, pid in (e.result for e in pool.run(points, _where) if e.kind == "done")} == started
+    unused = LocalPool(2, gpus=["0", "1"])
+    unused.start()
+    processes = [w.process for w in unused.slots]
+    unused.close()
+    assert not any(p.is_alive() for p in processes) and unused.slots == [None, None]
+
+
+def _fake_nvidia_smi(directory: Path, monkeypatch, extra: str = "") -> None:
+    """An nvidia-smi first on PATH that lists two GPUs (and `extra` lines), CUDA_VISIBLE_DEVICES unset."""
+    smi = directory / "nvidia-smi"
+    listing = "GPU 0: NVIDIA H200 (UUID: GPU-a)\\nGPU 1: NVIDIA H200 (UUID: GPU-b)\\n" + extra
+    smi.write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_visible_gpus_are_counted_by_nvidia_smi_and_mig_is_left_to_torch(tmp_path, monkeypatch):
+    import torch
+
+    from simharness.executors import visible_gpus
+
+    _fake_nvidia_smi(tmp_path, monkeypatch)
+    assert visible_gpus() == ["0", "1"]
+    _fake_nvidia_smi(tmp_path, monkeypatch, extra="  MIG 1g.10gb Device 0: (UUID: MIG-c)\\n")
+    assert len(visible_gpus()) == torch.cuda.device_count()  # torch counts MIG instances
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert visible_gpus() == ["3", "1"]
+
+
+def test_a_run_refused_after_its_gpu_workers_started_writes_nothing_and_leaves_no_worker(tmp_path, monkeypatch):
+    """nvidia-smi lists two GPUs, so the pool starts its two workers ahead; torch then sees no CUDA device (a CPU
+    build): the run is refused as bad input, nothing is written, and the workers are gone."""
+    import multiprocessing
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where torch sees no CUDA device")
+    _fake_nvidia_smi(tmp_path, monkeypatch)
+    started = []
+    monkeypatch.setattr(LocalPool, "start", lambda pool, start=LocalPool.start: started.append(start(pool)))
+    doc = {**SMALL, "engine": {**SMALL["engine"], "backend": "torch", "device": "cuda"}}
+    with pytest.raises(ScenarioError, match="engine.device: cuda was asked for .* sees no CUDA device here"):
+        simharness.run(scenario_from_dict(doc), out=tmp_path / "out", workers=2)
+    assert started and not (tmp_path / "out").exists()
+    assert multiprocessing.active_children() == []
+
+
 def test_a_failed_point_is_recorded_kept_apart_and_retried_by_resume(serial, tmp_path, monkeypatch):
     original = runner._point_result
 
