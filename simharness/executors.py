@@ -108,6 +108,7 @@ class LocalPool:
         self.slots = [w or self._start(i) for i, w in enumerate(self.slots)]
 
     def close(self) -> None:
+        """Stop every worker (a run's end, or a run refused after `start`)."""
         for w in self.slots:
             if w is not None:
                 _stop(w)
