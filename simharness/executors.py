@@ -118,7 +118,9 @@ class LocalPool:
         todo = deque((p, 0) for p in points)
         payload = pickle.dumps(work)
         slots = self.slots
-        fed: set[int] = set()  # the slots whose worker has this run's work
+        for w in slots:  # started ahead (`start`): each gets the work first
+            if w is not None:
+                _feed(w, payload)
         busy: dict[int, tuple[Point, int]] = {}  # slot -> (point, attempt)
 
         def dispatch(slot: int) -> Iterator[Event]:
@@ -126,11 +128,7 @@ class LocalPool:
             if todo:
                 if slots[slot] is None:
                     slots[slot] = self._start(slot)
-                    fed.discard(slot)
-                if slot not in fed:
-                    with contextlib.suppress(OSError):  # died before: its sentinel tells below
-                        slots[slot].conn.send_bytes(payload)
-                    fed.add(slot)
+                    _feed(slots[slot], payload)
                 busy[slot] = todo.popleft()
                 with contextlib.suppress(OSError):  # died while idle: its sentinel tells below; retried
                     slots[slot].conn.send(busy[slot][0])
@@ -174,6 +172,12 @@ class LocalPool:
         process.start()
         child.close()
         return _Worker(process, parent)
+
+
+def _feed(worker: _Worker, payload: bytes) -> None:
+    """Hand a worker the run's work (pickled), the first message it waits for."""
+    with contextlib.suppress(OSError):  # it died: its sentinel tells once it has a point
+        worker.conn.send_bytes(payload)
 
 
 def _worker_main(conn: Connection, env: dict[str, str]) -> None:
