@@ -12,7 +12,7 @@ the new length, masked by causality and overwritten by the next step.
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from simharness.engine.model import Transformer, steer_logits
+from simharness.engine.step_graph import StepGraphs
 from simharness.instrument import phase
 from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram
@@ -39,11 +40,8 @@ READBACK_RING = 4
 
 @dataclass
 class StepResult:
-    """A launched step's device tensors; `DecodeLoop.readback` turns it into host values."""
+    """A launched step; `DecodeLoop.readback` turns it into host values once `DecodeLoop.wait` returned."""
 
-    output: Tensor  # [B, k+1] int64: accepted drafts, then the correction or bonus token, then -1
-    num_emitted: Tensor  # [B] int32: accepted + 1
-    num_drafts: Tensor  # [B] int32: drafts verified (pad: the valid ones; fill: all k)
     batch: int
     step_id: int
     ring_index: int
@@ -58,19 +56,25 @@ class StepOutput:
     num_drafts: np.ndarray  # [B]
     next_valid: np.ndarray  # [B]: valid drafts proposed for the next step (0 without a device proposer)
     phase_s: tuple[float, ...]  # per PHASES
-    parts_s: tuple[float, ...]  # per enqueued part: the verify's inputs, its forward, then PHASES[1:]
+    parts_s: tuple[float, ...]  # per part: the verify's inputs, its forward, then PHASES[1:]
     packed: np.ndarray  # [B, k+4]: the four above side by side (they are its views), for one compiled call
 
 
 @dataclass
 class _Staging:
-    """One readback ring entry: packed results on the device, their pinned host copy, phase marks."""
+    """One readback ring entry: where a step's results land in pinned host memory, and its marks.
 
-    device: Tensor  # [max_slots, k+4] int64: output, num_emitted, num_drafts, next_valid
+    Eager: `device` holds the packed results [max_slots, k+4], `host` their pinned copy, `events` a CUDA event per
+    part boundary (MARKS), then one after the copy. Step graphs (`engine.step_graph`): `host` is the flat copy of
+    the graphs' output (MARKS device timestamps, then the packed rows), `inputs` the pinned block of the step's
+    inputs, and only the last event is recorded."""
+
+    device: Tensor | None
     host: Tensor
-    events: list = field(default_factory=list)  # CUDA: a mark per part boundary (MARKS), then copy done
+    inputs: Tensor | None = None
+    events: list = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
-    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when the verify graph's launch returned
+    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when a graph's launch returned
     step_id: int = -1
 
 
@@ -81,7 +85,10 @@ class DecodeLoop:
     model sees the last token there), `"fill"` verifies the proposer's filler token as an ordinary draft.
     With `device_proposer=False` the drafts come from the host with every step (the CPU n-gram proposer).
     A slot may be stepped while its committed length + k <= max_len; at most `max_in_flight` steps may
-    be launched and not yet read back.
+    be launched and not yet read back. With `step_graphs` (default: the model's `cuda_graphs`) each step
+    replays the whole step captured as one CUDA graph per batch bucket (`engine.step_graph`); without, the
+    step's ops are enqueued one by one around the model's verify (a graph replay with `cuda_graphs`): the
+    reference, and the CPU's path.
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class DecodeLoop:
         seed: int = 0,
         device_proposer: bool = True,
         max_in_flight: int = READBACK_RING,
+        step_graphs: bool | None = None,
     ):
         self.model, self.k, self.seed = model, k, seed
         self.device_proposer = device_proposer and k > 0
@@ -104,36 +112,42 @@ class DecodeLoop:
         self.max_slots, self.max_len = model.max_slots, model.max_len
         self.device = device = model.device
         self.cuda = device.type == "cuda"
-        slots, length = self.max_slots, self.max_len
+        # One row past the slots: the scratch slot (the model's pad_slot) where a graph's padding rows go.
+        rows, length = self.max_slots + 1, self.max_len
 
         def longs(*shape: int, fill: int = 0) -> Tensor:
             return torch.full(shape, fill, dtype=torch.int64, device=device)
 
-        self.history = longs(slots, length)  # committed tokens (prompt, then generated)
-        self.lengths = longs(slots)  # committed length
-        self.prompt_lens = longs(slots)
-        self.reference = longs(slots, length, fill=NO_DRAFT)  # continuation to replay, from the first generated token
-        self.reference_lens = longs(slots)  # 0: not steered
-        self.drafts = longs(slots, k, fill=NO_DRAFT)  # proposed for the next step
-        self.num_valid = torch.zeros(slots, dtype=torch.int32, device=device)
-        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.history = longs(rows, length)  # committed tokens (prompt, then generated)
+        self.lengths = longs(rows)  # committed length
+        self.prompt_lens = longs(rows)
+        self.reference = longs(rows, length, fill=NO_DRAFT)  # continuation to replay, from the first generated token
+        self.reference_lens = longs(rows)  # 0: not steered
+        self.drafts = longs(rows, k, fill=NO_DRAFT)  # proposed for the next step
+        self.num_valid = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
         self._positions = torch.arange(k + 1, device=device)
-        self._all_drafts = torch.full((slots,), k, dtype=torch.int32, device=device)
+        self._all_drafts = torch.full((rows,), k, dtype=torch.int32, device=device)
         self._no_drafts = (longs(1, 0), torch.zeros(1, dtype=torch.int32, device=device))
         self._steered: set[int] = set()  # host mirror of reference_lens > 0: skip steering when empty
         self._step_id = 0
-        self._ring = [self._new_staging() for _ in range(max_in_flight)]
-        if model.cuda_graphs:
+        self.graphs: StepGraphs | None = None
+        if model.cuda_graphs if step_graphs is None else step_graphs:
+            self.graphs = StepGraphs(self, stamps=MARKS)
+        elif model.cuda_graphs:
             model.capture_graphs(k + 1)
+        self._ring = [self._new_staging() for _ in range(max_in_flight)]
 
     def _new_staging(self) -> _Staging:
+        if self.graphs is not None:
+            return self.graphs.new_staging()
         packed = torch.zeros(self.max_slots, self.k + 4, dtype=torch.int64, device=self.device)
         if not self.cuda:  # on the CPU the packed results already are host memory
             return _Staging(device=packed, host=packed)
         host = torch.zeros_like(packed, device="cpu").pin_memory()
         return _Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(MARKS + 1)])
 
-    def _to_device(self, ids: Sequence[int] | Tensor) -> Tensor:
+    def _to_device(self, ids: Sequence[int] | np.ndarray | Tensor) -> Tensor:
         """Token ids as a 1-D int64 device tensor; host data goes through pinned memory so that no
         pageable copy stalls the host on work already queued."""
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
@@ -141,9 +155,9 @@ class DecodeLoop:
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         return ids.to(self.device)
 
-    def _seed(self, step_id: int) -> int:
-        # Bit 62 and bit 0 set: Triton specialises integer arguments on their width and on divisibility by
-        # 16, so a seed that could be small or even would compile new kernel variants mid-run.
+    def seed_of(self, step_id: int) -> int:
+        """The sampler's seed for a step. Bit 62 and bit 0 set: once so that Triton would not compile new variants
+        for small or even seeds passed as arguments; kept so that seeds, and so sampled tokens, stay as before."""
         return hash((self.seed, step_id)) & 0x3FFF_FFFF_FFFF_FFFF | 1 << 62 | 1
 
     def add_request(
@@ -169,7 +183,7 @@ class DecodeLoop:
             self.temperature[slot].fill_(temperature)
         if reference_ids is None:
             first, _ = rejection_sample(
-                logits.view(1, 1, -1), *self._no_drafts, self.temperature[slot : slot + 1], seed=self._seed(-1 - slot)
+                logits.view(1, 1, -1), *self._no_drafts, self.temperature[slot : slot + 1], seed=self.seed_of(-1 - slot)
             )
             self.reference_lens[slot].fill_(0)
             self._steered.discard(slot)
@@ -206,63 +220,92 @@ class DecodeLoop:
 
     def step(
         self,
-        slots: Tensor,
+        slots: Sequence[int] | np.ndarray | Tensor,
         *,
-        lengths: Tensor | None = None,
-        drafts: Tensor | None = None,
-        num_drafts: Tensor | None = None,
+        lengths: Sequence[int] | np.ndarray | Tensor | None = None,
+        drafts: np.ndarray | Tensor | None = None,
     ) -> StepResult:
         """Verify each slot's last token + drafts, sample, commit, propose the next drafts.
 
-        `slots` is an int64 device tensor of distinct slot ids (any subset, any order, changing every
-        step). Everything is launched on the device; nothing here waits for it. By default the device
-        state is the truth: committed lengths (positions) and drafts are the device's own, which is the
-        optimistic policy's GPU-side correction (docs/vllm-notes.md, "Async scheduling"). A host that knows
-        better passes them: `lengths` [B] after reading the accepted counts (the `wait` policy), `drafts`
-        [B, k] (NO_DRAFT = none) from the CPU proposer, `num_drafts` [B] int32 when it trimmed the drafts to
-        the valid ones.
+        `slots` are distinct slot ids (any subset, any order, changing every step), host values (one copy to the
+        device with step graphs) or an int64 device tensor. Everything is launched on the device; nothing here
+        waits for it. By default the device state is the truth: committed lengths (positions) and drafts are the
+        device's own, which is the optimistic policy's GPU-side correction (docs/vllm-notes.md, "Async
+        scheduling"). A host that knows better passes them: `lengths` [B] after reading the accepted counts (the
+        `wait` policy), `drafts` [B, k] (NO_DRAFT = none) from the CPU proposer (then required).
         """
-        k, max_len = self.k, self.max_len
-        if drafts is None and k > 0 and not self.device_proposer:
-            raise ValueError("without a device proposer every step needs the host's drafts")
+        if self.k == 0:
+            drafts = None  # plain decoding: nothing to verify
+        elif (drafts is None) != self.device_proposer:
+            raise ValueError("the host's drafts are needed without a device proposer, and taken only then")
         ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
-        staging.step_id, staging.times, staging.graph_launched = self._step_id, [], None
+        if self.graphs is not None:
+            batch = self.graphs.launch(staging, slots, lengths, drafts, self.seed_of(self._step_id), bool(self._steered))
+        else:
+            batch = self._eager_step(staging, slots, lengths, drafts)
+        staging.step_id = self._step_id
+        self._step_id += 1
+        return StepResult(batch, staging.step_id, ring_index)
+
+    def _eager_step(self, staging: _Staging, slots, lengths, drafts) -> int:
+        """The step's ops enqueued one by one; a mark (event and host time) at each part boundary."""
+        staging.times, staging.graph_launched = [], None
         self._mark(staging)
+        slots = self._to_device(slots)
+        lengths = self.lengths[slots] if lengths is None else self._to_device(lengths)
+        if drafts is not None:
+            drafts = self._to_device(drafts).view(-1, self.k)
+
+        def verify(tokens: Tensor, slots: Tensor, start: Tensor) -> Tensor:
+            logits = self.model.verify(tokens, slots, start)
+            if self.model.cuda_graphs:  # verify returns as soon as the graph's launch has
+                staging.graph_launched = time.perf_counter()
+            return logits
+
+        self.decode(slots, lengths, drafts, self.seed_of(self._step_id), bool(self._steered), staging.device,
+                    verify, lambda: self._mark(staging))  # fmt: skip
+        batch = slots.shape[0]
+        if self.cuda:
+            staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)
+            staging.events[MARKS].record()
+        return batch
+
+    def decode(
+        self, slots: Tensor, lengths: Tensor, drafts: Tensor | None, seed: int | Tensor, steered: bool,
+        packed: Tensor, verify: Callable[[Tensor, Tensor, Tensor], Tensor], mark: Callable[[], None],
+    ) -> None:  # fmt: skip
+        """The step's device work, shared by the eager step and the step graphs: from the slots' committed
+        `lengths` (and the host's `drafts`, else the device's), verify, sample with `seed`, commit and propose,
+        and write the packed results to `packed[:B]`. `verify` runs the model, `mark` ends each part."""
+        k, max_len = self.k, self.max_len
         with phase("gpu_verify"):
-            if lengths is None:
-                lengths = self.lengths[slots]
             start = lengths - 1
             row_base = slots * max_len
             last = torch.take(self.history, row_base + start)
             if drafts is None:
                 drafts = self.drafts[slots]
-            if num_drafts is None:
-                if not self.device_proposer:
-                    num_drafts = (drafts != NO_DRAFT).sum(dim=1, dtype=torch.int32)
-                elif self.invalid == "pad":
-                    num_drafts = self.num_valid[slots]
-                else:
-                    num_drafts = self._all_drafts[: slots.shape[0]]
+            if not self.device_proposer:
+                num_drafts = (drafts != NO_DRAFT).sum(dim=1, dtype=torch.int32)
+            elif self.invalid == "pad":
+                num_drafts = self.num_valid[slots]
+            else:
+                num_drafts = self._all_drafts[: slots.shape[0]]
             # NO_DRAFT is no token id: the model sees the last token there, the sampler still sees it (rejected).
             model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
-            self._mark(staging)  # the forward's own part: a graph replay enqueued last is not spread out
-            logits = self.model.verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
-            if self.model.cuda_graphs:  # verify returns as soon as the graph's launch has
-                staging.graph_launched = time.perf_counter()
-            if self._steered:
+            mark()  # the forward's own part: a graph replay enqueued last is not spread out
+            logits = verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start).view(slots.shape[0], k + 1, -1)
+            if steered:
                 # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
                 ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
                 ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
                 ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, NO_DRAFT)
                 steer_logits(logits, ref_tokens, STEER_MARGIN)
-            self._mark(staging)
+            mark()
 
         with phase("gpu_sample"):
-            output, num_emitted = rejection_sample(
-                logits, drafts, num_drafts, self.temperature[slots], seed=self._seed(self._step_id)
-            )
-            self._mark(staging)
+            output, num_emitted = rejection_sample(logits, drafts, num_drafts, self.temperature[slots], seed=seed)
+            mark()
 
         with phase("gpu_commit"):
             # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past
@@ -273,26 +316,21 @@ class DecodeLoop:
             self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
             new_lengths = lengths + num_emitted
             self.lengths.index_copy_(0, slots, new_lengths)
-            self._mark(staging)
+            mark()
 
         with phase("gpu_propose"):
             if self.device_proposer:
                 new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
                 self.drafts.index_copy_(0, slots, new_drafts)
                 self.num_valid.index_copy_(0, slots, new_valid)
-            self._mark(staging)
+            mark()
 
         batch = slots.shape[0]
-        staging.device[:batch, : k + 1] = output
-        staging.device[:batch, k + 1] = num_emitted
-        staging.device[:batch, k + 2] = num_drafts
+        packed[:batch, : k + 1] = output
+        packed[:batch, k + 1] = num_emitted
+        packed[:batch, k + 2] = num_drafts
         if self.device_proposer:
-            staging.device[:batch, k + 3] = new_valid
-        if self.cuda:
-            staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)
-            staging.events[MARKS].record()
-        self._step_id += 1
-        return StepResult(output, num_emitted, num_drafts, batch, staging.step_id, ring_index)
+            packed[:batch, k + 3] = new_valid
 
     def _mark(self, staging: _Staging) -> None:
         """The next part boundary: a device event on CUDA, and the host's time (on CUDA, when the part's enqueue
@@ -302,33 +340,39 @@ class DecodeLoop:
         staging.times.append(time.perf_counter())
 
     def host_marks(self, result: StepResult) -> list[float]:
-        """The host's perf_counter at the step's part boundaries (its start, then the end of each part)."""
+        """The host's perf_counter at the step's part boundaries (its start, then the end of each part; with step
+        graphs every part's enqueue ends when the graph's launch returned)."""
         return self._staging(result).times
 
     def graph_launched(self, result: StepResult) -> float | None:
-        """With CUDA graphs, the host's perf_counter when the verify graph's launch returned (within the forward's
-        part, after its inputs' copies): the graph runs once launched whole, so not before then. Else None."""
+        """With CUDA graphs, the host's perf_counter when the graph's launch returned: the verify graph's (within
+        the forward's part, after its inputs' copies) or the step graph's (every part). The graph runs once
+        launched whole, so not before then. Else None."""
         return self._staging(result).graph_launched
 
     def wait(self, result: StepResult) -> None:
         """Block until the step and its copy to the host are done (CUDA; on the CPU it ran when launched)."""
         if self.cuda:
-            self._staging(result).events[MARKS].synchronize()
+            self._staging(result).events[-1].synchronize()
 
     def readback(self, result: StepResult) -> StepOutput:
         """Copy a finished step's tokens and counts to the host and read its phase times; call `wait` first (the
         one sync of a step, which a caller times apart from the readback)."""
         staging = self._staging(result)
-        if self.cuda:
-            marks = staging.events
-            if not marks[MARKS].query():
-                raise RuntimeError(f"step {result.step_id} read back before `wait` returned for it")
-            parts_s = tuple(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(MARKS - 1))
+        if self.cuda and not staging.events[-1].query():
+            raise RuntimeError(f"step {result.step_id} read back before `wait` returned for it")
+        if self.graphs is not None:
+            stamps, packed = self.graphs.unpack(staging, result.batch)
+            parts_s = tuple(float(stamps[i + 1] - stamps[i]) / 1e9 for i in range(MARKS - 1))
         else:
-            marks = staging.times
-            parts_s = tuple(marks[i + 1] - marks[i] for i in range(MARKS - 1))
+            if self.cuda:
+                marks = staging.events
+                parts_s = tuple(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(MARKS - 1))
+            else:
+                marks = staging.times
+                parts_s = tuple(marks[i + 1] - marks[i] for i in range(MARKS - 1))
+            packed = staging.host[: result.batch].numpy().copy()
         phase_s = (parts_s[0] + parts_s[1], *parts_s[2:])
-        packed = staging.host[: result.batch].numpy().copy()
         k = self.k
         tokens, emitted, drafts, valid = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3]
         return StepOutput(tokens, emitted, drafts, valid, phase_s, parts_s, packed)

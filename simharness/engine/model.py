@@ -188,6 +188,12 @@ class _Graph:
     last: Tensor | None = None  # a prefill graph's index of the chunk's last real token
 
 
+def batch_buckets(max_slots: int) -> list[int]:
+    """The batch sizes captured as CUDA graphs (1, 2, 4, then multiples of 8, and max_slots): a batch replays the
+    smallest that holds it, its extra rows padded onto the scratch slot."""
+    return sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
+
+
 def prefill_sizes(longest: int) -> list[int]:
     """The token buckets of the prefill graphs that cover chunks up to `longest` tokens: 16, 32, then steps of
     64 up to 1024 and of 256 beyond (a chunk pads to the next one: at most 63 tokens of extra device work up to
@@ -273,10 +279,11 @@ class Transformer(nn.Module):
         # Arrival counters of the attention kernel's chunk merge (one per (row, kv head) of a launch): zero between
         # launches, each launch leaves them zero.
         self.counters = torch.zeros((max_slots + 1) * config.n_kv_heads, dtype=torch.int32, device=device)
-        self._graph_sizes = sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
+        self.batch_buckets = batch_buckets(max_slots)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._prefill_graphs: dict[tuple[int, bool], _Graph] = {}  # by token bucket, and fresh or a later chunk
-        self._graph_pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        # Shared by every graph of the model and of its decode loop's step graphs.
+        self._graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.load_stats: dict[str, float | str] | None = None  # a checkpoint's loading time and memory
 
     @property
@@ -380,12 +387,12 @@ class Transformer(nn.Module):
                 x = self._forward(tokens, slots, start_pos, "fresh" if fresh else "masked")
             return self._logits(x.index_select(0, last))[0]
 
-        graph, logits = self._capture(forward)
+        graph, logits = self.capture(forward)
         return _Graph(graph, tokens, slots, start_pos, logits, last)
 
-    def _capture(self, forward: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        """`forward` captured into the model's graph pool, and its output buffer; warmed up first on a side stream
-        (kernel compilation, cuBLAS handles), as capture requires."""
+    def capture(self, forward: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """`forward` captured into the model's graph pool (which the decode loop's step graphs share), and its
+        output; warmed up first on a side stream (kernel compilation, cuBLAS handles), as capture requires."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -405,10 +412,10 @@ class Transformer(nn.Module):
         """
         batch, n_tokens = tokens.shape
         if not self.cuda_graphs:
-            return self._verify_logits(tokens, slots, start_pos).view(batch, n_tokens, -1)
+            return self.verify_logits(tokens, slots, start_pos).view(batch, n_tokens, -1)
         if (self.max_slots, n_tokens) not in self._graphs:
             self.capture_graphs(n_tokens)
-        size = next(s for s in self._graph_sizes if s >= batch)
+        size = next(s for s in self.batch_buckets if s >= batch)
         g = self._graphs[(size, n_tokens)]
         g.tokens[:batch].copy_(tokens)
         g.slots[:batch].copy_(slots)
@@ -419,7 +426,8 @@ class Transformer(nn.Module):
         g.graph.replay()
         return g.logits[:batch]
 
-    def _verify_logits(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
+    def verify_logits(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
+        """`verify`'s logits [B*T, V] computed eagerly (what a graph captures: the decode loop's step graphs too)."""
         return self._logits(self._forward(tokens, slots, start_pos))
 
     def capture_graphs(self, n_tokens: int) -> None:
@@ -427,11 +435,11 @@ class Transformer(nn.Module):
         a no-op when already captured."""
         if (self.max_slots, n_tokens) in self._graphs:
             return
-        for size in reversed(self._graph_sizes):
+        for size in reversed(self.batch_buckets):
             tokens = torch.zeros(size, n_tokens, dtype=torch.int64, device=self.device)
             slots = torch.full((size,), self.pad_slot, dtype=torch.int64, device=self.device)
             start_pos = torch.zeros(size, dtype=torch.int64, device=self.device)
-            graph, logits = self._capture(partial(self._verify_logits, tokens, slots, start_pos))
+            graph, logits = self.capture(partial(self.verify_logits, tokens, slots, start_pos))
             self._graphs[(size, n_tokens)] = _Graph(graph, tokens, slots, start_pos, logits.view(size, n_tokens, -1))
 
 

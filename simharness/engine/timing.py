@@ -64,14 +64,16 @@ class PartTiming:
 
 def decode_enqueue(loop: DecodeLoop, result: StepResult, shift: float) -> list[tuple[float, float]]:
     """When the host enqueued each part of a decode step, relative to `shift`: between its marks. With CUDA graphs
-    the forward's part begins when the graph's launch returned: the device cannot start a graph before it is
-    launched whole, and the launch (with the inputs' copies before it) takes host time that the gated device time
-    leaves out (about 190 us on the H100: docs/hil.md, "What hil still misses")."""
+    the graph's parts begin when its launch returned: the device cannot start a graph before it is launched whole,
+    and the launch (with the inputs' copies before it) takes host time that the gated device time leaves out
+    (docs/hil.md, "What hil still misses"). That is the forward's part with the verify graph, and every part with
+    the step graphs (`engine.step_graph`)."""
     marks = loop.host_marks(result)
     parts = [(marks[i] - shift, marks[i + 1] - shift) for i in range(len(marks) - 1)]
     launched = loop.graph_launched(result)
     if launched is not None:
-        parts[FORWARD] = (launched - shift, parts[FORWARD][1])
+        first = 0 if loop.graphs is not None else FORWARD
+        parts[first] = (launched - shift, parts[first][1])
     return parts
 
 

@@ -49,9 +49,9 @@ class _Launch:
     """What `prep` built for a step and what `launch` enqueued."""
 
     decode_rids: np.ndarray
-    slots: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None
-    drafts: torch.Tensor | None = None
+    slots: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    drafts: np.ndarray | None = None
     prefills: list[tuple[int, int, bool, torch.Tensor]] = field(default_factory=list)  # rid, start, last chunk, ids
     result: StepResult | None = None
     first_rids: list[int] = field(default_factory=list)
@@ -151,13 +151,13 @@ class TorchBackend:
                 ids = self.req.prompt_tokens[rid] if last else self.req.prompt_tokens[rid][start:end]
                 launch.prefills.append((rid, start, last, self._to_device(ids)))
             r = launch.decode_rids
-            if len(r):
-                launch.slots = self._to_device(self.slots.of[r])
+            if len(r):  # host arrays: the decode loop copies them to the device with the step (one copy, graphed)
+                launch.slots = self.slots.of[r]
                 if not self.mode.optimistic and self.n_read == self.n_launched:
                     # the host has read every step's accepted counts: it sends exact positions
-                    launch.lengths = self._to_device(self.host.positions(r))
+                    launch.lengths = self.host.positions(r)
                 if self.mode.ngram_cpu:
-                    launch.drafts = self._to_device(self.host.drafts[r, : self.k]).view(len(r), self.k)
+                    launch.drafts = self.host.drafts[r, : self.k]
                 self.allocations.step(self.host, r)
             self.launches[step.step] = launch
         return self._leave(t0)

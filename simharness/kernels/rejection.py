@@ -17,14 +17,15 @@ def rejection_sample(
     num_drafts: torch.Tensor,
     temperature: torch.Tensor,
     *,
-    seed: int,
+    seed: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify a batch of drafts: the fused Triton kernels on CUDA, the torch reference elsewhere."""
+    """Verify a batch of drafts: the fused Triton kernels on CUDA, the torch reference elsewhere. `seed` may be a
+    one-element int64 tensor on the logits' device (a CUDA graph's staged seed)."""
     if target_logits.is_cuda:
         from simharness.kernels.rejection_triton import rejection_sample_triton  # Triton: only where it runs
 
         return rejection_sample_triton(target_logits, draft_tokens, num_drafts, temperature, seed=seed)
-    return rejection_sample_reference(target_logits, draft_tokens, num_drafts, temperature, seed=seed)
+    return rejection_sample_reference(target_logits, draft_tokens, num_drafts, temperature, seed=int(seed))
 
 
 def _assemble(
@@ -49,7 +50,7 @@ def rejection_sample_reference(
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch over whole [B, k+1, V] tensors; randomness from a torch.Generator seeded with `seed`."""
-    batch, k_plus_1, _ = target_logits.shape
+    batch, k_plus_1, vocab = target_logits.shape
     k = k_plus_1 - 1
     device = target_logits.device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -69,7 +70,10 @@ def rejection_sample_reference(
     safe_temperature = torch.where(temperature == 0, 1.0, temperature).float().to(device)
     probs = torch.softmax(logits / safe_temperature[:, None, None], dim=-1)
     p_draft = probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
-    uniform = torch.rand((batch, k), generator=generator, device=device)
+    # One row of uniforms per batch row, drawn in row order: on the CPU (whose generator fills in order) a row's
+    # randomness does not depend on the rows after it, so a batch padded to a graph's bucket samples the same tokens.
+    draws = torch.rand((batch, k + k_plus_1 * vocab), generator=generator, device=device)
+    uniform = draws[:, :k]
     random_accept = is_draft & (uniform < p_draft)
 
     accept = torch.where(greedy, greedy_accept, random_accept)
@@ -80,7 +84,7 @@ def rejection_sample_reference(
     removed[:, :k].scatter_(-1, drafts[..., None], is_draft[..., None].float())
     residual = probs * (1 - removed)
     # Exponential race: argmax(r / E), E ~ Exp(1), draws index j with probability r_j / sum(r).
-    noise = torch.empty_like(residual).exponential_(generator=generator)
+    noise = -torch.log(draws[:, k:].view(batch, k_plus_1, vocab))
     sampled = (residual / noise).argmax(dim=-1)
 
     final_tokens = torch.where(greedy, argmax, sampled)

@@ -15,8 +15,9 @@ import triton.language as tl
 # positions: sound because only one position per row (the first rejection, or the bonus) is ever
 # emitted, and it cuts the Philox work by k+1. Kernel 2, grid (row,): merges the tiles, walks the accept
 # chain and writes the output. Randomness is counter-based (Philox keyed by the seed, counters from
-# (row, vocab column) and (row, position)), so the output is a function of the inputs and the seed, with
-# no generator state.
+# (row, vocab column) and (row, position), under two keys), so the output is a function of the inputs and the seed, with
+# no generator state. The seed is read from device memory, not passed as a kernel argument, so that a captured
+# CUDA graph replays each step with its own seed (a graph bakes its arguments; `engine.decode` stages the seed).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -73,7 +74,7 @@ def _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, su
             tl.store(sum_ptr + out + i, tl.sum(tl.exp2(tl.fma(xf, scale, -reference)), axis=0), mask=num_drafts > i)
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _rejection_tile_kernel(
     logits_ptr,
     logits_stride_b,
@@ -87,7 +88,7 @@ def _rejection_tile_kernel(
     index_ptr,
     vocab,
     noise_per_row,
-    seed,
+    seed_ptr,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     FAST_LOG: tl.constexpr,
@@ -126,7 +127,7 @@ def _rejection_tile_kernel(
         # One Philox call gives four words: column c takes word c % 4 of the row's counter c // 4 (so the noise
         # does not depend on BLOCK).
         counters = row * noise_per_row + start // 4 + tl.arange(0, BLOCK // 4)
-        w0, w1, w2, w3 = tl.randint4x(seed, counters)
+        w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), counters)
         words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
         # Gumbel race: argmax_j (x_j + g_j), g_j base-2 Gumbel noise, is a sample of p. Keys stay in logit units
         # (logit + g / scale = logit + g T ln 2: the same order), one add per element.
@@ -140,7 +141,7 @@ def _rejection_tile_kernel(
                   K=K, EXCLUDE_DRAFTS=False)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit
 def _rejection_walk_kernel(
     logits_ptr,
     logits_stride_b,
@@ -156,8 +157,7 @@ def _rejection_walk_kernel(
     num_emitted_ptr,
     vocab,
     n_tiles,
-    accept_counter_base,
-    seed,
+    seed_ptr,
     K: tl.constexpr,
     K_BLOCK: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
@@ -200,7 +200,8 @@ def _rejection_walk_kernel(
         safe_ref = tl.where(global_ref == -float("inf"), 0.0, global_ref)
         total = tl.sum(tile_sum * tl.exp2(tile_ref - safe_ref[:, None]), axis=1) + tl.exp2(draft_x - safe_ref)
         p_draft = tl.exp2(draft_x - safe_ref - tl.log2(total))
-        word, _, _, _ = tl.randint4x(seed, accept_counter_base + row * K_BLOCK + positions)
+        # Keyed by the seed with bit 0 flipped: a stream apart from the race noise's, counted from the row alone.
+        word, _, _, _ = tl.randint4x(tl.load(seed_ptr) ^ 1, row * K_BLOCK + positions)
         accept = has_token & (_open_uniform(word) < p_draft)
 
     num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
@@ -221,9 +222,10 @@ def rejection_sample_triton(
     num_drafts: torch.Tensor,
     temperature: torch.Tensor,
     *,
-    seed: int,
+    seed: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Triton version (CUDA, or CPU tensors under TRITON_INTERPRET=1): reads the logits once."""
+    """Fused Triton version (CUDA, or CPU tensors under TRITON_INTERPRET=1): reads the logits once. `seed` is an int
+    or a one-element int64 tensor on the logits' device (what a CUDA graph replays with a new value each step)."""
     batch, k_plus_1, vocab = target_logits.shape
     k = k_plus_1 - 1
     device = target_logits.device
@@ -244,13 +246,15 @@ def rejection_sample_triton(
     partials = torch.empty((4, batch, n_tiles, k_plus_1), dtype=torch.float32, device=device)
     tile_max, tile_sum, best_key = partials[0], partials[1], partials[2]
     best_index = partials[3].view(torch.int32)
-    # Philox counters: [0, batch * noise_per_row) for the race noise, then the accept uniforms.
+    # Philox counters from the row and column (the race noise) or position (the accept uniforms, another key): a
+    # row's randomness does not depend on the batch around it, so a batch padded to a graph's bucket samples the
+    # same tokens.
     noise_per_row = triton.cdiv(vocab, 4)
     k_block = triton.next_power_of_2(k_plus_1)
-    accept_counter_base = batch * noise_per_row
-    if accept_counter_base + batch * k_block >= 2**31:
+    if batch * max(noise_per_row, k_block) >= 2**31:
         raise ValueError(f"batch {batch} x vocab {vocab} exceeds the 31-bit Philox counter space")
-    seed = seed % 2**63
+    if isinstance(seed, int):  # fill_ takes the scalar as a kernel argument: no host-to-device copy, no sync
+        seed = torch.empty(1, dtype=torch.int64, device=device).fill_(seed % 2**63)
 
     _rejection_tile_kernel[(batch, n_tiles)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
@@ -260,8 +264,7 @@ def rejection_sample_triton(
     tile_block = triton.next_power_of_2(n_tiles)
     _rejection_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        tile_max, tile_sum, best_key, best_index, output, num_emitted, vocab, n_tiles, accept_counter_base,
-        seed,
+        tile_max, tile_sum, best_key, best_index, output, num_emitted, vocab, n_tiles, seed,
         K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, num_warps=min(8, max(1, tile_block // 128)),
     )  # fmt: skip
     return output, num_emitted
