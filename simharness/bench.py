@@ -18,9 +18,11 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
+from simharness.engine.decode import DecodeLoop
 from simharness.engine.model import Transformer, get_config, model_sizes
 from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch
 from simharness.kernels.rejection import rejection_sample_reference
@@ -38,11 +40,15 @@ VERIFY_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
 VERIFY_QUICK = [("llama-3.2-1b", [1, 16])]
 VERIFY_CPU = [("tiny", [1, 8])]
 VERIFY_CONTEXT = 512
+# Decode step (verify, sample, commit, propose): (preset, batch sizes) per run; the 8B shape only in a full CUDA run.
+DECODE_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
+DECODE_QUICK = [("llama-3.2-1b", [1, 16])]
+DECODE_CPU = [("tiny", [1, 8])]
 # Rendered after the columns that describe a row.
 MEASURED_COLUMNS = [
     "device_ms", "wall_ms", "speedup_vs_torch", "logits_gb_per_s", "pct_of_copy_bw",
     "weights_floor_ms", "x_weights_floor", "weights_kv_floor_ms", "compute_floor_ms", "best_floor_x_weights",
-    "x_best_floor",
+    "x_best_floor", "launch_us", "launch_p10_us", "launch_p90_us", "device_p10_ms", "device_p90_ms", "step_event_ms",
 ]  # fmt: skip
 
 
@@ -51,7 +57,8 @@ def run_kernel_bench(device: str, out_dir: Path, quick: bool = False) -> pd.Data
     dev = torch.device(device)
     copy_gbps = measure_copy_bandwidth(dev, quick)
     peak_tflops = measure_matmul_tflops(dev)
-    frame = pd.DataFrame(kernel_rows(dev, quick, copy_gbps) + verify_rows(dev, quick, copy_gbps, peak_tflops))
+    rows = kernel_rows(dev, quick, copy_gbps) + verify_rows(dev, quick, copy_gbps, peak_tflops)
+    frame = pd.DataFrame(rows + decode_rows(dev, quick, copy_gbps, peak_tflops))
     write_tables(frame, dev, Path(out_dir), copy_gbps, quick, peak_tflops)
     return frame
 
@@ -281,6 +288,14 @@ def write_tables(
         "max(weights_kv_floor_ms, compute_floor_ms) (memory and compute overlap at best), best_floor_x_weights = "
         "best floor / weights_floor_ms (what no implementation can beat, in units of the weight-read floor), "
         "x_best_floor = device_ms / best floor",
+        f"- decode_step: the whole decode step (verify, rejection sampler, commit, n-gram proposer, the copy of the "
+        f"results to pinned host memory), B greedy requests after {VERIFY_CONTEXT}-token random prompts, k={K}; impl "
+        "eager = the step's ops enqueued one by one around the verify's CUDA graph (the engine before the step "
+        "graphs), step_graph = the whole step replayed as one CUDA graph (staged = the same staging on the CPU, "
+        "nothing captured); launch_us = host time of `DecodeLoop.step` from an idle device (median, p10, p90 of 50; "
+        "5 when quick or on CPU); device_ms = sum of the step's part times with the host queued ahead (CUDA events "
+        "eager, the graph's %globaltimer stamps step_graph); step_event_ms = CUDA events around the whole step, "
+        "input and output copies included; x_best_floor = device_ms / the verify's best floor (as for verify)",
     ]
     for kernel, table in kernel_tables(frame):
         lines += ["", f"## {kernel}", "", *markdown_table(table)]
@@ -352,12 +367,6 @@ def bench_verify_step(
     gen = torch.Generator(device=device).manual_seed(1)
     for slot in range(model.max_slots):
         model.prefill(slot, torch.randint(config.vocab_size, (context_len,), generator=gen, device=device))
-    floor_s = model.weight_bytes() / bandwidth
-    kv_bytes_per_row = model_sizes(config, dtype=model.k_cache.dtype)["kv_bytes_per_token"] * (context_len + n_tokens)
-    matmul_params = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.output.numel()
-    # Attention per token and layer: q.k and p.v over the row's positions, 2 FLOPs per multiply-add each.
-    attention_flops_per_token = 4 * config.n_layers * config.n_heads * config.head_dim * (context_len + n_tokens)
-
     rows = []
     for batch in batch_sizes:
         tokens = torch.randint(config.vocab_size, (batch, n_tokens), generator=gen, device=device)
@@ -382,16 +391,124 @@ def bench_verify_step(
                 model.verify(tokens, slots, start_pos)
                 times.append(time.perf_counter() - t0)
         median = statistics.median(times)
-        flops = (2 * matmul_params + attention_flops_per_token) * batch * n_tokens
+        floors = verify_floors(model, batch, k, context_len, bandwidth, peak_flops)
+        floor_s, flops = floors["weights_floor_ms"] / 1e3, floors["flops"]
         rows.append({
             "name": f"verify_step[{preset}{'' if n_layers is None else f',L={n_layers}'}]",
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "batch": batch, "k": k, "tokens": batch * n_tokens, "context": context_len,
             "cuda_graphs": model.cuda_graphs, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
             "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
-            "floor_with_kv_ms": (model.weight_bytes() + kv_bytes_per_row * batch) / bandwidth * 1e3,
-            "weight_bytes": model.weight_bytes(), "kv_read_bytes": kv_bytes_per_row * batch,
-            "flops": flops, "tflops": flops / median / 1e12,
-            "compute_floor_ms": None if peak_flops is None else flops / peak_flops * 1e3,
+            "floor_with_kv_ms": floors["weights_kv_floor_ms"],
+            "weight_bytes": model.weight_bytes(), "kv_read_bytes": floors["kv_read_bytes"],
+            "flops": flops, "tflops": flops / median / 1e12, "compute_floor_ms": floors["compute_floor_ms"],
         })  # fmt: skip
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode step: host launch time next to device time
+# --------------------------------------------------------------------------------------------------
+
+
+def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float) -> list[Row]:
+    """The whole decode step (verify, sample, commit, propose, the copy back) per batch size: eager (ops enqueued one
+    by one around the verify graph on CUDA) and through the step graphs. launch_us is the host time of
+    `DecodeLoop.step` from an idle device; device_ms the sum of its parts' device times (events, or the graphs'
+    timestamps) with the host queued ahead; step_event_ms CUDA events around the whole step, copies included."""
+    runs = DECODE_CPU if device.type != "cuda" else DECODE_QUICK if quick else DECODE_CUDA
+    repeats = 5 if quick or device.type != "cuda" else 50
+    rows: list[Row] = []
+    for preset, batches in runs:
+        measured = bench_decode_step(preset, batches, K, device, repeats, context_len=VERIFY_CONTEXT,
+                                     bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12)  # fmt: skip
+        for m in measured:
+            best = max(m["weights_kv_floor_ms"], m["compute_floor_ms"])
+            rows.append({"kernel": "decode_step", "model": preset, "k": K, "context": VERIFY_CONTEXT, **m,
+                         "x_best_floor": m["device_ms"] / best})
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def verify_floors(
+    model: Transformer, batch: int, k: int, context: int, bandwidth: float, peak_flops: float | None
+) -> dict[str, float | None]:
+    """A verify step's floors in ms, B rows of k + 1 tokens after `context` cached ones: the weights a forward reads
+    / bandwidth (bytes/s); that plus the rows' K/V over context + k + 1 positions; and (2 x matmul params +
+    attention FLOPs: q.k and p.v, 2 per multiply-add, over those positions) x tokens / peak_flops (FLOP/s)."""
+    config, n_tokens = model.config, k + 1
+    kv_read = model_sizes(config, dtype=model.k_cache.dtype)["kv_bytes_per_token"] * (context + n_tokens) * batch
+    matmul_params = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) + model.output.numel()
+    attention = 4 * config.n_layers * config.n_heads * config.head_dim * (context + n_tokens)
+    flops = (2 * matmul_params + attention) * batch * n_tokens
+    return {"weights_floor_ms": model.weight_bytes() / bandwidth * 1e3,
+            "weights_kv_floor_ms": (model.weight_bytes() + kv_read) / bandwidth * 1e3, "kv_read_bytes": kv_read,
+            "flops": flops, "compute_floor_ms": None if peak_flops is None else flops / peak_flops * 1e3}  # fmt: skip
+
+
+def bench_decode_step(
+    preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *, context_len: int,
+    bandwidth: float, peak_flops: float,
+) -> list[dict]:
+    """Per batch size and step mode: launch host time (median, p10, p90 in us) from an idle device, device time of
+    the step's parts with the host queued ahead (median, p10, p90 in ms), events around the whole step (median ms).
+    Every request is a random prompt of `context_len` tokens, greedy and unsteered; the verify's floors as
+    `verify_floors`."""
+    config = get_config(preset)
+    cuda = device.type == "cuda"
+    warmup = 3
+    max_len = context_len + 1 + (warmup + 2 * repeats) * (k + 1) + k + 1
+    model = Transformer(config, max_slots=max(batch_sizes), max_len=max_len, device=device, cuda_graphs=cuda)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    rows = []
+    for step_graphs in (False, True):
+        loop = DecodeLoop(model, k=k, min_n=2, max_n=5, step_graphs=step_graphs)
+        for batch in batch_sizes:
+            for slot in range(batch):
+                loop.add_request(slot, torch.randint(config.vocab_size, (context_len,), generator=gen))
+            slots = np.arange(batch)
+            for _ in range(warmup):
+                result = loop.step(slots)
+                loop.wait(result)
+                loop.readback(result)
+            launch, device_ms, event_ms = [], [], []
+            for _ in range(repeats):  # from an idle device: the host's launch alone
+                t0 = time.perf_counter()
+                result = loop.step(slots)
+                launch.append((time.perf_counter() - t0) * 1e6)
+                loop.wait(result)
+                loop.readback(result)
+            for _ in range(repeats):  # the host queued ahead: the device's own time
+                if cuda:
+                    torch.cuda._sleep(HOST_AHEAD_CYCLES)
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                result = loop.step(slots)
+                if cuda:
+                    end.record()
+                loop.wait(result)
+                out = loop.readback(result)
+                device_ms.append(sum(out.parts_s) * 1e3)
+                if cuda:
+                    end.synchronize()
+                    event_ms.append(begin.elapsed_time(end))
+            floors = verify_floors(model, batch, k, context_len, bandwidth, peak_flops)
+            rows.append({
+                "impl": ("step_graph" if cuda else "staged") if step_graphs else "eager",
+                "dtype": str(model.k_cache.dtype).removeprefix("torch."), "batch": batch,
+                "launch_us": statistics.median(launch), "launch_p10_us": _quantile(launch, 0.1),
+                "launch_p90_us": _quantile(launch, 0.9), "device_ms": statistics.median(device_ms),
+                "device_p10_ms": _quantile(device_ms, 0.1), "device_p90_ms": _quantile(device_ms, 0.9),
+                "step_event_ms": statistics.median(event_ms) if event_ms else math.nan,
+                **{key: floors[key] for key in ("weights_kv_floor_ms", "compute_floor_ms")},
+            })  # fmt: skip
+            for slot in range(batch):
+                loop.remove_request(slot)
+        del loop
+    return rows
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(np.quantile(values, q))

@@ -124,10 +124,10 @@ def test_cuda_graph_prefill_matches_eager_and_pads_touch_nothing_live() -> None:
     assert graphed.k_cache.shape[2] == 1200 + PREFILL_PAD and eager.k_cache.shape[2] == 1200
 
 
-@pytest.mark.parametrize("invalid", ["pad", "fill"])
-def test_step_makes_no_host_sync(invalid: str) -> None:
+@pytest.mark.parametrize(("invalid", "step_graphs"), [("pad", False), ("fill", False), ("pad", True), ("fill", True)])
+def test_step_makes_no_host_sync(invalid: str, step_graphs: bool) -> None:
     model = Transformer(ONE_B, max_slots=8, max_len=MAX_LEN, device="cuda", cuda_graphs=True)
-    loop = DecodeLoop(model, k=4, min_n=1, max_n=3, invalid=invalid)
+    loop = DecodeLoop(model, k=4, min_n=1, max_n=3, invalid=invalid, step_graphs=step_graphs)
     refs = references(1)
     for slot, prompt in enumerate(prompts(3)):
         loop.add_request(slot, prompt, reference_ids=refs[0] if slot == 1 else None, temperature=0.5 * slot)
@@ -147,10 +147,15 @@ def test_step_makes_no_host_sync(invalid: str) -> None:
     outs = [finish(loop, r) for r in results]
     assert all((out.num_emitted >= 1).all() for out in outs)
     assert all(len(out.phase_s) == 4 and min(out.phase_s) >= 0 for out in outs)
-    # the verify graph's launch returned within the forward's part (hil starts the part's device work there)
+    # the verify graph's launch returned within the forward's part (hil starts the part's device work there); the
+    # step graph's launch ends every part's enqueue
     for r in results:
         marks = loop.host_marks(r)
-        assert marks[FORWARD] < loop.graph_launched(r) <= marks[FORWARD + 1]
+        if step_graphs:
+            assert marks[0] < loop.graph_launched(r) and set(marks[1:]) == {loop.graph_launched(r)}
+        else:
+            assert marks[FORWARD] < loop.graph_launched(r) <= marks[FORWARD + 1]
+    assert all(min(out.parts_s) > 0 for out in outs)  # device timestamps (graphs) or events: every part took time
 
 
 def run_loop(k: int, *, refs: list[list[int]] | None, n_steps: int, **kwargs) -> list[list[int]]:
@@ -189,3 +194,36 @@ def test_greedy_speculative_equals_plain_in_bf16() -> None:
     print(f"unsteered: {sum(map(len, spec)) - 4 * (n_steps + 1)} drafts accepted in {4 * n_steps} request-steps")
     for s, p in zip(spec, plain, strict=True):
         assert s == p[: len(s)]
+
+
+@pytest.mark.parametrize(("k", "invalid", "host_drafts"), [(0, "pad", False), (4, "pad", False), (4, "fill", False),
+                                                          (3, "pad", True)])  # fmt: skip
+def test_step_graphs_equal_the_eager_step(k: int, invalid: str, host_drafts: bool) -> None:
+    """Random batches (padded to their buckets, slots in any order), greedy and random rows, steered and free ones,
+    the device's lengths or the host's: the replayed step graphs give the eager step's tokens, counts and state
+    bit for bit (the same verify shapes: the eager step replays the model's verify graph of the same bucket)."""
+    gen = torch.Generator().manual_seed(k)
+    n_slots = 12
+    loops = []
+    for graphs in (False, True):
+        model = Transformer(ONE_B, max_slots=n_slots, max_len=MAX_LEN, device="cuda", cuda_graphs=True)
+        loops.append(DecodeLoop(model, k=k, min_n=1, max_n=3, invalid=invalid, device_proposer=not host_drafts,
+                                seed=5, step_graphs=graphs))  # fmt: skip
+    refs = references(n_slots, length=200)
+    for slot, prompt in enumerate(prompts(n_slots)):
+        for loop in loops:
+            loop.add_request(slot, prompt, reference_ids=refs[slot] if slot % 3 == 0 else None,
+                             temperature=float(slot % 2))  # fmt: skip
+    for step in range(16):
+        batch = int(torch.randint(1, n_slots + 1, (1,), generator=gen))
+        slots = torch.randperm(n_slots, generator=gen)[:batch].numpy()
+        lengths = loops[0].lengths[slots].cpu().numpy() if step % 2 else None
+        drafts = None
+        if host_drafts:
+            drafts = torch.randint(ONE_B.vocab_size, (batch, k), generator=gen)
+            drafts[torch.rand(batch, k, generator=gen) < 0.3] = -1
+            drafts = drafts.numpy()
+        outs = [finish(loop, loop.step(slots, lengths=lengths, drafts=drafts)) for loop in loops]
+        assert (outs[1].packed == outs[0].packed).all(), step
+        for name in ("history", "lengths", "drafts", "num_valid"):
+            assert torch.equal(getattr(loops[1], name)[:n_slots], getattr(loops[0], name)[:n_slots]), name

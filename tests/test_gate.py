@@ -2,11 +2,24 @@
 once and a closed one gives up after its polls. tests/test_kernels_cuda.py checks that on CUDA a closed gate
 holds the stream until the host opens it."""
 
-import os
+from collections.abc import Iterator
 
-os.environ["TRITON_INTERPRET"] = "1"  # CI has no GPU: the Triton kernels run in Triton's interpreter
+import pytest
 
+from simharness.kernels import gate
 from simharness.kernels.gate import Gate
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_gate() -> Iterator[None]:
+    """The gate's kernel in Triton's interpreter, also on a GPU machine, where Triton compiles (tests/conftest.py)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kernel = gate._kernel()
+    with pytest.MonkeyPatch.context() as patch:
+        if not isinstance(kernel, InterpretedFunction):
+            patch.setattr(gate, "_kernel", lambda: InterpretedFunction(kernel.fn))
+        yield
 
 
 def test_gate_tickets_and_polls_on_the_cpu():

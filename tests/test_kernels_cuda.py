@@ -1,7 +1,6 @@
 """CUDA only: the compiled Triton kernels at realistic sizes (B=64, L=8192, V=128256) agree with the
-reference / torch versions, keep the target distribution, and the n-gram paths make no host sync.
-
-Run this file in its own pytest process: the CPU kernel tests set TRITON_INTERPRET=1 for the process."""
+reference / torch versions, keep the target distribution, and the n-gram paths make no host sync. Triton compiles
+wherever CUDA is (tests/conftest.py), so they run in the same session as the CPU kernel tests."""
 
 import os
 import time
@@ -24,7 +23,7 @@ BATCH, WIDTH, VOCAB, K = 64, 8192, 128256, 4
 @pytest.fixture(autouse=True)
 def _compiled_triton() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this process (set by the CPU kernel tests): run this file alone")
+        pytest.skip("TRITON_INTERPRET=1 was set for this process: compiled kernels cannot run")
 
 
 def repetitive_histories(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

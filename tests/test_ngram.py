@@ -1,9 +1,5 @@
 """N-gram proposer: reference, torch, Triton (interpreted on CPU) and the numpy row version agree exactly."""
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # CI has no GPU: the Triton kernels run in Triton's interpreter
-
 from collections.abc import Iterator
 
 import pytest

@@ -241,7 +241,8 @@ class DecodeLoop:
         ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
         if self.graphs is not None:
-            batch = self.graphs.launch(staging, slots, lengths, drafts, self.seed_of(self._step_id), bool(self._steered))
+            seed = self.seed_of(self._step_id)
+            batch = self.graphs.launch(staging, slots, lengths, drafts, seed, bool(self._steered))
         else:
             batch = self._eager_step(staging, slots, lengths, drafts)
         staging.step_id = self._step_id
@@ -294,7 +295,8 @@ class DecodeLoop:
             # NO_DRAFT is no token id: the model sees the last token there, the sampler still sees it (rejected).
             model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
             mark()  # the forward's own part: a graph replay enqueued last is not spread out
-            logits = verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start).view(slots.shape[0], k + 1, -1)
+            logits = verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
+            logits = logits.view(slots.shape[0], k + 1, -1)
             if steered:
                 # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
                 ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
