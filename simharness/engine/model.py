@@ -15,6 +15,7 @@ CUDA graph stays close to the weight-read floor; elsewhere the same ops run as p
 """
 
 import dataclasses
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -399,8 +400,16 @@ class Transformer(nn.Module):
             forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            output = forward()
+        # No cyclic garbage collection while capturing: collecting there may free another graph's CUDA objects
+        # (graphs, events), which invalidates the capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                output = forward()
+        finally:
+            if collecting:
+                gc.enable()
         return graph, output
 
     def verify(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:

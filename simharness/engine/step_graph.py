@@ -17,6 +17,7 @@ the packed rows, and they travel to the host in the same copy.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,9 @@ class StepGraphs:
     model's graph pool: their intermediate tensors are dead between replays, so they share its memory."""
 
     def __init__(self, loop: DecodeLoop, stamps: int):
-        self.loop, self.stamps, self.k = loop, stamps, loop.k
+        # A weak reference: no cycle, so a dropped loop is freed at once, not by the cyclic collector in the middle of
+        # a later capture (freeing its graphs and events there would invalidate that capture).
+        self.loop, self.stamps, self.k = weakref.proxy(loop), stamps, loop.k
         self.sizes = loop.model.batch_buckets
         self.pad_slot = loop.model.pad_slot
         self.width = self.k + 4
