@@ -390,9 +390,10 @@ def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
 
 
 def test_a_graphed_forward_starts_on_the_device_when_its_launch_returned():
-    """The decode step's parts are enqueued between the host's marks; with CUDA graphs the forward's part begins
-    when the graph's launch returned (the device cannot run a graph before), which delays the step's device end
-    where the device would otherwise have started earlier; on the CPU no graph is launched."""
+    """The decode step's parts are enqueued between the host's marks; with the verify's CUDA graph the forward's
+    part begins when the graph's launch returned (the device cannot run a graph before), which delays the step's
+    device end where the device would otherwise have started earlier; with the step graphs every part does; on the
+    CPU no graph is launched."""
     from types import SimpleNamespace
 
     from simharness.engine.timing import decode_enqueue
@@ -400,6 +401,7 @@ def test_a_graphed_forward_starts_on_the_device_when_its_launch_returned():
 
     class Loop:
         launched = None
+        graphs = None  # the verify's graph only: the step graphs start every part at the launch
 
         def host_marks(self, result):
             return [10.0, 10.1, 10.3, 10.4, 10.5, 10.6]  # start, then the end of each of the five parts
@@ -416,6 +418,11 @@ def test_a_graphed_forward_starts_on_the_device_when_its_launch_returned():
     ends = [_overlapped_end(SimpleNamespace(launch_start=0.0, enqueue=e, parts_s=device_s), 0.0)
             for e in (eager, graphed)]
     assert ends == pytest.approx([0.1 + 1.0 + 0.15, 0.25 + 1.0 + 0.15])  # the forward waits 0.15 for its launch
+    loop.graphs, loop.host_marks = object(), lambda result: [10.0] + [10.25] * 5  # one graph for the whole step
+    whole = decode_enqueue(loop, None, 10.0)
+    np.testing.assert_allclose(whole, [(0.25, 0.25)] * 5)
+    end = _overlapped_end(SimpleNamespace(launch_start=0.0, enqueue=whole, parts_s=device_s), 0.0)
+    assert end == pytest.approx(0.25 + 1.2)  # nothing of the step runs before its launch returned
     cpu = DecodeLoop(Transformer(get_config("tiny"), max_slots=2, max_len=64, device="cpu"), k=2, min_n=1, max_n=3)
     cpu.add_request(0, [1, 2, 3, 1, 2])
     assert cpu.graph_launched(cpu.step(torch.tensor([0]))) is None
