@@ -294,7 +294,8 @@ def write_tables(
         "graphs), step_graph = the whole step replayed as one CUDA graph (staged = the same staging on the CPU, "
         "nothing captured); launch_us = host time of `DecodeLoop.step` from an idle device (median, p10, p90 of 50; "
         "5 when quick or on CPU); device_ms = sum of the step's part times with the host queued ahead (CUDA events "
-        "eager, the graph's %globaltimer stamps step_graph); step_event_ms = CUDA events around the whole step, "
+        "eager; step_graph: the graph's %globaltimer stamps, its first part taking in the input and output copies "
+        "from events around the step); step_event_ms = CUDA events around the whole step, "
         "input and output copies included; x_best_floor = device_ms / the verify's best floor (as for verify)",
     ]
     for kernel, table in kernel_tables(frame):

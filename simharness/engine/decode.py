@@ -67,7 +67,7 @@ class _Staging:
     Eager: `device` holds the packed results [max_slots, k+4], `host` their pinned copy, `events` a CUDA event per
     part boundary (MARKS), then one after the copy. Step graphs (`engine.step_graph`): `host` is the flat copy of
     the graphs' output (MARKS device timestamps, then the packed rows), `inputs` the pinned block of the step's
-    inputs, and only the last event is recorded."""
+    inputs, and two events span the step."""
 
     device: Tensor | None
     host: Tensor
@@ -364,8 +364,7 @@ class DecodeLoop:
         if self.cuda and not staging.events[-1].query():
             raise RuntimeError(f"step {result.step_id} read back before `wait` returned for it")
         if self.graphs is not None:
-            stamps, packed = self.graphs.unpack(staging, result.batch)
-            parts_s = tuple(float(stamps[i + 1] - stamps[i]) / 1e9 for i in range(MARKS - 1))
+            parts_s, packed = self.graphs.unpack(staging, result.batch)
         else:
             if self.cuda:
                 marks = staging.events

@@ -11,7 +11,8 @@ tensor too) at length 1, so they write nowhere else.
 
 A graph replays the same event nodes every time, and a step may be replayed again before the last one is read
 back; so the part boundaries are timed by device timestamps (`kernels.clock`) written into the output ahead of
-the packed rows, and they travel to the host in the same copy.
+the packed rows, and they travel to the host in the same copy. Two events per ring entry around the whole step
+add its copies and the graph's start to the first part (the verify's inputs).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ class StepGraphs:
         cuda = self.loop.cuda
         host = torch.zeros(self.output.shape, dtype=torch.int64, pin_memory=cuda)
         inputs = torch.zeros(self._input_size(self.sizes[-1]), dtype=torch.int64, pin_memory=cuda)
-        return _Staging(None, host, inputs, events=[torch.cuda.Event()] if cuda else [])
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []  # the step's span
+        return _Staging(None, host, inputs, events=events)
 
     def launch(self, staging: _Staging, slots, lengths, drafts, seed: int, steered: bool) -> int:
         """Stage a step's inputs, replay its graph, copy its output to `staging`; returns the batch size. Host values
@@ -115,6 +117,8 @@ class StepGraphs:
         size = next((s for s in self.sizes if s >= batch), None)
         if size is None:
             raise ValueError(f"a step of {batch} slots exceeds the model's {self.sizes[-1]}")
+        if staging.events:
+            staging.events[0].record()
         block = staging.inputs.numpy()
         self._fill_pads(block, batch, size, seed)
         on_device = []
@@ -144,8 +148,15 @@ class StepGraphs:
         staging.graph_launched = launched if step.graph is not None else None
         return batch
 
-    def unpack(self, staging: _Staging, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        """A finished step's device timestamps (ns, MARKS) and packed rows [B, k+4], copied out of pinned memory."""
+    def unpack(self, staging: _Staging, batch: int) -> tuple[tuple[float, ...], np.ndarray]:
+        """A finished step's part times in seconds (from its device timestamps) and packed rows [B, k+4], copied
+        out of pinned memory. On CUDA the first part also takes what the step's span (events around its input
+        copy, graph and output copy) holds beyond the stamped parts: the two copies and the graph's start."""
         flat = staging.host.numpy()
+        stamps = flat[: self.stamps]
+        parts = [float(stamps[i + 1] - stamps[i]) / 1e9 for i in range(self.stamps - 1)]
+        if staging.events:
+            span = staging.events[0].elapsed_time(staging.events[-1]) / 1e3
+            parts[0] += max(span - sum(parts), 0.0)
         rows = flat[self.stamps : self.stamps + batch * self.width].reshape(batch, self.width)
-        return flat[: self.stamps].copy(), rows.copy()
+        return tuple(parts), rows.copy()
