@@ -1,8 +1,9 @@
 """`engine.backend: torch`: the real decode loop behind the engine loop (the hil and real levels).
 
-The engine loop calls `prep` (build the step's inputs on the host, copy them to the device) and `launch`
-(enqueue the prefills and the decode step) when it reaches those phases, and `run` when it needs the
-step's outcome: `run` waits for the real step, reads it back and returns the step's measured device time.
+The engine loop calls `prep` (build the step's inputs on the host; prompt chunks go to the device there, the
+decode step's inputs in one copy with its launch) and `launch` (enqueue the prefills and the decode step) when
+it reaches those phases, and `run` when it needs the step's outcome: `run` waits for the real step, reads it back
+and returns the step's measured device time.
 At the hil level that is when the step starts in virtual time (which its device time then advances), at
 the real level when the host blocks on it. Real work is enqueued in launch order, so the device sees the
 order of a FIFO stream, and the emitted tokens and accepted counts are the rejection sampler's real output.
