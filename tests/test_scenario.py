@@ -46,7 +46,7 @@ def test_overrides_reach_any_field():
         ({"workload": {"rate": -1}}, "workload.rate: Input should be greater than or equal to 0.001"),
         ({"engine": {"speculation": {"k": -1}}}, "engine.speculation.k: Input should be greater than or equal to 0"),
         ({"engine": {"speculation": {"min_n": 4, "max_n": 2}}}, "engine.speculation: min_n (4) must be <= max_n (2)"),
-        ({"sweep": {"scheduler.nope": [1]}}, "sweep: scheduler.nope: scheduler has no field 'nope'"),
+        ({"sweep": {"scheduler.nope": [1]}}, "sweep.scheduler.nope: scheduler has no field 'nope'"),
         ({"sweep": {"scheduler.depth": []}}, "sweep.scheduler.depth: needs a non-empty list of values"),
         ({"bogus": 1}, "bogus: unknown field"),
         ({"scheduler": {"depth": "two"}}, "scheduler.depth: Input should be a valid integer"),
