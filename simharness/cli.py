@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets, unit_notes
 
 # Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -48,23 +48,27 @@ def fail(message: str) -> None:
 
 
 def load(scenario: Path, sets: list[str]) -> Scenario:
-    """The scenario with its --set overrides; what the validation notes (an override replacing a sweep) is printed."""
+    """The scenario with its --set overrides; what the validation notes (an override replacing a sweep, a value
+    in an implausible unit) is printed."""
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", ScenarioNote)
         sc = load_scenario(scenario, parse_sets(sets))
     for note in notes:
         if issubclass(note.category, ScenarioNote):
-            err.print(f"[bold]note:[/] {note.message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold]note:[/] {escape(str(note.message))}", highlight=False, soft_wrap=True)
         else:
             warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    for note in unit_notes(sc):
+        err.print(f"[bold]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     return sc
 
 
 WorkersOption = Annotated[str | None, typer.Option(
-    "--workers", metavar="N", help="run the points in N local worker processes; auto: one per CPU, or one per visible GPU "
-    "(each pinned to it) when points run on CUDA")]
+    "--workers", metavar="N", help="run the points in N local worker processes; auto: one per CPU, or one per "
+    "visible GPU (each pinned to it) when points run on CUDA")]
 RayOption = Annotated[str | None, typer.Option(
-    "--ray", metavar="ADDR", help="run each point as a task on a Ray cluster: local (start one here), auto, or HOST:PORT")]
+    "--ray", metavar="ADDR", help="run each point as a task on a Ray cluster: local (start one here), auto, or "
+    "HOST:PORT")]
 ProcessOption = Annotated[bool, typer.Option(
     "--process-per-point", help="run each point in a process started for it (with --workers, --ray or alone): "
     "measured repeats then also differ by process (CUDA context, caches, heap)")]

@@ -413,6 +413,45 @@ class Scenario(Strict):
         return self
 
 
+# Physically plausible ranges of the fields with a unit: a value outside one is most likely in another unit
+# (`mem_bandwidth_gbs: 3.35`, TB/s meant, ran at 581 ms TPOT). A note, not an error: the tests' ideal GPU is
+# unphysical on purpose. A cost is at most 100 ms a step (or request), 10 µs a token (or object).
+_COST_UNITS = {"us": ("µs", 1.0), "ns": ("ns", 1000.0)}  # unit, and in it a µs
+
+
+def _cost_range(name: str, unit: str) -> tuple[float, float, str]:
+    label, per_us = _COST_UNITS[unit]
+    return 0, (10 if "per_token" in name or "per_object" in name else 100_000) * per_us, label
+
+
+PLAUSIBLE: dict[str, tuple[float, float, str]] = {
+    "engine.gpu_costs.mem_bandwidth_gbs": (100, 20_000, "GB/s"),  # an L4 300, an H100 SXM 3,350, a B200 8,000
+    "engine.gpu_costs.bf16_tflops": (10, 10_000, "TFLOP/s"),  # an L4 121, an H100 SXM 989, a B200 2,250
+    "engine.gc.mean_ms": (0, 10_000, "ms"),
+    "report.goodput.ttft_ms": (1, 10_000_000, "ms"),
+    "report.goodput.tpot_ms": (0.1, 100_000, "ms"),
+    "report.goodput.e2el_ms": (1, 10_000_000, "ms"),
+    **{f"engine.{section}.{name}": _cost_range(name, unit)
+       for section, fields in (("gpu_costs", GpuCosts.model_fields), ("host_costs", HostCosts.model_fields))
+       for name in fields for unit in name.split("_") if unit in _COST_UNITS},
+}
+
+
+def unit_notes(scenario: Scenario) -> list[str]:
+    """A note for each value, set or swept, outside the plausible range of its field (`PLAUSIBLE`)."""
+    notes = []
+    for path, (low, high, unit) in PLAUSIBLE.items():
+        if path in scenario.sweep:
+            values = [(f"sweep.{path}", v) for v in scenario.sweep[path]]
+        else:
+            values = [(path, getattr(*resolve_field(scenario, path)))]
+        for where, v in values:
+            if isinstance(v, int | float) and not isinstance(v, bool) and not low <= v <= high:
+                notes.append(f"{where}: {v:,.10g} {unit} is outside the plausible {low:,.10g} to {high:,.10g} "
+                             f"{unit}; the field is in {unit}: is the value in another unit?")
+    return notes
+
+
 class Point(BaseModel):
     """One sweep point: its readable id and its fully resolved scenario."""
 
