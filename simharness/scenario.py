@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from simharness.costfile import CalibrationError, check_match, load_calibration
-from simharness.models import gpu_spec, model_config
+from simharness.models import checkpoint_dir, gpu_spec, model_config
 
 
 class ScenarioError(ValueError):
@@ -263,8 +263,13 @@ class Engine(Strict):
 
     @field_validator("model")
     @classmethod
-    def _known_model(cls, v: str) -> str:
+    def _known_model(cls, v: str, info: ValidationInfo) -> str:
         model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
+        checkpoint = checkpoint_dir(v)
+        if checkpoint is not None and info.data.get("backend") in ("torch", "real"):  # the levels that load it
+            from simharness.engine.checkpoint import check_checkpoint  # torch, which these levels import anyway
+
+            check_checkpoint(checkpoint)
         return v
 
     @field_validator("gpu")

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -45,8 +47,11 @@ def load_checkpoint(
     targets = tensor_targets(model)
     files = _check_tensors(path, targets, tied=config.tie_embeddings)
     for name, target in targets.items():
-        with safe_open(files[name], framework="pt", device="cpu") as f:
-            target.copy_(f.get_tensor(name))
+        try:
+            with safe_open(files[name], framework="pt", device="cpu") as f:
+                target.copy_(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:  # changed since the check: bad input all the same, never retried
+            raise ScenarioError(f"checkpoint {path}: {files[name]}: cannot read tensor {name} ({e})") from None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     model.load_stats = {
@@ -57,6 +62,19 @@ def load_checkpoint(
         "host_peak_added_bytes": _peak_rss() - rss_before,
     }
     return model
+
+
+def check_checkpoint(path: Path) -> None:
+    """Raise ScenarioError naming the file unless the checkpoint holds every tensor config.json implies, in its
+    shape and a floating-point dtype, within its file, and nothing else. Reads config.json and the files'
+    headers only, and sizes the model on the meta device, so that a broken checkpoint is bad input found before
+    a run starts (a load then fails the same way every time; retrying it would not help)."""
+    try:
+        config = checkpoint_config(path)
+    except ValueError as e:
+        raise ScenarioError(str(e)) from None
+    model = Transformer(config, max_slots=1, max_len=1, device="meta", seed=None)
+    _check_tensors(path, tensor_targets(model), tied=config.tie_embeddings)
 
 
 def save_checkpoint(model: Transformer, path: Path, shard_bytes: int) -> None:
@@ -114,9 +132,9 @@ def tensor_shapes(path: Path) -> dict[str, tuple[Path, list[int]]]:
     if (path / INDEX).is_file():
         try:
             weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            files = sorted({path / name for name in weight_map.values()})
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ScenarioError(f"checkpoint {path}: {INDEX} has no readable weight_map ({e})") from None
-        files = sorted({path / name for name in weight_map.values()})
     elif (path / SINGLE).is_file():
         files = [path / SINGLE]
     else:
@@ -125,8 +143,55 @@ def tensor_shapes(path: Path) -> dict[str, tuple[Path, list[int]]]:
     for file in files:
         if not file.is_file():
             raise ScenarioError(f"checkpoint {path}: {INDEX} names {file.name}, which does not exist")
-        with safe_open(file, framework="pt", device="cpu") as f:
-            shapes |= {name: (file, f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+        shapes |= {name: (file, shape) for name, shape in read_header(file).items()}
+    return shapes
+
+
+# The dtypes a parameter is loaded from (copied into the model's own dtype), and their sizes in bytes.
+FLOAT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+
+
+def read_header(file: Path) -> dict[str, list[int]]:
+    """A safetensors file's tensors and their shapes, from its header alone, once the header is whole JSON and
+    every tensor a floating-point one whose bytes lie in the file (a truncated copy fails here, not mid-load)."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise ScenarioError(f"{file}: truncated or not a safetensors file ({size} bytes)")
+            length = int.from_bytes(f.read(8), "little")
+            if 8 + length > size:
+                raise ScenarioError(f"{file}: truncated or not a safetensors file (its header announces {length:,} "
+                                    f"bytes; the file has {size:,})")
+            header = json.loads(f.read(length))
+    except OSError as e:
+        raise ScenarioError(f"{file}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ScenarioError(f"{file}: corrupt or not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ScenarioError(f"{file}: corrupt or not a safetensors file (its header is not a mapping)")
+    data = size - 8 - length
+    shapes = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            numel = math.prod(int(n) for n in shape)
+        except (TypeError, KeyError, ValueError):
+            raise ScenarioError(f"{file}: corrupt header: tensor {name}'s entry lacks a dtype, shape or data "
+                                "offsets") from None
+        if not isinstance(dtype, str) or dtype not in FLOAT_DTYPES:
+            raise ScenarioError(f"{file}: tensor {name} is {dtype}, not a floating-point dtype "
+                                f"({', '.join(FLOAT_DTYPES)})")
+        if not (isinstance(begin, int) and isinstance(end, int) and begin >= 0
+                and end - begin == numel * FLOAT_DTYPES[dtype]):  # fmt: skip
+            raise ScenarioError(f"{file}: corrupt header: tensor {name}'s bytes [{begin}, {end}) cannot hold a "
+                                f"{dtype} tensor of shape {shape}")
+        if end > data:
+            raise ScenarioError(f"{file}: truncated: tensor {name} ends at byte {end:,} of the data, which holds "
+                                f"{data:,} bytes")
+        shapes[name] = list(shape)
     return shapes
 
 
