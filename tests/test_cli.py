@@ -111,6 +111,48 @@ def test_a_sweep_is_set_from_the_command_line(tmp_path):
     assert [row["point"] for row in summary] == ["scheduler.depth=2", "scheduler.depth=3"]
 
 
+@pytest.mark.parametrize("how", ["set", "sweep"])
+def test_a_section_value_merges_into_the_files_section(tmp_path, how):
+    """Issue 36, case 1: `--set 'workload={num_requests: 3}'` or a sweep over the section ran the default
+    128-1024-token prompts and 128-token outputs; now the file's 16-64 and 8 stay."""
+    data = {**TINY, "sweep": {"workload": [{"num_requests": 3}]}} if how == "sweep" else TINY
+    extra = ["--set", "workload={num_requests: 3}"] if how == "set" else []
+    r = invoke("run", scenario_file(tmp_path, data), "--out", tmp_path, *extra)
+    assert r.exit_code == 0, r.output
+    requests = pd.read_parquet(next((tmp_path / "tiny").iterdir()) / "requests.parquet")
+    assert len(requests) == 3 * (2 if how == "set" else 1)  # the set keeps the file's depth sweep
+    assert requests["prompt_tokens"].between(16, 64).all() and (requests["output_tokens"] == 8).all()
+
+
+def test_a_value_in_an_implausible_unit_is_one_note(tmp_path):
+    """Issue 36, case 7: `mem_bandwidth_gbs: 3.35` (TB/s meant) ran silently; now one note says the unit."""
+    r = invoke("run", scenario_file(tmp_path), "--out", tmp_path, "--set", "engine.gpu_costs.mem_bandwidth_gbs=3.35")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0] == ("note: engine.gpu_costs.mem_bandwidth_gbs: 3.35 GB/s is outside the "
+                                        "plausible 100 to 20,000 GB/s; the field is in GB/s: is the value in another "
+                                        "unit?")
+    assert r.stderr.count("note:") == 1 and "Warning" not in r.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "schedular.depth=2"], "error: --set schedular.depth: schedular: unknown field (did you mean "
+                                     "'scheduler'?)"),
+    (["--set", "scheduler.depth=[1"], "error: --set scheduler.depth: cannot parse value '[1'"),
+    (["--set", "scheduler.dеpth=2"], "error: --set scheduler.dеpth: unknown field (its 'е' is the non-ASCII U+0435"),
+])  # fmt: skip
+def test_set_errors_name_the_option_not_the_file(tmp_path, args, message):
+    """Issue 36, case 8: a typo on the command line was blamed on the scenario file."""
+    r = invoke("run", scenario_file(tmp_path), "--out", tmp_path / "out", *args)
+    assert_bad_input(r, message, tmp_path / "out")
+    assert "s.yaml" not in r.stderr
+
+
+def test_calibrate_level_says_the_choices(tmp_path):
+    r = invoke("calibrate", tmp_path, "--level", "gpu", "--out", tmp_path / "c.yaml")
+    assert r.exit_code == 2 and "error: --level gpu: unknown level; choose real or hil" in r.stderr, r.output
+    assert not (tmp_path / "c.yaml").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # where the run goes
 
