@@ -37,8 +37,9 @@ err = Console(stderr=True)
 out = Console()
 
 
-SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; on a swept field it replaces the sweep; "
-            "sweep.scheduler.depth=[1,2] sets a sweep")
+SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; a section's value, e.g. 'workload={num_requests: "
+            "8}', sets the fields it names; on a swept field it replaces the sweep; sweep.scheduler.depth=[1,2] sets a "
+            "sweep")
 
 
 def fail(message: str) -> None:

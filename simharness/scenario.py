@@ -1,8 +1,9 @@
 """Scenario files: the validated description of one experiment and its sweep.
 
 A scenario is YAML validated by pydantic. Every field has a documented default; `--set a.b=v`
-overrides any field; `sweep` maps dotted paths to value lists whose cartesian product gives the
-sweep points. Bad input raises `ScenarioError` with a message that names the field.
+overrides any field (a section's value, `workload={num_requests: 8}`, sets the fields it names and keeps the
+others); `sweep` maps dotted paths to value lists whose cartesian product gives the sweep points. Bad input
+raises `ScenarioError` with a message that names the field and, for a file with `--set` options, its source.
 """
 
 from __future__ import annotations

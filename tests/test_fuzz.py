@@ -231,8 +231,8 @@ BAD: dict[str, list[object]] = {
     "scheduler.depth": [0, 9, True, "3", 2.5],
     "scheduler.policy": ["eager", 1],
     "scheduler.max_num_seqs": [0, -3],
-    "scheduler.sync_points.add": [["nope"], ["metadata_item", "metadata_item"], [{"name": "x", "phase": "never"}]],
-    "scheduler.sync_points.remove": [["nope"], "accepted_counts"],
+    "scheduler.sync_points.add": [["metadata_item", "metadata_item"], [{"name": "x", "phase": "never"}]],
+    "scheduler.sync_points.remove": ["accepted_counts"],
     "report.percentiles": [[101], "x", [-1]],
     "report.timeline_steps": [0, -1],
     "report.goodput.tpot_ms": [0, -5.0],
@@ -243,9 +243,14 @@ BAD: dict[str, list[object]] = {
     "schedulеr": [{"depth": 2}],
     "workload.bogus": [1],
     "scheduler.dеpth": [2],
-    # sweeps: empty, over no field, a repeated value, not a list, a bad value (found when the points expand)
-    "sweep": [{"scheduler.depth": []}, {"nope.field": [1]}, {"scheduler.depth": [1, 1]}, {"scheduler.depth": 3},
-              {"scheduler.depth": [2, 0]}, {"workload": [{"bogus": 1}]}, {"workload.concurrency": [2, "x"]}, [1]],
+    # sweeps: empty, over no field, a repeated value, not a list
+    "sweep": [{"scheduler.depth": []}, {"nope.field": [1]}, {"scheduler.depth": [1, 1]}, {"scheduler.depth": 3}, [1]],
+}
+# mistakes found only once the points are resolved: their message names the point, not the file or option
+LATE: dict[str, list[object]] = {
+    "scheduler.sync_points.add": [["nope"]],
+    "scheduler.sync_points.remove": [["nope"]],
+    "sweep": [{"scheduler.depth": [2, 0]}, {"workload": [{"bogus": 1}]}, {"workload.concurrency": [2, "x"]}],
 }
 # --set options that are wrong as text, and run options that are out of range
 BAD_SET_TEXT = ["nodots", "=3", "scheduler.depth=[unclosed", "scheduler.depth=", "scheduler.depth={a: [}",
@@ -270,15 +275,19 @@ def _option_text(path: str, value: object) -> str:
 
 
 @st.composite
-def bad_cases(draw) -> tuple[str, list[str]]:
-    """(scenario text, command-line arguments after the file), certainly bad input."""
+def bad_cases(draw) -> tuple[str, list[str], set[str]]:
+    """(scenario text, command-line arguments after the file, where the mistakes are: file, --set, or other
+    for a run option or a mistake found late), certainly bad input."""
     doc = yaml.safe_load(yaml.safe_dump(BASE))
     for path in draw(st.lists(st.sampled_from(sorted(GOOD)), max_size=3, unique=True)):
         _set_path(doc, path, draw(st.sampled_from(GOOD[path])))
     args: list[str] = []
+    sources: set[str] = set()
     text_damage = None
     for kind in draw(st.lists(st.sampled_from(["file"] * 4 + ["set"] * 3 + ["set text", "option", "yaml"]),
                               min_size=1, max_size=3)):
+        late = kind in ("file", "set") and draw(st.integers(0, 9)) == 0
+        sources.add({"set text": "--set", "yaml": "file", "option": "other"}.get(kind, "other" if late else kind))
         if kind == "set text":
             args += ["--set", draw(st.sampled_from(BAD_SET_TEXT))]
         elif kind == "option":
@@ -286,8 +295,9 @@ def bad_cases(draw) -> tuple[str, list[str]]:
         elif kind == "yaml":
             text_damage = draw(st.sampled_from(BAD_YAML))
         else:
-            path = draw(st.sampled_from(sorted(BAD)))
-            value = draw(st.sampled_from(BAD[path]))
+            mistakes = LATE if late else BAD
+            path = draw(st.sampled_from(sorted(mistakes)))
+            value = draw(st.sampled_from(mistakes[path]))
             if kind == "file":
                 _set_path(doc, path, value)
             elif path == "sweep":
@@ -296,14 +306,14 @@ def bad_cases(draw) -> tuple[str, list[str]]:
             else:
                 args += ["--set", _option_text(path, value)]
     text = yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
-    return (text + text_damage if text_damage else text), args
+    return (text + text_damage if text_damage else text), args, {"--set" if s == "set" else s for s in sources}
 
 
 @settings(max_examples=BAD_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=bad_cases())
-def test_bad_input_is_one_message_and_nothing_written(tmp_path: Path, case: tuple[str, list[str]]) -> None:
-    text, options = case
+def test_bad_input_is_one_message_and_nothing_written(tmp_path: Path, case: tuple[str, list[str], set[str]]) -> None:
+    text, options, sources = case
     case_dir = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
     case_dir.mkdir()
     path = case_dir / "s.yaml"
@@ -314,5 +324,9 @@ def test_bad_input_is_one_message_and_nothing_written(tmp_path: Path, case: tupl
     assert r.exit_code == 2, f"{options}\n{text}\n{r.output}\n{detail}"
     message = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("note: ")).strip()
     assert message.startswith("error: ") and message.count("error:") == 1, r.stderr
+    if sources == {"--set"}:  # the message names its source
+        assert message.startswith("error: --set "), message
+    elif sources == {"file"}:
+        assert message.startswith(f"error: {path}"), message
     assert "Traceback" not in r.output and "Warning" not in r.stderr, r.output
     assert not out.exists(), "bad input wrote something"
