@@ -482,7 +482,7 @@ def resolve_field(scenario: BaseModel, path: str) -> tuple[BaseModel, str]:
     raise ValueError(f"{path}: empty path")
 
 
-def section_class(path: str) -> type[BaseModel] | None:
+def _section_class(path: str) -> type[BaseModel] | None:
     """The section a dotted path names (`workload.prompt_len`: LengthDist), or None for a value or no field."""
     node: Any = Scenario
     for part in path.split("."):
@@ -493,11 +493,11 @@ def section_class(path: str) -> type[BaseModel] | None:
     return node if isinstance(node, type) and issubclass(node, BaseModel) else None
 
 
-def field_overrides(path: str, value: Any) -> list[tuple[str, Any]]:
+def _field_overrides(path: str, value: Any) -> list[tuple[str, Any]]:
     """An override as one (path, value) per field: a section's value (`workload={num_requests: 8}`) sets the
     fields it names and keeps the others as the file has them, never resetting them to their defaults."""
-    if isinstance(value, dict) and section_class(path) is not None:
-        return [leaf for key, v in value.items() for leaf in field_overrides(f"{path}.{key}", v)]
+    if isinstance(value, dict) and _section_class(path) is not None:
+        return [leaf for key, v in value.items() for leaf in _field_overrides(f"{path}.{key}", v)]
     return [(path, value)]
 
 
@@ -559,7 +559,7 @@ _UniqueKeyLoader.add_implicit_resolver(
 )
 
 
-def _format_error(err: ValidationError, file: str | None = None, data: Any = None, sets: list[str] = ()) -> str:
+def _format_error(err: ValidationError, file: str | None, data: Any, sets: list[str]) -> str:
     """The validation errors, each as `path: problem`; with `file`, each says where it comes from as well: the
     `--set` option that set the field, or the file (`sets` are the options' paths, `data` the file's mapping)."""
     lines = []
@@ -567,7 +567,7 @@ def _format_error(err: ValidationError, file: str | None = None, data: Any = Non
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            parent = section_class(loc.rpartition(".")[0]) if "." in loc else Scenario
+            parent = _section_class(loc.rpartition(".")[0]) if "." in loc else Scenario
             msg = "unknown field" + (_near_field(parent, e["loc"][-1]) if parent is not None else "")
         line = f"{loc}: {msg}" if loc else msg
         if file:
@@ -625,10 +625,9 @@ def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None, *, fi
     section). With `file`, where `data` was read, the overrides are `--set` options and every problem names
     its source: the file or the option."""
     if not isinstance(data, dict):
-        raise ScenarioError(f"{file}: a scenario must be a YAML mapping" if file else "a scenario must be a YAML "
-                            "mapping")
+        raise ScenarioError(f"{file + ': ' if file else ''}a scenario must be a YAML mapping")
     merged = _deep_copy(data)
-    fields = [leaf for path, value in (overrides or {}).items() for leaf in field_overrides(path, value)]
+    fields = [leaf for path, value in (overrides or {}).items() for leaf in _field_overrides(path, value)]
     for path, value in fields:
         _drop_swept(merged, path)
         try:
