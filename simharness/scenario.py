@@ -504,13 +504,18 @@ def _field_overrides(path: str, value: Any) -> list[tuple[str, Any]]:
 def _near_field(section: type[BaseModel], key: object) -> str:
     """A hint for an unknown key: the section's field it most resembles, and the look-alike non-ASCII letter a
     key that reads like a field holds (`schedulеr` with a Cyrillic е)."""
-    foreign = [c for c in str(key) if not c.isascii()]
     near = difflib.get_close_matches(str(key), list(section.model_fields), n=1, cutoff=0.6)
-    if foreign:
-        letter = foreign[0]
-        return (f" (its {letter!r} is the non-ASCII U+{ord(letter):04X} {unicodedata.name(letter, 'character')}"
-                + (f"; did you mean {near[0]!r}?)" if near else ")"))
-    return f" (did you mean {near[0]!r}?)" if near else ""
+    hints = [_non_ascii(str(key)), f"did you mean {near[0]!r}?" if near else ""]
+    return f" ({'; '.join(h for h in hints if h)})" if any(hints) else ""
+
+
+def _non_ascii(text: str) -> str:
+    """Names the first non-ASCII letter of a text that should be ASCII ('' if none): `wаit` with a Cyrillic а
+    reads like `wait`."""
+    letter = next((c for c in text if not c.isascii()), None)
+    if letter is None:
+        return ""
+    return f"its {letter!r} is the non-ASCII U+{ord(letter):04X} {unicodedata.name(letter, 'character')}"
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -569,6 +574,8 @@ def _format_error(err: ValidationError, file: str | None, data: Any, sets: list[
         if e["type"] == "extra_forbidden":
             parent = _section_class(loc.rpartition(".")[0]) if "." in loc else Scenario
             msg = "unknown field" + (_near_field(parent, e["loc"][-1]) if parent is not None else "")
+        elif e["type"] == "literal_error" and isinstance(e["input"], str) and _non_ascii(e["input"]):
+            msg += f" ({_non_ascii(e['input'])})"
         line = f"{loc}: {msg}" if loc else msg
         if file:
             source = _source(loc or msg.partition(":")[0], file, data, sets)

@@ -249,6 +249,8 @@ def test_values_in_an_implausible_unit_are_noted_with_the_unit():
     (["workload.requests_per_user=2"], "s.yaml (with --set workload.requests_per_user): workload: set num_requests"),
     (["scheduler.dеpth=2"], "--set scheduler.dеpth: unknown field (its 'е' is the non-ASCII U+0435 CYRILLIC SMALL "
                             "LETTER IE; did you mean 'depth'?)"),
+    (["scheduler.policy=wаit"], "--set scheduler.policy: Input should be 'wait' or 'optimistic' (its 'а' is the "
+                                "non-ASCII U+0430 CYRILLIC SMALL LETTER A)"),
 ])  # fmt: skip
 def test_errors_name_their_source(tmp_path, sets, message):
     from simharness.scenario import parse_sets
