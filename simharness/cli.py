@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets, unit_notes
 
 # Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -37,8 +37,9 @@ err = Console(stderr=True)
 out = Console()
 
 
-SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; on a swept field it replaces the sweep; "
-            "sweep.scheduler.depth=[1,2] sets a sweep")
+SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; a section's value, e.g. 'workload={num_requests: "
+            "8}', sets the fields it names; on a swept field it replaces the sweep; sweep.scheduler.depth=[1,2] sets a "
+            "sweep")
 
 
 def fail(message: str) -> None:
@@ -48,28 +49,32 @@ def fail(message: str) -> None:
 
 
 def load(scenario: Path, sets: list[str]) -> Scenario:
-    """The scenario with its --set overrides; what the validation notes (an override replacing a sweep) is printed."""
+    """The scenario with its --set overrides; what the validation notes (an override replacing a sweep, a value
+    in an implausible unit) is printed."""
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", ScenarioNote)
         sc = load_scenario(scenario, parse_sets(sets))
     for note in notes:
         if issubclass(note.category, ScenarioNote):
-            err.print(f"[bold]note:[/] {note.message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold]note:[/] {escape(str(note.message))}", highlight=False, soft_wrap=True)
         else:
             warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    for note in unit_notes(sc):
+        err.print(f"[bold]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     return sc
 
 
 WorkersOption = Annotated[str | None, typer.Option(
-    "--workers", help="run the points in N local worker processes; auto: one per CPU, or one per visible GPU "
-    "(each pinned to it) when points run on CUDA")]
+    "--workers", metavar="N", help="run the points in N local worker processes; auto: one per CPU, or one per "
+    "visible GPU (each pinned to it) when points run on CUDA")]
 RayOption = Annotated[str | None, typer.Option(
-    "--ray", help="run each point as a task on a Ray cluster: local (start one here), auto, or HOST:PORT")]
+    "--ray", metavar="ADDR", help="run each point as a task on a Ray cluster: local (start one here), auto, or "
+    "HOST:PORT")]
 ProcessOption = Annotated[bool, typer.Option(
     "--process-per-point", help="run each point in a process started for it (with --workers, --ray or alone): "
     "measured repeats then also differ by process (CUDA context, caches, heap)")]
-RetriesOption = Annotated[int, typer.Option("--retries", help="tries after the first for a point whose worker "
-                                                              "dies or raises; then the point is marked failed")]
+RetriesOption = Annotated[int, typer.Option("--retries", metavar="N", help="tries after the first for a point "
+                                             "whose worker dies or raises; then the point is marked failed")]
 
 
 def parse_workers(value: str | None) -> int | str | None:
@@ -128,7 +133,7 @@ def run_cmd(
     scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
     out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results"),
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
-    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this run directory",
+    resume: Annotated[Path | None, typer.Option("--resume", help="finish the missing points of this run directory",
                                                 metavar="RUN_DIR")] = None,
     workers: WorkersOption = None,
     ray: RayOption = None,
@@ -165,11 +170,11 @@ def run_cmd(
 @app.command("fidelity")
 def fidelity_cmd(
     scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
-    levels: Annotated[str, typer.Option(help="levels to run, comma-separated; real is the reference",
+    levels: Annotated[str, typer.Option("--levels", help="levels to run, comma-separated; real is the reference",
                                         metavar="LEVELS")] = "sim,hil,real",
     out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results/fidelity"),
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
-    resume: Annotated[Path | None, typer.Option(help="finish the missing points of this fidelity run",
+    resume: Annotated[Path | None, typer.Option("--resume", help="finish the missing points of this fidelity run",
                                                 metavar="RUN_DIR")] = None,
     workers: WorkersOption = None,
     ray: RayOption = None,
@@ -207,18 +212,31 @@ def fidelity_cmd(
 
 @app.command("calibrate")
 def calibrate_cmd(
-    run_dirs: Annotated[list[Path], typer.Argument(help="hil or real run directories (fidelity runs too)")],
-    out_path: Annotated[Path, typer.Option("--out", help="the calibration YAML to write")] = Path("costs.yaml"),
-    level: Annotated[str | None, typer.Option(help="measured level to fit: real or hil (default: real if any)")] = None,
-    fit_where: Annotated[list[str], typer.Option("--fit-where", help="fit only points with these swept values: "
-                                                 "PATH=V1,V2 (repeatable)")] = [],  # noqa: B006
-    check: Annotated[bool, typer.Option(help="run the points the fit left out at the sim level, uncalibrated and "
-                                        "calibrated, and print their errors against the measured level")] = False,
+    run_dirs: Annotated[list[Path], typer.Argument(help="hil or real run directories (fidelity runs too)",
+                                                   metavar="RUN_DIR")],
+    out_path: Annotated[Path, typer.Option("--out", help="the calibration YAML to write", metavar="FILE")] = Path(
+        "costs.yaml"),
+    level: Annotated[str | None, typer.Option("--level", help="measured level to fit: real or hil (default: real "
+                                              "if any)", metavar="LEVEL")] = None,
+    fit_where: Annotated[list[str], typer.Option("--fit-where", help="fit only points with these swept values "
+                                                 "(repeatable)", metavar="PATH=V1,V2")] = [],  # noqa: B006
+    check: Annotated[bool, typer.Option("--check", help="run the points the fit left out at the sim level, "
+                                        "uncalibrated and calibrated, and print their errors against the measured "
+                                        "level")] = False,
 ) -> None:
     """Fit the sim cost model from measured step records; print the fit's k-fold error and write a calibration
     that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
-    from simharness.calibration import calibrate, check_calibration, load_fit_data, parse_where, write_calibration
+    from simharness.calibration import (
+        MEASURED_LEVELS,
+        calibrate,
+        check_calibration,
+        load_fit_data,
+        parse_where,
+        write_calibration,
+    )
 
+    if level is not None and level not in MEASURED_LEVELS:
+        fail(f"--level {level}: unknown level; choose {' or '.join(MEASURED_LEVELS)}")
     try:
         data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
         fitted = calibrate(data)
@@ -299,11 +317,11 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
 def compare_cmd(
     base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json", metavar="BASE")],
     current: Annotated[Path, typer.Argument(help="current run directory or summary.json", metavar="CURRENT")],
-    threshold: Annotated[float, typer.Option(help="relative change that counts as a regression",
+    threshold: Annotated[float, typer.Option("--threshold", help="relative change that counts as a regression",
                                              metavar="FRACTION")] = 0.05,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists",
                                                   metavar="FILE")] = None,
-    force: Annotated[bool, typer.Option(help="compare runs of different scenarios")] = False,
+    force: Annotated[bool, typer.Option("--force", help="compare runs of different scenarios")] = False,
     show_all: Annotated[bool, typer.Option("--all", help="list unchanged metrics too")] = False,
 ) -> None:
     """Compare two runs point by point.
@@ -335,10 +353,10 @@ def compare_cmd(
 
 @bench_app.command("kernels")
 def bench_kernels(
-    device: Annotated[str, typer.Option(help="cpu or cuda", metavar="DEVICE")] = "cuda",
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda", metavar="DEVICE")] = "cuda",
     out_dir: Annotated[Path, typer.Option("--out", help="where kernels.csv/.md go", metavar="DIR")] = Path(
         "results/kernels"),
-    quick: Annotated[bool, typer.Option(help="small sizes, few repeats")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="small sizes, few repeats")] = False,
 ) -> None:
     """Benchmark the n-gram proposer, rejection sampler and verify step.
 

@@ -372,3 +372,47 @@ def test_config_features_we_do_not_implement(change: dict, message: str, tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         checkpoint_config(tmp_path)
+
+
+def _truncate(shard: Path, keep: int) -> None:
+    shard.write_bytes(shard.read_bytes()[:keep])
+
+
+def _header(shard: Path, edit) -> None:
+    """Rewrite a shard's header through `edit` (a dict -> dict), keeping the data as it is."""
+    raw = shard.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.dumps(edit(json.loads(raw[8 : 8 + length]))).encode()
+    shard.write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + length :])
+
+
+def _retype(header: dict) -> dict:
+    header["model.norm.weight"]["dtype"] = "I16"  # same size as bf16: only the dtype is wrong
+    return header
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda shard: _truncate(shard, 5), "truncated or not a safetensors file (5 bytes)"),
+    (lambda shard: _truncate(shard, 200), "truncated or not a safetensors file (its header announces"),
+    (lambda shard: _truncate(shard, shard.stat().st_size - 100), "truncated: tensor"),
+    (lambda shard: shard.write_bytes(b"\x10" + bytes(7) + b"not json at all!" + bytes(64)), "header is not JSON"),
+    (lambda shard: _header(shard, _retype), "tensor model.norm.weight is I16, not a floating-point dtype"),
+])  # fmt: skip
+def test_corrupt_or_truncated_safetensors_is_bad_input_up_front(damage, message, qwen2_dir, tmp_path, monkeypatch):
+    """A broken weights file is found from its header before the run (nothing loaded, nothing written, no retry
+    of a failure that would repeat): exit 2 with one message naming engine.model and the file."""
+    path = broken_copy(qwen2_dir, tmp_path)
+    (shard,) = path.glob("*.safetensors")
+    damage(shard)
+    monkeypatch.setattr(measured, "load_checkpoint", lambda *a, **k: pytest.fail("the run started"))
+    result = run_cli(tmp_path, hil_scenario(path))
+    assert_one_message(result, "engine.model", str(shard), message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_check_passes_a_good_checkpoint(qwen2_dir: Path) -> None:
+    from simharness.engine.checkpoint import check_checkpoint, read_header
+
+    (shard,) = qwen2_dir.glob("*.safetensors")
+    assert read_header(shard)["model.embed_tokens.weight"] == [VOCAB, QWEN2.dim]
+    check_checkpoint(qwen2_dir)

@@ -9,10 +9,12 @@ import re
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import typer
 import yaml
 from rich.console import Console
 from typer.testing import CliRunner
@@ -107,6 +109,48 @@ def test_a_sweep_is_set_from_the_command_line(tmp_path):
     run_dir = next((tmp_path / "tiny").iterdir())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [row["point"] for row in summary] == ["scheduler.depth=2", "scheduler.depth=3"]
+
+
+@pytest.mark.parametrize("how", ["set", "sweep"])
+def test_a_section_value_merges_into_the_files_section(tmp_path, how):
+    """Issue 36, case 1: `--set 'workload={num_requests: 3}'` or a sweep over the section ran the default
+    128-1024-token prompts and 128-token outputs; now the file's 16-64 and 8 stay."""
+    data = {**TINY, "sweep": {"workload": [{"num_requests": 3}]}} if how == "sweep" else TINY
+    extra = ["--set", "workload={num_requests: 3}"] if how == "set" else []
+    r = invoke("run", scenario_file(tmp_path, data), "--out", tmp_path, *extra)
+    assert r.exit_code == 0, r.output
+    requests = pd.read_parquet(next((tmp_path / "tiny").iterdir()) / "requests.parquet")
+    assert len(requests) == 3 * (2 if how == "set" else 1)  # the set keeps the file's depth sweep
+    assert requests["prompt_tokens"].between(16, 64).all() and (requests["output_tokens"] == 8).all()
+
+
+def test_a_value_in_an_implausible_unit_is_one_note(tmp_path):
+    """Issue 36, case 7: `mem_bandwidth_gbs: 3.35` (TB/s meant) ran silently; now one note says the unit."""
+    r = invoke("run", scenario_file(tmp_path), "--out", tmp_path, "--set", "engine.gpu_costs.mem_bandwidth_gbs=3.35")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0] == ("note: engine.gpu_costs.mem_bandwidth_gbs: 3.35 GB/s is outside the "
+                                        "plausible 100 to 20,000 GB/s; the field is in GB/s: is the value in another "
+                                        "unit?")
+    assert r.stderr.count("note:") == 1 and "Warning" not in r.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "schedular.depth=2"], "error: --set schedular.depth: schedular: unknown field (did you mean "
+                                     "'scheduler'?)"),
+    (["--set", "scheduler.depth=[1"], "error: --set scheduler.depth: cannot parse value '[1'"),
+    (["--set", "scheduler.dеpth=2"], "error: --set scheduler.dеpth: unknown field (its 'е' is the non-ASCII U+0435"),
+])  # fmt: skip
+def test_set_errors_name_the_option_not_the_file(tmp_path, args, message):
+    """Issue 36, case 8: a typo on the command line was blamed on the scenario file."""
+    r = invoke("run", scenario_file(tmp_path), "--out", tmp_path / "out", *args)
+    assert_bad_input(r, message, tmp_path / "out")
+    assert "s.yaml" not in r.stderr
+
+
+def test_calibrate_level_says_the_choices(tmp_path):
+    r = invoke("calibrate", tmp_path, "--level", "gpu", "--out", tmp_path / "c.yaml")
+    assert r.exit_code == 2 and "error: --level gpu: unknown level; choose real or hil" in r.stderr, r.output
+    assert not (tmp_path / "c.yaml").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +266,41 @@ def test_help_pages_are_plain_and_list_exit_codes(command):
     assert "Exit status: 0 done" in r.stdout or "Exit status: 0 no regression" in r.stdout, r.stdout
     assert re.search(r"; 2 (bad input|not a run directory)", " ".join(r.stdout.split())), r.stdout
     assert not re.search(r"<(bool|list\[str\]|float|text)>", r.stdout), r.stdout
+
+
+def declared_options() -> dict[tuple[str, str], tuple[str, ...]]:
+    """(command, parameter) -> the names its typer.Option declares, for every option of every command."""
+    from typer.models import OptionInfo
+
+    groups = [("", app), *((f"{g.name} ", g.typer_instance) for g in app.registered_groups)]
+    declared = {}
+    for prefix, group in groups:
+        for command in group.registered_commands:
+            for param, hint in typing.get_type_hints(command.callback, include_extras=True).items():
+                for info in (m for m in getattr(hint, "__metadata__", ()) if isinstance(m, OptionInfo)):
+                    # Annotated's typer.Option("--out") keeps its first name where a default would be
+                    first = (info.default,) if isinstance(info.default, str) else ()
+                    declared[(prefix + command.name, param)] = (*first, *info.param_decls)
+    return declared
+
+
+def test_every_option_is_named_explicitly():
+    """typer's name for an option it names itself changed between versions (0.27.2 named one declared with a
+    metavar `--DEVICE`: `bench kernels --device cuda` failed), so every option declares its name, and the
+    installed typer parses exactly the declared names (scripts/check-lowest runs this file under the lowest
+    typer and click that pyproject.toml allows)."""
+    declared = declared_options()
+    assert len(declared) >= 25 and ("bench kernels", "device") in declared
+    unnamed = [key for key, names in declared.items() if not names or not all(n.startswith("--") for n in names)]
+    assert not unnamed, f"options without an explicit --name: {unnamed}"
+    root = typer.main.get_command(app)
+    commands = {f"{g} {n}": c for g, grp in root.commands.items() if hasattr(grp, "commands")
+                for n, c in grp.commands.items()} | root.commands
+    for (command, param), names in declared.items():
+        (option,) = [p for p in commands[command].params if p.name == param]
+        assert sorted(option.opts + option.secondary_opts) == sorted(names), (command, param)
+    r = invoke("bench", "kernels", "--device", "tpu")  # the GPU image's failure: "No such option: --device"
+    assert r.exit_code == 2 and "--device: 'tpu' is neither cpu nor cuda" in r.stderr, r.output
 
 
 # ---------------------------------------------------------------------------------------------

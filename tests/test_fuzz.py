@@ -190,3 +190,143 @@ def test_cli_never_tracebacks(tmp_path: Path, text: str, options: list[str]) -> 
         assert not list(out.rglob("scenario.yaml")) and not list(out.rglob("points")), "a partial run directory"
     else:
         assert len(list(out.rglob("report.md"))) == 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Scenarios that are certainly bad: the tiny base with one to three mistakes, each of which alone makes it invalid
+# (a later mistake never repairs an earlier one: each sets its path to a bad value), in the file or on the command
+# line, among a few valid changes. Issue 36: exit 2, one message, no traceback, nothing written, over 500 cases.
+
+BAD_EXAMPLES = int(os.environ.get("FUZZ_BAD_EXAMPLES", "500"))
+
+# dotted path -> values that are wrong whatever else the scenario says
+BAD: dict[str, list[object]] = {
+    "name": ["", ".", "..", "a/b", "x" * 101, 3, None],
+    "seed": [-1, 2**64, "3", 1.5, True],
+    "repeats": [0, 101, "2"],
+    "workload.arrival": ["bursty", 3, None],
+    "workload.concurrency": [0, -1, 100_001, 2.5, "4"],
+    "workload.num_requests": [0, 100_001, True, [3]],
+    "workload.rate": [0, -1.0, math.inf, math.nan, "fast"],
+    "workload.burstiness": [0, 1e4, -math.inf],
+    "workload.prompt_len": [3, "uniform", {"dist": "zipf"}, {"min": 0}, {"min": 9, "max": 3}, {"value": 2**21}],
+    "workload.output_len.value": [0, -5, 2**30, "8"],
+    "workload.kinds": [{}, {"poem": 1.0}, {"free": -1.0}, {"free": 0.0}, [1]],
+    "workload.random_fraction": [-0.1, 1.5, math.nan],
+    "engine.gpu": ["B999", "", 100],
+    "engine.model": ["nope", "/nonexistent", "llama-9", 8],
+    "engine.backend": ["simulated", None],
+    "engine.device": ["tpu"],
+    "engine.host_slowdown": [1.0, 11, -2],
+    "engine.speculation.k": [-1, 17, "4"],
+    "engine.speculation.proposer": ["eagle"],
+    "engine.speculation": [{"min_n": 4, "max_n": 2}, {"min_n": 0}],
+    "engine.speculation.acceptance.alpha": [1.0, -0.1, math.nan],
+    "engine.speculation.acceptance.rates": [[1.5], "x", [None]],
+    "engine.gpu_costs.mem_bandwidth_gbs": [0.5, -1, math.inf],
+    "engine.gpu_costs.mem_efficiency": [0, 1.5],
+    "engine.host_costs.prep_us": [-1, 1e10, math.inf, "200"],
+    "engine.gc.probability": [1.5, -1],
+    "engine.gc.distribution": ["pareto"],
+    "scheduler.depth": [0, 9, True, "3", 2.5],
+    "scheduler.policy": ["eager", 1],
+    "scheduler.max_num_seqs": [0, -3],
+    "scheduler.sync_points.add": [["metadata_item", "metadata_item"], [{"name": "x", "phase": "never"}]],
+    "scheduler.sync_points.remove": ["accepted_counts"],
+    "report.percentiles": [[101], "x", [-1]],
+    "report.timeline_steps": [0, -1],
+    "report.goodput.tpot_ms": [0, -5.0],
+    "fidelity.runs": [0, 21],
+    "fidelity.tolerances": [{"gpu": {}}, {"sim": {"mean_tpot_ms": {"median": 0}}}],
+    # unknown keys, one of them with a Cyrillic е that reads like the field
+    "bogus": [1],
+    "schedulеr": [{"depth": 2}],
+    "workload.bogus": [1],
+    "scheduler.dеpth": [2],
+    # sweeps: empty, over no field, a repeated value, not a list
+    "sweep": [{"scheduler.depth": []}, {"nope.field": [1]}, {"scheduler.depth": [1, 1]}, {"scheduler.depth": 3}, [1]],
+}
+# mistakes found only once the points are resolved: their message names the point, not the file or option
+LATE: dict[str, list[object]] = {
+    "scheduler.sync_points.add": [["nope"]],
+    "scheduler.sync_points.remove": [["nope"]],
+    "sweep": [{"scheduler.depth": [2, 0]}, {"workload": [{"bogus": 1}]}, {"workload.concurrency": [2, "x"]}],
+}
+# --set options that are wrong as text, and run options that are out of range
+BAD_SET_TEXT = ["nodots", "=3", "scheduler.depth=[unclosed", "scheduler.depth=", "scheduler.depth={a: [}",
+                "sweep.=[1]", "workload=3", "schedular.depth=2", "seed=1\nseed: 2"]
+BAD_OPTIONS = [["--workers", "0"], ["--workers", "many"], ["--retries", "-1"], ["--workers", "2", "--ray", "local"]]
+# valid changes, some kept in the file around the mistakes
+GOOD: dict[str, list[object]] = {
+    "workload.num_requests": [1, 2, 4],
+    "scheduler.depth": [1, 3],
+    "scheduler.policy": ["wait"],
+    "engine.speculation.k": [0, 2],
+    "engine.gpu": ["A100", "h200"],
+    "seed": [7],
+}
+# YAML that is broken whatever it holds
+BAD_YAML = ["seed: 1\nseed: 2\n", "\tname: x\n", "x: [1\n", "--- 3\n", "name: &a x\nseed: *b\n"]
+
+
+def _option_text(path: str, value: object) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True).strip().removesuffix("...").strip()
+    return f"{path}={text}"
+
+
+@st.composite
+def bad_cases(draw) -> tuple[str, list[str], set[str]]:
+    """(scenario text, command-line arguments after the file, where the mistakes are: file, --set, or other
+    for a run option or a mistake found late), certainly bad input."""
+    doc = yaml.safe_load(yaml.safe_dump(BASE))
+    for path in draw(st.lists(st.sampled_from(sorted(GOOD)), max_size=3, unique=True)):
+        _set_path(doc, path, draw(st.sampled_from(GOOD[path])))
+    args: list[str] = []
+    sources: set[str] = set()
+    text_damage = None
+    for kind in draw(st.lists(st.sampled_from(["file"] * 4 + ["set"] * 3 + ["set text", "option", "yaml"]),
+                              min_size=1, max_size=3)):
+        late = kind in ("file", "set") and draw(st.integers(0, 9)) == 0
+        sources.add({"set text": "--set", "yaml": "file", "option": "other"}.get(kind, "other" if late else kind))
+        if kind == "set text":
+            args += ["--set", draw(st.sampled_from(BAD_SET_TEXT))]
+        elif kind == "option":
+            args += draw(st.sampled_from(BAD_OPTIONS))
+        elif kind == "yaml":
+            text_damage = draw(st.sampled_from(BAD_YAML))
+        else:
+            mistakes = LATE if late else BAD
+            path = draw(st.sampled_from(sorted(mistakes)))
+            value = draw(st.sampled_from(mistakes[path]))
+            if kind == "file":
+                _set_path(doc, path, value)
+            elif path == "sweep":
+                args += ["--set", _option_text(f"sweep.{next(iter(value))}", next(iter(value.values())))
+                         if isinstance(value, dict) else _option_text("sweep", value)]
+            else:
+                args += ["--set", _option_text(path, value)]
+    text = yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
+    return (text + text_damage if text_damage else text), args, {"--set" if s == "set" else s for s in sources}
+
+
+@settings(max_examples=BAD_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=bad_cases())
+def test_bad_input_is_one_message_and_nothing_written(tmp_path: Path, case: tuple[str, list[str], set[str]]) -> None:
+    text, options, sources = case
+    case_dir = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+    case_dir.mkdir()
+    path = case_dir / "s.yaml"
+    path.write_text(text, encoding="utf-8")
+    out = case_dir / "out"
+    r = CliRunner().invoke(app, ["run", str(path), "--out", str(out), *options])
+    detail = "".join(traceback.format_exception(*r.exc_info)) if r.exc_info and r.exit_code != 2 else ""
+    assert r.exit_code == 2, f"{options}\n{text}\n{r.output}\n{detail}"
+    message = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("note: ")).strip()
+    assert message.startswith("error: ") and message.count("error:") == 1, r.stderr
+    if sources == {"--set"}:  # the message names its source
+        assert message.startswith("error: --set "), message
+    elif sources == {"file"}:
+        assert message.startswith(f"error: {path}"), message
+    assert "Traceback" not in r.output and "Warning" not in r.stderr, r.output
+    assert not out.exists(), "bad input wrote something"

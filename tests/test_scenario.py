@@ -15,6 +15,7 @@ from simharness.scenario import (
     scenario_diff,
     scenario_from_dict,
     sweep_points,
+    unit_notes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def test_overrides_reach_any_field():
         ({"workload": {"rate": -1}}, "workload.rate: Input should be greater than or equal to 0.001"),
         ({"engine": {"speculation": {"k": -1}}}, "engine.speculation.k: Input should be greater than or equal to 0"),
         ({"engine": {"speculation": {"min_n": 4, "max_n": 2}}}, "engine.speculation: min_n (4) must be <= max_n (2)"),
-        ({"sweep": {"scheduler.nope": [1]}}, "sweep: scheduler.nope: scheduler has no field 'nope'"),
+        ({"sweep": {"scheduler.nope": [1]}}, "sweep.scheduler.nope: scheduler has no field 'nope'"),
         ({"sweep": {"scheduler.depth": []}}, "sweep.scheduler.depth: needs a non-empty list of values"),
         ({"bogus": 1}, "bogus: unknown field"),
         ({"scheduler": {"depth": "two"}}, "scheduler.depth: Input should be a valid integer"),
@@ -205,3 +206,60 @@ def test_scenario_diff_names_the_fields():
                             "engine": {"host_costs": {"prep_us": 1.0}}})
     assert scenario_diff(a, b) == ["seed", "engine.host_costs.prep_us", "sweep.scheduler.depth"]
     assert scenario_diff(a, a) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 36: a section's value merges (1); units (7); errors name their source (8)
+
+FILE = {"name": "x", "workload": {"num_requests": 48, "prompt_len": {"dist": "uniform", "min": 128, "max": 512},
+                                  "output_len": {"dist": "fixed", "value": 96}, "kinds": {"code_edit": 1.0}}}
+
+
+def test_a_section_value_merges_into_the_files_section():
+    """`--set 'workload={num_requests: 8}'` and a sweep over a whole section change the fields they name; the
+    file's other fields stay (they were reset to their defaults: 128-1024-token prompts, 128-token outputs)."""
+    sc = scenario_from_dict(FILE, {"workload": {"num_requests": 8, "prompt_len": {"max": 256}}})
+    w = sc.workload
+    assert (w.num_requests, w.prompt_len.min, w.prompt_len.max, w.output_len.value) == (8, 128, 256, 96)
+    assert w.kinds == {"code_edit": 1.0}
+    assert scenario_from_dict(FILE, {"workload.kinds": {"free": 1.0}}).workload.kinds == {"free": 1.0}  # a value
+    points = sweep_points(scenario_from_dict({**FILE, "sweep": {"workload": [{"num_requests": 4}, {"rate": 2.0}]}}))
+    assert [(p.scenario.workload.num_requests, p.scenario.workload.prompt_len.max,
+             p.scenario.workload.output_len.value) for p in points] == [(4, 512, 96), (48, 512, 96)]
+    with pytest.raises(ScenarioError, match="workload.bogus: unknown field"):
+        scenario_from_dict(FILE, {"workload": {"bogus": 1}})
+
+
+def test_values_in_an_implausible_unit_are_noted_with_the_unit():
+    sc = scenario_from_dict({"name": "x", "engine": {"gpu_costs": {"mem_bandwidth_gbs": 3.35}},
+                             "sweep": {"engine.host_costs.prep_us": [200, 2e6]}})
+    assert unit_notes(sc) == [
+        "engine.gpu_costs.mem_bandwidth_gbs: 3.35 GB/s is outside the plausible 100 to 20,000 GB/s; the field is "
+        "in GB/s: is the value in another unit?",
+        "sweep.engine.host_costs.prep_us: 2,000,000 µs is outside the plausible 0 to 100,000 µs; the field is in "
+        "µs: is the value in another unit?"]
+    assert unit_notes(scenario_from_dict({"name": "x", "engine": {"gpu_costs": {"mem_bandwidth_gbs": 3350}}})) == []
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["schedular.depth=2"], "--set schedular.depth: schedular: unknown field (did you mean 'scheduler'?)"),
+    (["scheduler.depth=0"], "--set scheduler.depth: Input should be greater than or equal to 1"),
+    (["scheduler.depth=[1"], "--set scheduler.depth: cannot parse value '[1': expected ',' or ']'"),
+    (["sweep.scheduler.dept=[1]"], "--set sweep.scheduler.dept: scheduler has no field 'dept' (did you mean 'depth'?)"),
+    (["workload.requests_per_user=2"], "s.yaml (with --set workload.requests_per_user): workload: set num_requests"),
+    (["scheduler.dеpth=2"], "--set scheduler.dеpth: unknown field (its 'е' is the non-ASCII U+0435 CYRILLIC SMALL "
+                            "LETTER IE; did you mean 'depth'?)"),
+    (["scheduler.policy=wаit"], "--set scheduler.policy: Input should be 'wait' or 'optimistic' (its 'а' is the "
+                                "non-ASCII U+0430 CYRILLIC SMALL LETTER A)"),
+])  # fmt: skip
+def test_errors_name_their_source(tmp_path, sets, message):
+    from simharness.scenario import parse_sets
+
+    path = tmp_path / "s.yaml"
+    path.write_text("name: x\nworkload: {num_requests: 48}\n")
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path, parse_sets(sets))
+    assert str(e.value).startswith(message.replace("s.yaml", str(path)))  # the source first, the file only if it is
+    path.write_text("name: x\nschedulеr: {depth: 2}\n")  # the file's own look-alike key is the file's
+    with pytest.raises(ScenarioError, match=f"^{path}: schedulеr: unknown field .*did you mean 'scheduler'"):
+        load_scenario(path)
