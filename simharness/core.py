@@ -18,7 +18,7 @@ import numpy as np
 from simharness.engine.backend import Backend
 from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
-from simharness.policy import EMITTED, K_SLOTS, BatchScheduler
+from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
 from simharness.records import Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 from simharness.workload import Requests
@@ -77,7 +77,7 @@ class EngineCore:
     def schedule(self, gc_pause: float) -> Step | None:
         """The next step's batch, or None when nothing can be scheduled."""
         with self.schedule_range:
-            batch = self.sched.schedule(self.mode.k, self._held())
+            batch = self.sched.schedule(self._k(), self._held())
         if not batch.size:
             return None
         step = Step(self.n_steps, batch, gc_pause_s=gc_pause)
@@ -85,6 +85,12 @@ class EngineCore:
             step.measured = self.measured
         self.n_steps += 1
         return step
+
+    def _k(self) -> int:
+        """The next step's k: the point's, or what its k schedule gives the batch the step can hold."""
+        if not self.mode.k_schedule:
+            return self.mode.k
+        return scheduled_k(self.mode.k_schedule, self.sched.batch_size())
 
     def _held(self) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
@@ -110,7 +116,7 @@ class EngineCore:
         """Cut the verified slots to the valid drafts the host reads now (after the sync that let it); for a step
         with decodes, when `trims_async`."""
         b = step.batch
-        b.n_tokens += b.trim(self.backend.valid_drafts(), self.mode.k)  # a decode computes 1 + its slots
+        b.n_tokens += b.trim(self.backend.valid_drafts(), b.k)  # a decode computes 1 + its slots
         step.trimmed = True
 
     def launched(self, step: Step) -> None:
