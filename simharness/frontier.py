@@ -93,7 +93,7 @@ def _load_row(at: pd.DataFrame, load: str) -> dict[str, object]:
         b = base.iloc[0]
         row[f"{name}_k0"] = b[metric]
         sign = 1 if best is max else -1
-        row[f"{name}_gain_pct"] = sign * (pick[metric] / b[metric] - 1) * 100
+        row[f"{name}_gain_pct"] = sign * (pick[metric] / b[metric] - 1) * 100 + 0.0  # no -0.0
         # worse beyond the intervals: the k's interval lies wholly on the bad side of k = 0's
         if best is max:
             worse = spec[f"ci_high.{metric}"] < b[f"ci_low.{metric}"]
@@ -166,7 +166,7 @@ def plot_frontier(fr: Frontier, path: Path) -> None:
             ax.set_ylabel(ylabel)
             ax.set_title(title, fontsize=9)
             ax.grid(alpha=0.3)
-        row_axes[1].legend(fontsize=7, ncol=2)
+            ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
