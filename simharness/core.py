@@ -54,6 +54,9 @@ class EngineCore:
         self.phase_syncs = {ph: [sp for sp in mode.syncs if sp.phase == ph] for ph in HOST_PHASES}
         self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
                             for ph, pts in self.phase_syncs.items()}  # fmt: skip
+        # under a k schedule, a step at k = 0 has no drafts to trim: it skips the valid-draft-count sync
+        self.undrafted_syncs = {ph: [sp for sp in pts if sp.name != "valid_draft_counts"]
+                                for ph, pts in self.phase_syncs.items()}  # fmt: skip
         # Prep cuts the verified slots of a step with decodes to the valid drafts when async and trimming: a
         # synchronous scheduler already reserved the drafts the host holds, and with nothing in flight the
         # device has not moved since.
@@ -105,10 +108,16 @@ class EngineCore:
             return self.in_flight[0]
         return self.last_launched
 
-    def newest_sync_target(self, ph: str) -> Step | None:
-        """The newest step any sync point of phase `ph` waits for: the GPU runs steps in launch order, so the
-        others have ended once it has."""
-        if self.in_flight and self.oldest_only[ph]:
+    def syncs_of(self, step: Step) -> dict[str, list[SyncPoint]]:
+        """The sync points of each host phase that `step` runs: the mode's, less the valid-draft-count sync for a
+        step that a k schedule gives k = 0."""
+        return self.undrafted_syncs if self.mode.k_schedule and not step.batch.k else self.phase_syncs
+
+    def newest_sync_target(self, ph: str, step: Step) -> Step | None:
+        """The newest step any sync point of phase `ph` of `step` waits for: the GPU runs steps in launch order, so
+        the others have ended once it has."""
+        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight"
+                                                           for sp in self.syncs_of(step)[ph])):
             return self.in_flight[0]
         return self.last_launched
 

@@ -55,7 +55,7 @@ def sweep_axes(swept: list[str]) -> tuple[str, list[str]]:
     return loads[0], [p for p in swept if p not in (K, loads[0], REPEAT)]
 
 
-def frontier(summary: pd.DataFrame, swept: list[str]) -> Frontier:
+def speculation_frontier(summary: pd.DataFrame, swept: list[str]) -> Frontier:
     """The frontier of a run's summary (every repeat a row, as `summary.csv`) whose swept paths are `swept`."""
     load, groups = sweep_axes(swept)
     if "failed" in summary.columns:
@@ -118,7 +118,7 @@ def group_label(row: pd.Series | dict, groups: list[str]) -> str:
     return ", ".join(f"{g.rsplit('.', 1)[-1]}={row[g]}" for g in groups) or "all"
 
 
-def derive_schedule(fr: Frontier, summary: pd.DataFrame) -> dict[str, dict[int, int]]:
+def derive_k_schedule(fr: Frontier, summary: pd.DataFrame) -> dict[str, dict[int, int]]:
     """Per group, a k schedule ({batch size: k}, `engine.speculation.k_schedule`): each load's best-throughput k
     from that load's batch size up to the next load's. A closed loop's batch size is its concurrency; under a
     request rate it is the mean batch size the k = 0 point measured. Equal neighbours merge; the first size is 1."""
@@ -131,6 +131,31 @@ def derive_schedule(fr: Frontier, summary: pd.DataFrame) -> dict[str, dict[int, 
                 schedule[max(size, max(schedule, default=0) + 1)] = int(k)
         schedules[group_label(rows.iloc[0], fr.groups)] = schedule
     return schedules
+
+
+def schedule_vs_fixed(fr: Frontier, group: str, scheduled: pd.DataFrame) -> pd.DataFrame:
+    """A k schedule's run over the frontier's loads (`scheduled`: its summary, every repeat a row) against the
+    fixed k of the frontier's group labelled `group`: per load, the schedule's throughput (median, interval), the
+    best fixed k's, the gap to it in % and the fixed ks the schedule beats or ties (its median at least theirs)."""
+    if fr.load not in scheduled.columns:
+        raise ScenarioError(f"sweep.{fr.load}: the schedule's run must sweep the frontier's load")
+    labels = [group_label(row, fr.groups) for _, row in fr.points.iterrows()]
+    points = fr.points[[label == group for label in labels]]
+    if points.empty:
+        raise ScenarioError(f"no frontier group {group!r}; groups: {', '.join(sorted(set(labels)))}")
+    runs = aggregate(scheduled, [THROUGHPUT]).set_index(fr.load)
+    rows = []
+    for load, fixed in points.groupby(fr.load, sort=True):
+        if load not in runs.index:
+            continue
+        best = fixed.loc[fixed[THROUGHPUT].idxmax()]
+        s = runs.loc[load]
+        rows.append({"group": group, fr.load: load, "schedule": s[THROUGHPUT],
+                     "schedule_ci_low": s[f"ci_low.{THROUGHPUT}"], "schedule_ci_high": s[f"ci_high.{THROUGHPUT}"],
+                     "best_fixed_k": int(best[K]), "best_fixed": best[THROUGHPUT],
+                     "gap_pct": (s[THROUGHPUT] / best[THROUGHPUT] - 1) * 100,
+                     "beats_k": " ".join(str(int(k)) for k in fixed[K][fixed[THROUGHPUT] <= s[THROUGHPUT]])})
+    return pd.DataFrame(rows)
 
 
 def _batch_size(fr: Frontier, summary: pd.DataFrame, row: pd.Series) -> int:
@@ -213,8 +238,8 @@ def write_frontier(run_dir: Path) -> tuple[Frontier, dict[str, dict[int, int]]]:
         summary = pd.read_csv(run_dir / "summary.csv", dtype={"note": str, "failed": str})
     except (OSError, pd.errors.EmptyDataError):
         raise ScenarioError(f"{run_dir}: no summary.csv with finished points yet") from None
-    fr = frontier(summary, swept)
-    schedules = derive_schedule(fr, summary)
+    fr = speculation_frontier(summary, swept)
+    schedules = derive_k_schedule(fr, summary)
     fr.table.to_csv(run_dir / "frontier.csv", index=False)
     (run_dir / "plots").mkdir(exist_ok=True)
     plot_frontier(fr, run_dir / "plots" / "frontier.png")
