@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--from", dest="run_dir", type=Path, help="the frontier of this finished run (runs no sweep)")
     ap.add_argument("--keep-runs", action="store_true", help="keep the run directories under OUT/runs")
     args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "simharness"], capture_output=True, text=True).stdout
     overrides = parse_sets(args.set)
     sc = load_scenario(args.scenario, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -68,10 +70,9 @@ def main() -> None:
             seconds[f"schedule {label}"] = time.perf_counter() - t
             compared.append(schedule_vs_fixed(fr, label, scheduled.summary))
             pd.concat(compared).to_csv(args.out / "schedule.csv", index=False)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     (args.out / "settings.json").write_text(json.dumps({
-        "scenario": str(args.scenario), "overrides": overrides, "commit": commit, "level": sc.engine.backend,
-        "repeats": sc.repeats, "seconds": seconds}, indent=1))
+        "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.backend, "repeats": sc.repeats,
+        "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds}, indent=1))
     print(fr.crossovers.to_string(index=False))
     if compared:
         print(pd.concat(compared).round(2).to_string(index=False))
