@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 
 from simharness.results import load_run_scenario
 from simharness.scenario import ScenarioError
@@ -170,6 +169,8 @@ def _batch_size(fr: Frontier, summary: pd.DataFrame, row: pd.Series) -> int:
 def plot_frontier(fr: Frontier, path: Path) -> None:
     """TPOT and output throughput against load, a line per k (whiskers: intervals over repeats), one row of two
     panels per group; a dotted line marks the crossover of each panel's metric."""
+    from matplotlib.figure import Figure  # ~0.5 s that `import simharness` (and a worker process) skips
+
     groups = [pts for _, pts in fr.points.groupby(fr.groups, sort=False)] if fr.groups else [fr.points]
     fig = Figure(figsize=(10, 3.2 * len(groups)))
     axes = fig.subplots(len(groups), 2, squeeze=False)
