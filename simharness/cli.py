@@ -310,7 +310,7 @@ def frontier_cmd(
     """
     import yaml
 
-    from simharness.frontier import group_label, write_frontier
+    from simharness.frontier import crossover_text, group_label, write_frontier
 
     try:
         fr, schedules = write_frontier(run_dir)
@@ -318,8 +318,7 @@ def frontier_cmd(
         fail(str(e))
     for row in fr.crossovers.to_dict("records"):
         label = group_label(row, fr.groups)
-        stops = {m: f"{row[f'crossover_{m}']:g}" if row[f"crossover_{m}"] == row[f"crossover_{m}"] else "none"
-                 for m in ("throughput", "tpot")}
+        stops = {m: crossover_text(row, m) for m in ("throughput", "tpot")}
         out.print(f"{label}: speculation stops paying at {fr.load.rsplit('.', 1)[-1]} {stops['throughput']} "
                   f"(throughput), {stops['tpot']} (TPOT); --set 'engine.speculation.k_schedule={schedules[label]}' "
                   f"--set engine.speculation.k={max(schedules[label].values())}", highlight=False, soft_wrap=True)

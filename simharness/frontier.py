@@ -32,8 +32,8 @@ METRICS = {THROUGHPUT: ("throughput", max), TPOT: ("tpot", min)}
 @dataclass(frozen=True)
 class Frontier:
     """A sweep's frontier: `table` has a row per group and load (frontier.csv), `points` a row per group, load
-    and k (medians and intervals), `crossovers` a row per group (the load from which speculation stops paying
-    in throughput and in TPOT, NaN where it pays somewhere up to the largest load)."""
+    and k (medians and intervals), `crossovers` a row per group (per metric, the first load at which speculation
+    stops paying and the first larger one at which it pays again, NaN for none)."""
 
     load: str  # the swept load path
     groups: list[str]  # the other swept paths
@@ -59,6 +59,8 @@ def speculation_frontier(summary: pd.DataFrame, swept: list[str]) -> Frontier:
     load, groups = sweep_axes(swept)
     if "failed" in summary.columns:
         summary = summary[summary["failed"].isna()]
+    if summary.empty or K not in summary.columns:
+        raise ScenarioError("the run has no finished sweep point yet")
     if not (summary[K] == 0).any():
         raise ScenarioError(f"sweep.{K}: has no finished point at k = 0, the baseline speculation is measured against")
     points = aggregate(summary, [THROUGHPUT, TPOT])
@@ -69,8 +71,8 @@ def speculation_frontier(summary: pd.DataFrame, swept: list[str]) -> Frontier:
         labels = dict(zip(groups, key if isinstance(key, tuple) else (key,), strict=True))
         per_load = [_load_row(at, load) for _, at in group.groupby(load, sort=True)]
         rows += [{**labels, **row} for row in per_load]
-        crossings.append({**labels, **{f"crossover_{name}": _crossover(per_load, load, name)
-                                      for name, _ in METRICS.values()}})
+        crossings.append({**labels, **{column: value for name, _ in METRICS.values()
+                                      for column, value in _crossover(per_load, load, name).items()}})
     return Frontier(load, groups, pd.DataFrame(rows), points, pd.DataFrame(crossings))
 
 
@@ -102,14 +104,21 @@ def _load_row(at: pd.DataFrame, load: str) -> dict[str, object]:
     return row
 
 
-def _crossover(rows: list[dict[str, object]], load: str, name: str) -> float:
-    """The smallest load from which speculation stops paying at every load up to the largest (NaN: none)."""
-    crossover = math.nan
-    for row in reversed(rows):
-        if row[f"{name}_pays"] is not False:
-            break
-        crossover = row[load]
-    return crossover
+def _crossover(rows: list[dict[str, object]], load: str, name: str) -> dict[str, float]:
+    """The smallest load at which speculation stops paying (`crossover_<name>`) and the smallest larger one at
+    which it pays again (`pays_again_<name>`); NaN for none."""
+    stops = [row[load] for row in rows if row[f"{name}_pays"] is False]
+    crossover = stops[0] if stops else math.nan
+    again = [row[load] for row in rows if stops and row[load] > crossover and row[f"{name}_pays"]]
+    return {f"crossover_{name}": crossover, f"pays_again_{name}": again[0] if again else math.nan}
+
+
+def crossover_text(row: dict, name: str) -> str:
+    """A group's crossover in words: `64`, `64 (pays again at 256)` or `none`."""
+    at, again = row[f"crossover_{name}"], row[f"pays_again_{name}"]
+    if not np.isfinite(at):
+        return "none"
+    return f"{at:g}" + (f" (pays again at {again:g})" if np.isfinite(again) else "")
 
 
 def group_label(row: pd.Series | dict, groups: list[str]) -> str:
@@ -202,8 +211,7 @@ def frontier_markdown(fr: Frontier, schedules: dict[str, dict[int, int]]) -> str
     lines = ["| group | stops paying: throughput | stops paying: TPOT | derived k_schedule |", "|---|--:|--:|---|"]
     for row in fr.crossovers.to_dict("records"):
         label = group_label(row, fr.groups)
-        cells = [f"{row[f'crossover_{m}']:g}" if np.isfinite(row[f"crossover_{m}"]) else "none" for m in
-                 ("throughput", "tpot")]
+        cells = [crossover_text(row, m) for m in ("throughput", "tpot")]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} | `{schedules[label]}` |")
     load = fr.load.rsplit(".", 1)[-1]
     table = ["| group | " + load + " | best k (tok/s) | tok/s | gain vs k=0 | best k (TPOT) | TPOT ms | TPOT saved |",
@@ -215,9 +223,10 @@ def frontier_markdown(fr: Frontier, schedules: dict[str, dict[int, int]]) -> str
     return "\n".join([
         "\n## Speculation frontier\n",
         f"Per {load}, the k with the best output throughput and the best mean TPOT (medians over repeats, 95% "
-        "intervals in brackets where there are repeats), their gain over k = 0, and the load from which every "
-        "k > 0 is worse than k = 0 beyond the intervals at every larger load. `frontier.csv` holds the table; the "
-        "derived schedule takes each load's best-throughput k from that batch size up.\n",
+        "intervals in brackets where there are repeats) and their gain over k = 0; speculation stops paying at the "
+        "first load where every k > 0 is worse than k = 0 beyond the intervals (a larger load where some k pays "
+        "again is named). `frontier.csv` holds the table; the derived schedule takes each load's best-throughput "
+        "k from that batch size up.\n",
         *lines, "", *table, "", "![Frontier](plots/frontier.png)\n",
     ])
 

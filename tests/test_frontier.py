@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import simharness
 from simharness.cli import app
-from simharness.frontier import K, derive_k_schedule, speculation_frontier
+from simharness.frontier import K, crossover_text, derive_k_schedule, speculation_frontier
 from simharness.models import gpu_spec, model_config
 from simharness.policy import scheduled_k
 from simharness.scenario import GpuCosts, ScenarioError, scenario_from_dict
@@ -54,24 +54,30 @@ def test_frontier_picks_the_best_k_with_its_interval_and_the_crossover():
     assert table["throughput_pays"].to_dict() == {1: True, 8: True, 64: True, 128: False}
     assert fr.crossovers.loc[0, "crossover_throughput"] == 128
     assert fr.crossovers.loc[0, "crossover_tpot"] == 128
+    assert math.isnan(fr.crossovers.loc[0, "pays_again_throughput"])
     assert derive_k_schedule(fr, summary_of(thr, tpot)) == {"all": {1: 4, 8: 2, 64: 0}}
 
 
-def test_crossover_is_the_load_from_which_speculation_never_pays_again():
+def test_crossover_is_the_first_load_where_speculation_stops_paying_and_a_later_recovery_is_named():
     # without repeats the intervals are the points themselves: any k > 0 below k = 0 is worse
     thr = {(1, 0): [10], (1, 2): [20], (2, 0): [20], (2, 2): [19], (4, 0): [40], (4, 2): [41], (8, 0): [80],
            (8, 2): [70], (16, 0): [160], (16, 2): [100]}
-    tpot = {key: [1 / v[0]] for key, v in thr.items()}
-    fr = speculation_frontier(summary_of(thr, tpot), [K, C])
-    assert fr.table["throughput_pays"].tolist() == [True, False, True, False, False]
-    assert fr.crossovers.loc[0, "crossover_throughput"] == 8  # not 2: it pays again at 4
-    assert (fr.table["throughput_ci_low"] == fr.table["throughput"]).all()
-    never = {key: v for key, v in thr.items() if key[0] < 16}
-    fr = speculation_frontier(summary_of(never, {key: [1 / v[0]] for key, v in never.items()}), [K, C])
-    assert fr.crossovers.loc[0, "crossover_throughput"] == 8
-    pays = {key: v for key, v in thr.items() if key[0] < 8}
-    fr = speculation_frontier(summary_of(pays, {key: [1 / v[0]] for key, v in pays.items()}), [K, C])
-    assert math.isnan(fr.crossovers.loc[0, "crossover_throughput"])
+
+    def crossings(loads: set[int]) -> dict:
+        kept = {key: v for key, v in thr.items() if key[0] in loads}
+        fr = speculation_frontier(summary_of(kept, {key: [1 / v[0]] for key, v in kept.items()}), [K, C])
+        assert (fr.table["throughput_ci_low"] == fr.table["throughput"]).all()
+        return fr.crossovers.to_dict("records")[0]
+
+    every = crossings({1, 2, 4, 8, 16})
+    assert (every["crossover_throughput"], every["pays_again_throughput"]) == (2, 4)
+    assert crossover_text(every, "throughput") == "2 (pays again at 4)"
+    assert (every["crossover_tpot"], every["pays_again_tpot"]) == (2, 4)
+    later = crossings({1, 4, 8, 16})
+    assert later["crossover_throughput"] == 8 and math.isnan(later["pays_again_throughput"])
+    assert crossover_text(later, "throughput") == "8"
+    never = crossings({1, 4})
+    assert math.isnan(never["crossover_throughput"]) and crossover_text(never, "throughput") == "none"
 
 
 @pytest.mark.parametrize("swept,message", [
