@@ -1,5 +1,5 @@
 """The speculation frontier: per load, the draft length k with the best output throughput and the best mean TPOT,
-their gain over k = 0 (no speculation) and the load from which speculation stops paying; a k schedule derived
+their gain over k = 0 (no speculation) and the first load at which speculation stops paying; a k schedule derived
 from it.
 
 Read only from a run's summary (a sweep over `engine.speculation.k`, with 0, and over concurrency or request rate;
