@@ -128,15 +128,18 @@ def group_label(row: pd.Series | dict, groups: list[str]) -> str:
 
 def derive_k_schedule(fr: Frontier, summary: pd.DataFrame) -> dict[str, dict[int, int]]:
     """Per group, a k schedule ({batch size: k}, `engine.speculation.k_schedule`): each load's best-throughput k
-    from that load's batch size up to the next load's. A closed loop's batch size is its concurrency; under a
-    request rate it is the mean batch size the k = 0 point measured. Equal neighbours merge; the first size is 1."""
+    for the batch sizes nearer to that load's than to its neighbours' on a log scale (from the geometric mean of
+    its batch size and the previous load's), so that a batch a little under a load's size (a request between
+    two of a closed loop's) keeps that load's k. A closed loop's batch size is its concurrency; under a request
+    rate, the mean batch size the k = 0 point measured. Equal neighbours merge; the first size is 1."""
     schedules = {}
     for _, rows in fr.table.groupby(fr.groups, sort=False) if fr.groups else [((), fr.table)]:
         sizes = [_batch_size(fr, summary, row) for _, row in rows.iterrows()]
         schedule: dict[int, int] = {}
-        for size, k in zip([1, *sizes[1:]], rows["best_k_throughput"], strict=True):
+        for i, k in enumerate(rows["best_k_throughput"]):
+            start = 1 if i == 0 else max(math.ceil(math.sqrt(sizes[i - 1] * sizes[i])), max(schedule) + 1)
             if not schedule or k != list(schedule.values())[-1]:
-                schedule[max(size, max(schedule, default=0) + 1)] = int(k)
+                schedule[start] = int(k)
         schedules[group_label(rows.iloc[0], fr.groups)] = schedule
     return schedules
 
@@ -225,8 +228,8 @@ def frontier_markdown(fr: Frontier, schedules: dict[str, dict[int, int]]) -> str
         f"Per {load}, the k with the best output throughput and the best mean TPOT (medians over repeats, 95% "
         "intervals in brackets where there are repeats) and their gain over k = 0; speculation stops paying at the "
         "first load where every k > 0 is worse than k = 0 beyond the intervals (a larger load where some k pays "
-        "again is named). `frontier.csv` holds the table; the derived schedule takes each load's best-throughput "
-        "k from that batch size up.\n",
+        "again is named). `frontier.csv` holds the table; the derived schedule gives each load's best-throughput "
+        "k to the batch sizes nearest it (from the geometric mean of its batch size and the previous load's).\n",
         *lines, "", *table, "", "![Frontier](plots/frontier.png)\n",
     ])
 

@@ -16,6 +16,7 @@ from simharness.cli import app
 from simharness.frontier import K, crossover_text, derive_k_schedule, speculation_frontier
 from simharness.models import gpu_spec, model_config
 from simharness.policy import scheduled_k
+from simharness.results import new_run_dir
 from simharness.scenario import GpuCosts, ScenarioError, scenario_from_dict
 from simharness.simulation import simulate
 from simharness.stats import bootstrap_ci
@@ -55,7 +56,8 @@ def test_frontier_picks_the_best_k_with_its_interval_and_the_crossover():
     assert fr.crossovers.loc[0, "crossover_throughput"] == 128
     assert fr.crossovers.loc[0, "crossover_tpot"] == 128
     assert math.isnan(fr.crossovers.loc[0, "pays_again_throughput"])
-    assert derive_k_schedule(fr, summary_of(thr, tpot)) == {"all": {1: 4, 8: 2, 64: 0}}
+    # each load's k from the geometric mean of its concurrency and the previous one's: sqrt(8), sqrt(8 * 64)
+    assert derive_k_schedule(fr, summary_of(thr, tpot)) == {"all": {1: 4, 3: 2, 23: 0}}
 
 
 def test_crossover_is_the_first_load_where_speculation_stops_paying_and_a_later_recovery_is_named():
@@ -123,14 +125,14 @@ def test_scheduled_k_is_the_largest_listed_size_not_above_the_batch():
     assert [scheduled_k(schedule, b) for b in (1, 7, 8, 63, 64, 500)] == [6, 6, 4, 4, 0, 0]
 
 
-def _point(depth: int, k: int, schedule: dict[int, int] | None, acceptance: str = "replay", **workload):
+def _point(depth: int, k: int, schedule: dict[int, int] | None, acceptance: str = "replay"):
     spec = {"k": k, "acceptance": {"model": acceptance, "alpha": 0.6}}
     if schedule is not None:
         spec["k_schedule"] = schedule
     sc = scenario_from_dict({
         "name": "ks", "seed": 2,
         "workload": {"concurrency": 12, "num_requests": 36, "prompt_len": {"dist": "uniform", "min": 32, "max": 96},
-                     "output_len": {"dist": "uniform", "min": 16, "max": 48}, **workload},
+                     "output_len": {"dist": "uniform", "min": 16, "max": 48}},
         "engine": {"model": "llama-3.2-1b", "speculation": spec},
         "scheduler": {"depth": depth},
     })
@@ -248,10 +250,9 @@ def test_8b_sim_frontier_crosses_over_where_the_roofline_predicts(tmp_path):
 
 
 def test_frontier_command_over_a_run_without_k_exits_2(tmp_path):
-    sc = scenario_from_dict({"name": "nok", "workload": {"num_requests": 4, "output_len": {"dist": "fixed",
-                             "value": 8}}, "engine": {"speculation": {"acceptance": {"model": "iid"}}},
-                             "sweep": {C: [1, 2]}, "report": {"trace_steps": 0, "timeline_steps": 1}})
-    run_dir = simharness.run(sc, tmp_path).run_dir
+    sc = scenario_from_dict({"name": "nok", "sweep": {C: [1, 2]}})
+    run_dir = new_run_dir(tmp_path, sc)
+    summary_of({(1, 4): [1.0], (2, 4): [2.0]}, {(1, 4): [1.0], (2, 4): [2.0]}).to_csv(run_dir / "summary.csv")
     r = CliRunner().invoke(app, ["frontier", str(run_dir)])
     assert r.exit_code == 2, r.output
     assert "sweep.engine.speculation.k: a frontier needs a sweep over k" in " ".join(r.stderr.split())
