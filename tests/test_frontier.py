@@ -258,3 +258,9 @@ def test_frontier_command_over_a_run_without_k_exits_2(tmp_path):
     assert "sweep.engine.speculation.k: a frontier needs a sweep over k" in " ".join(r.stderr.split())
     assert "Traceback" not in r.output
     assert not (run_dir / "frontier.csv").exists()
+
+
+def test_frontier_help_lists_its_exit_codes():
+    r = CliRunner().invoke(app, ["frontier", "--help"], env={"COLUMNS": "100"})
+    assert r.exit_code == 0, r.output
+    assert "Exit status: 0 done; 2 not a run directory" in " ".join(r.stdout.split())
