@@ -180,6 +180,10 @@ class Speculation(Strict):
     def _check_n(self) -> Speculation:
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_within_limit(self) -> Speculation:
         limit = 0 if self.proposer == "none" else self.k
         over = next((size for size, k in (self.k_schedule or {}).items() if k > limit), None)
         if over is not None:
