@@ -9,6 +9,7 @@
 from simharness.calibration import calibrate, load_fit_data
 from simharness.compare import compare
 from simharness.fidelity import FidelityResult, run_fidelity
+from simharness.frontier import Frontier, derive_k_schedule, schedule_vs_fixed, speculation_frontier, write_frontier
 from simharness.runner import RunResult, run
 from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 from simharness.seeds import SEEDS, run_seed, seed_effects
@@ -16,17 +17,22 @@ from simharness.seeds import SEEDS, run_seed, seed_effects
 __all__ = [
     "SEEDS",
     "FidelityResult",
+    "Frontier",
     "RunResult",
     "Scenario",
     "ScenarioError",
     "calibrate",
     "compare",
+    "derive_k_schedule",
     "load_fit_data",
     "load_scenario",
     "run",
     "run_fidelity",
     "run_seed",
+    "schedule_vs_fixed",
     "scenario_from_dict",
     "seed_effects",
+    "speculation_frontier",
     "sweep_points",
+    "write_frontier",
 ]

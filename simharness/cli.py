@@ -313,6 +313,42 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
     out.print(f"report: {report}")
 
 
+@app.command("frontier")
+def frontier_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory sweeping engine.speculation.k and the load",
+                                            metavar="RUN_DIR")],
+    schedule_out: Annotated[Path | None, typer.Option("--schedule", help="also write the derived k schedules "
+                                                      "(YAML: per group, the speculation fields to set)",
+                                                      metavar="FILE")] = None,
+) -> None:
+    """The speculation frontier of a run: per load the best k for throughput and for TPOT, where speculation stops
+    paying, and the k schedule derived from it; writes frontier.csv and plots/frontier.png into the run.
+
+    Exit status: 0 done; 2 not a run directory, or one whose sweep lacks k or a load.
+    """
+    import yaml
+
+    from simharness.frontier import crossover_text, group_label, write_frontier
+
+    try:
+        fr, schedules = write_frontier(run_dir)
+    except ScenarioError as e:
+        fail(str(e))
+    for row in fr.crossovers.to_dict("records"):
+        label = group_label(row, fr.groups)
+        stops = {m: crossover_text(row, m) for m in ("throughput", "tpot")}
+        out.print(f"{label}: speculation stops paying at {fr.load.rsplit('.', 1)[-1]} {stops['throughput']} "
+                  f"(throughput), {stops['tpot']} (TPOT); --set 'engine.speculation.k_schedule={schedules[label]}' "
+                  f"--set engine.speculation.k={max(schedules[label].values())}", highlight=False, soft_wrap=True)
+    if schedule_out is not None:
+        snippets = {label: {"k": max(s.values()), "k_schedule": s} for label, s in schedules.items()}
+        try:
+            schedule_out.write_text(yaml.safe_dump(snippets, sort_keys=False))
+        except OSError as e:
+            fail(f"--schedule {schedule_out}: cannot write ({e.strerror or e})")
+    out.print(f"frontier: {run_dir / 'frontier.csv'}, {run_dir / 'plots' / 'frontier.png'}")
+
+
 @app.command("compare")
 def compare_cmd(
     base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json", metavar="BASE")],

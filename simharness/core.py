@@ -18,7 +18,7 @@ import numpy as np
 from simharness.engine.backend import Backend
 from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
-from simharness.policy import EMITTED, K_SLOTS, BatchScheduler
+from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
 from simharness.records import Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 from simharness.workload import Requests
@@ -54,6 +54,9 @@ class EngineCore:
         self.phase_syncs = {ph: [sp for sp in mode.syncs if sp.phase == ph] for ph in HOST_PHASES}
         self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
                             for ph, pts in self.phase_syncs.items()}  # fmt: skip
+        # under a k schedule, a step at k = 0 has no drafts to trim: it skips the valid-draft-count sync
+        self.undrafted_syncs = {ph: [sp for sp in pts if sp.name != "valid_draft_counts"]
+                                for ph, pts in self.phase_syncs.items()}  # fmt: skip
         # Prep cuts the verified slots of a step with decodes to the valid drafts when async and trimming: a
         # synchronous scheduler already reserved the drafts the host holds, and with nothing in flight the
         # device has not moved since.
@@ -77,7 +80,7 @@ class EngineCore:
     def schedule(self, gc_pause: float) -> Step | None:
         """The next step's batch, or None when nothing can be scheduled."""
         with self.schedule_range:
-            batch = self.sched.schedule(self.mode.k, self._held())
+            batch = self.sched.schedule(self._k(), self._held())
         if not batch.size:
             return None
         step = Step(self.n_steps, batch, gc_pause_s=gc_pause)
@@ -85,6 +88,12 @@ class EngineCore:
             step.measured = self.measured
         self.n_steps += 1
         return step
+
+    def _k(self) -> int:
+        """The next step's k: the point's, or what its k schedule gives the batch the step can hold."""
+        if not self.mode.k_schedule:
+            return self.mode.k
+        return scheduled_k(self.mode.k_schedule, self.sched.batch_size())
 
     def _held(self) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
@@ -99,10 +108,16 @@ class EngineCore:
             return self.in_flight[0]
         return self.last_launched
 
-    def newest_sync_target(self, ph: str) -> Step | None:
-        """The newest step any sync point of phase `ph` waits for: the GPU runs steps in launch order, so the
-        others have ended once it has."""
-        if self.in_flight and self.oldest_only[ph]:
+    def syncs_of(self, step: Step) -> dict[str, list[SyncPoint]]:
+        """The sync points of each host phase that `step` runs: the mode's, less the valid-draft-count sync for a
+        step that a k schedule gives k = 0."""
+        return self.undrafted_syncs if self.mode.k_schedule and not step.batch.k else self.phase_syncs
+
+    def newest_sync_target(self, ph: str, step: Step) -> Step | None:
+        """The newest step any sync point of phase `ph` of `step` waits for: the GPU runs steps in launch order, so
+        the others have ended once it has."""
+        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight"
+                                                           for sp in self.syncs_of(step)[ph])):
             return self.in_flight[0]
         return self.last_launched
 
@@ -110,7 +125,7 @@ class EngineCore:
         """Cut the verified slots to the valid drafts the host reads now (after the sync that let it); for a step
         with decodes, when `trims_async`."""
         b = step.batch
-        b.n_tokens += b.trim(self.backend.valid_drafts(), self.mode.k)  # a decode computes 1 + its slots
+        b.n_tokens += b.trim(self.backend.valid_drafts(), b.k)  # a decode computes 1 + its slots
         step.trimmed = True
 
     def launched(self, step: Step) -> None:

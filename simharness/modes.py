@@ -37,12 +37,18 @@ class Mode:
     ngram_cpu: bool
     syncs: tuple[SyncPoint, ...]
     note: str = ""
+    # `engine.speculation.k_schedule` sorted by batch size, as (batch size, k) pairs; empty: every step drafts k
+    k_schedule: tuple[tuple[int, int], ...] = ()
 
 
 def resolve_mode(sc: Scenario) -> Mode:
     """Effective depth, drafting and sync points of a point; raises ScenarioError on bad edits."""
     spec = sc.engine.speculation
     k = spec.k if spec.proposer != "none" else 0
+    if spec.k_schedule is not None and sc.engine.backend != "model":
+        raise ScenarioError(f"engine.speculation.k_schedule: sim level only for now (engine.backend: model); the "
+                            f"decode loop of engine.backend: {sc.engine.backend} drafts a fixed k")
+    schedule = tuple(sorted(spec.k_schedule.items())) if spec.k_schedule is not None and k else ()
     depth, note = sc.scheduler.depth, ""
     if spec.proposer == "ngram_cpu" and depth > 1:
         # vLLM disables async scheduling for the CPU n-gram proposer (v1_async_sched_incompat)
@@ -79,4 +85,4 @@ def resolve_mode(sc: Scenario) -> Mode:
         or (spec.invalid_slots == "trim" and (depth == 1 or any(s.name == "valid_draft_counts" for s in syncs)))
     )
     optimistic = depth > 1 and k > 0 and sc.scheduler.policy == "optimistic"
-    return Mode(depth, k, optimistic, trim, spec.proposer == "ngram_cpu", tuple(syncs), note)
+    return Mode(depth, k, optimistic, trim, spec.proposer == "ngram_cpu", tuple(syncs), note, schedule)

@@ -17,6 +17,8 @@ functions (numba) fill and read: scheduling and settling a step are one call eac
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +44,15 @@ BUDGET, MAX_NUM_SEQS, CHUNKED = range(3)
 K_SLOTS = np.zeros(0, dtype=np.int64)
 
 
+def scheduled_k(schedule: tuple[tuple[int, int], ...], batch_size: int) -> int:
+    """The k a schedule of (batch size, k) pairs, sorted and starting at 1, gives a step of `batch_size` requests:
+    that of the largest listed size not above it (vLLM's dynamic speculation, k by batch size)."""
+    return schedule[bisect.bisect_right(schedule, (batch_size, math.inf)) - 1][1]
+
+
 @dataclass(eq=False)
 class Batch:
-    """One scheduled step: its table (rows REQ..WASTED above, a column per request) and two totals.
+    """One scheduled step: its table (rows REQ..WASTED above, a column per request), two totals and its k.
 
     The properties are the per-request views a hardware backend reads."""
 
@@ -52,6 +60,7 @@ class Batch:
     size: int  # requests
     n_prefill: int  # prefill chunks
     n_tokens: int  # tokens to compute (a prefill chunk, or 1 + verified slots per decode; prep's trim updates it)
+    k: int  # draft slots per decoding request at most (the point's k, or its k schedule's for this batch size)
 
     @property
     def req(self) -> np.ndarray:
@@ -113,11 +122,18 @@ class BatchScheduler:
     def has_waiting(self) -> bool:
         return self.counts[N_ADMITTED] < self.counts[N_ARRIVED]
 
+    def batch_size(self) -> int:
+        """Requests the next step can hold: the running ones and the waiting ones max_num_seqs admits (what a k
+        schedule reads, before the step is scheduled)."""
+        n_running = int(self.counts[N_RUNNING])
+        waiting = int(self.counts[N_ARRIVED] - self.counts[N_ADMITTED])
+        return n_running + min(waiting, max(int(self.limits[MAX_NUM_SEQS]) - n_running, 0))
+
     def schedule(self, k: int, held: np.ndarray = K_SLOTS) -> Batch:
         """Pick the next step's batch. A decoding request reserves `k` draft slots, or, when `held` is
-        given (the valid drafts per request id), as many as it holds."""
+        given (the valid drafts per request id), as many as it holds, at most k."""
         table, n_prefill, n_tokens = _schedule(self.state, self.running_ids, self.counts, held, k, self.limits)
-        return Batch(table, table.shape[1], n_prefill, n_tokens)
+        return Batch(table, table.shape[1], n_prefill, n_tokens, k)
 
     def settle(self, batch: Batch) -> np.ndarray:
         """Process a step's output (its EMITTED row): advance the host's counts, return the ids that
@@ -146,7 +162,7 @@ def _schedule(
         if prefill:
             tokens, slots = prompt_left[rid], 0
         elif room[rid] > 0:
-            slots = k if len(held) == 0 else held[rid]
+            slots = k if len(held) == 0 else min(held[rid], k)
             tokens = 1 + slots
         else:
             continue

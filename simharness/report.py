@@ -23,6 +23,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from simharness.frontier import frontier_section
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
@@ -103,6 +104,7 @@ def write_report(run_dir: Path) -> Path:
             "## Measured vs modelled\n",
             _measured_table(summary, steps, hil),
         ])
+    text += frontier_section(run_dir)  # a sweep over k and load only (simharness.frontier, issue 31)
     path.write_text(text + failed)
     return path
 

@@ -153,11 +153,45 @@ class Speculation(Strict):
         "trim", description="trim invalid drafts on the host (needs a sync) or verify filled slots"
     )
     acceptance: Acceptance = Acceptance()
+    k_schedule: dict[int, int] | None = Field(
+        None, description="k by batch size, as vLLM's dynamic speculation chooses it: {batch size: k}, each k for "
+        "steps of that many requests up to the next listed size; starts at 1, each k at most `k` (the proposer's "
+        "limit, which sizes its drafts); sim level only for now (docs/frontier.md)",
+    )
+
+    @field_validator("k_schedule", mode="before")
+    @classmethod
+    def _schedule_sizes(cls, v: Any) -> Any:
+        """Batch sizes are positive integers (a JSON round trip writes them as strings of digits), k >= 0."""
+        if not isinstance(v, dict):
+            return v
+        schedule = {}
+        for size, k in v.items():
+            digits = isinstance(size, str) and size.isdecimal()
+            if isinstance(size, bool) or not (isinstance(size, int) or digits) or int(size) < 1:
+                raise ValueError(f"batch size {size!r} is not a positive integer")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(f"k {k!r} at batch size {size} is not an integer >= 0")
+            schedule[int(size)] = k
+        if not schedule:
+            raise ValueError("needs at least one {batch size: k} entry (leave it out for a fixed k)")
+        if min(schedule) != 1:
+            raise ValueError(f"starts at batch size {min(schedule)}; it must start at 1")
+        return schedule
 
     @model_validator(mode="after")
     def _check_n(self) -> Speculation:
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_within_limit(self) -> Speculation:
+        limit = 0 if self.proposer == "none" else self.k
+        over = next((size for size, k in (self.k_schedule or {}).items() if k > limit), None)
+        if over is not None:
+            raise ValueError(f"k_schedule: k {self.k_schedule[over]} at batch size {over} is above the proposer's "
+                             f"limit (k = {limit}{' with proposer none' if self.proposer == 'none' else ''})")
         return self
 
 

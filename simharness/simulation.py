@@ -161,10 +161,10 @@ class Simulation:
         for (`EngineCore.newest_sync_target`). Each sync then starts at t or when its step ended on the GPU,
         whichever is later. Only the engine launches, so what a sync waits for cannot change meanwhile."""
         core = self.core
-        newest = core.newest_sync_target(ph)
+        newest = core.newest_sync_target(ph, step)
         if newest is not None and newest.gpu_end > self.env.now:
             yield newest.done
-        for sp in core.phase_syncs[ph]:
+        for sp in core.syncs_of(step)[ph]:
             # hil: the real operation, if any, timed alone (its wait stays modelled) is the sync's own cost
             op_s = self.backend.sync_op(step, sp.name)
             start = t
@@ -207,7 +207,7 @@ class Simulation:
         """The host phases from scheduling to launch, computed ahead of the clock (`_syncs`); returns the time
         the launch ends. The engine yields only to wait for the GPU or to read the device truth on time."""
         env, core, b = self.env, self.core, step.batch
-        syncs = core.phase_syncs
+        syncs = core.syncs_of(step)
         t = env.now
         if syncs["schedule"]:
             t = yield from self._syncs(step, "schedule", t)
@@ -263,7 +263,7 @@ class Simulation:
         # the readback and the update are one event (a sync point between them is computed ahead, `_syncs`)
         sync_end = t + step.readback_s
         core.record_sync(step, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        step.update_start = (yield from self._syncs(step, "update", sync_end)) if core.phase_syncs["update"] \
+        step.update_start = (yield from self._syncs(step, "update", sync_end)) if core.syncs_of(step)["update"] \
             else sync_end
         now = step.update_end = step.update_start + self.cost.update(step.batch.size)
         yield self._until(now)

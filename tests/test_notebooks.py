@@ -83,3 +83,9 @@ def test_notebook_executes(name, python3_kernel, tmp_path):
     assert sorted(p.name for p in ROOT.iterdir()) == before  # nothing written into the repository
     assert not (NOTEBOOKS / "results").exists()
     nbformat.write(nb, tmp_path / name)  # the executed copy, for a look when debugging
+
+
+def test_frontier_notebook(python3_kernel, tmp_path):
+    """notebooks/frontier.ipynb (issue 31): stored clean, public API only, executes on its small live sim grid."""
+    test_notebook_is_stored_clean_and_uses_the_public_api("frontier.ipynb")
+    test_notebook_executes("frontier.ipynb", python3_kernel, tmp_path)
