@@ -177,7 +177,7 @@ class ModelBackend:
             self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
             self.cost.prof,
         )
-        if step.enqueue is not None:
+        if self.overlap is not None:  # the launch's one part (`launch`)
             step.parts_s = (seconds,)
         return seconds, self.readback_s
 
