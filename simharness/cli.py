@@ -254,14 +254,16 @@ def calibrate_cmd(
 
 @app.command("profile")
 def profile_cmd(
-    model: Annotated[str, typer.Option("--model", help="the catalogue model to profile")] = "llama-3.2-1b",
+    model: Annotated[str, typer.Option("--model", help="the catalogue model to profile",
+                                       metavar="MODEL")] = "llama-3.2-1b",
     grid: Annotated[Path | None, typer.Option("--grid", help="the designed grid (default: "
-                                              "scenarios/profile/grid.yaml)")] = None,
+                                              "scenarios/profile/grid.yaml)", metavar="FILE")] = None,
     out_path: Annotated[Path | None, typer.Option("--out", help="the profile YAML to write (default: "
-                                                  "results/profiles/<gpu>-<model>.yaml)")] = None,
-    runs: Annotated[Path, typer.Option("--runs", help="results root of the grid's run")] = Path("results/profile-runs"),
+                                                  "results/profiles/<gpu>-<model>.yaml)", metavar="FILE")] = None,
+    runs: Annotated[Path, typer.Option("--runs", help="results root of the grid's run",
+                                       metavar="DIR")] = Path("results/profile-runs"),
     from_runs: Annotated[list[Path], typer.Option("--from", help="fit from this grid run instead of measuring "
-                                                  "(repeatable)")] = [],  # noqa: B006
+                                                  "(repeatable)", metavar="RUN_DIR")] = [],  # noqa: B006
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
 ) -> None:
     """Measure the designed grid at the real level on this GPU and fit the model's cost profile (physical device

@@ -185,6 +185,9 @@ def fit_profile(data: FitData) -> dict:
     fit = fit_device(x, window, launch, depth, sizes, prior)
     errors = kfold_errors(x, window, launch, depth, sizes, prior, fit.params)
     per_depth = {int(d): float(np.median(errors[depth == d])) for d in sorted(set(depth.tolist()))}
+    # the steps whose window the device work sets (not the launch's end): the work terms alone predict them
+    work = profile_times(fit.coef, sizes, x)
+    bound = work > launch + np.array([fit.tails[d] for d in depth.tolist()]) if censored else np.ones(len(x), bool)
     host, kept, qualities = fit_host(data.steps)
     return {
         "format": FORMAT,
@@ -198,7 +201,9 @@ def fit_profile(data: FitData) -> dict:
         "kept_from_scenario": kept,
         "quality": {"device": {"steps": len(ok), "median_rel_error": float(np.median(errors)),
                                "p90_rel_error": float(np.percentile(errors, 90)),
-                               "median_rel_error_by_depth": per_depth}, **qualities},
+                               "median_rel_error_by_depth": per_depth, "device_bound_steps": int(bound.sum()),
+                               "device_bound_median_rel_error": float(np.median(errors[bound])) if bound.any()
+                               else None}, **qualities},
         "validation": None,
         "provenance": {"runs": data.runs, "steps": len(data.steps), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "profile_source_digest": loaded_digest()},

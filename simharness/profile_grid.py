@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel
 
 from simharness import results
 from simharness.calibration import load_fit_data
@@ -55,7 +56,8 @@ def grid_points(grid: Path, overrides: dict | None = None) -> tuple[Scenario, li
     defaults = {}
     for path in paths:
         try:
-            defaults[path] = getattr(*resolve_field(base, path))
+            value = getattr(*resolve_field(base, path))
+            defaults[path] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
         except ValueError as e:
             raise ScenarioError(f"{grid}: blocks: {e}") from None
     points, seen = [], set()

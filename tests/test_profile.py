@@ -207,3 +207,54 @@ def test_validation_scenarios_run_at_the_sim_level(path, tmp_path):
     assert len(VALIDATION) >= 5
     assert result.failed.empty
     assert (result.summary["output_throughput"] > 0).all()
+
+
+# ------------------------------------------------------------------------------------------------ through records
+
+
+def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkeypatch):
+    """The designed grid (tiny sizes) run at the sim level on a known profile, its records relabelled as measured at
+    the real level, then `simharness profile --from`: the step records' features, the device windows and the
+    launch overlap give back the profile the run was made with. The records hold no sampling flag per row, no
+    prefill context and the CPU proposer's history, not the GPU's, so the recovery is close, not exact."""
+    import json
+
+    import pandas as pd
+
+    from simharness.profile_grid import GRID, grid_points
+    from simharness.runner import execute
+
+    source = tmp_path / "truth.yaml"
+    source.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
+    grid = yaml.safe_load(GRID.read_text())  # the committed grid's base, smaller blocks of the same kinds
+    grid["blocks"] = {"batch_tokens": {"workload.concurrency": [1, 8, 48], "engine.speculation.k": [0, 4, 8]},
+                      "context": {"workload.prompt_len": [{"dist": "fixed", "value": 2000}]},
+                      "sampling": {"workload.random_fraction": [1.0]},
+                      "prefill": {"scheduler.max_num_batched_tokens": [256], "workload.concurrency": [2]},
+                      "depth": {"scheduler.depth": [1, 3], "workload.concurrency": [4]}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    scenario, points = grid_points(tmp_path / "grid.yaml", {
+        "engine.backend": "model", "engine.profile": str(source), "workload.requests_per_user": 1,
+        "workload.output_len": {"dist": "fixed", "value": 16}})
+    run_dir = execute(scenario, points, tmp_path / "runs")
+    for point in (run_dir / "points").iterdir():
+        summary = json.loads((point / "summary.json").read_text())
+        (point / "summary.json").write_text(json.dumps({**summary, "level": "real"}))
+        steps = pd.read_parquet(point / "steps.parquet")
+        steps.assign(measured="prep,launch,gpu,readback").to_parquet(point / "steps.parquet", index=False)
+    meta = json.loads((run_dir / "meta.json").read_text())
+    (run_dir / "meta.json").write_text(json.dumps({**meta, "device": "real: NVIDIA H100 80GB HBM3, torch 2"}))
+    out = tmp_path / "fitted.yaml"
+    r = CliRunner().invoke(app, ["profile", "--model", "llama-3.2-1b", "--from", str(run_dir), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    fitted = yaml.safe_load(out.read_text())
+    assert (fitted["gpu"], fitted["model"], fitted["level"]) == ("H100", "llama-3.2-1b", "real")
+    assert fitted["quality"]["device"]["median_rel_error"] < 0.02
+    true_step = profile_mapping()["device_step"]
+    for name in ("fixed_us", "memory_slowdown"):
+        assert fitted["device_step"][name] == pytest.approx(true_step[name], rel=0.05), name
+    for depth, overlap in fitted["overlap"].items():
+        truth_overlap = profile_mapping()["overlap"][min(depth, 2)]
+        assert overlap["lead_us"] == pytest.approx(truth_overlap["lead_us"], rel=0.01)
+    assert fitted["host_costs"]["launch_us"] == pytest.approx(300.0, rel=0.01)
+    assert profile.load_profile(out).model == "llama-3.2-1b"
