@@ -6,7 +6,7 @@ end: at the real level the device starts while the host still enqueues, so the w
 or, where the host's enqueue is the slower, the launch's end plus a tail (`max(work, launch_end + tail -
 gpu_start)`). The fit models that max, so launch-bound steps bound the work from above without being mistaken for
 it. Fitting is bounded robust least squares on relative errors (scipy's `least_squares`, soft-L1), with a weak
-pull of every slowdown towards the roofline's (`profile.prior_coefficients`): a term the grid cannot separate
+pull of every term towards the roofline's (`profile.prior_coefficients`): a term the grid cannot separate
 stays at the roofline instead of wandering.
 """
 
@@ -51,7 +51,6 @@ def step_features(steps: pd.DataFrame) -> np.ndarray:
     random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
     history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
     return np.column_stack([x, random_tokens, history])
-
 
 
 # The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds
@@ -130,7 +129,7 @@ def predict_window(fit: DeviceFit, x: np.ndarray, launch: np.ndarray | None, dep
     return np.maximum(work, launch + np.array([fit.tails[d] for d in depth.tolist()]))
 
 
-def device_samples(steps: pd.DataFrame, level: str) -> pd.DataFrame:
+def device_samples(steps: pd.DataFrame) -> pd.DataFrame:
     """The steps whose device window was measured (finite, positive), with their launch start."""
     measured = steps["measured"].str.split(",").map(lambda m: "gpu" in m).astype(bool)
     window = steps["gpu_end_s"] - steps["gpu_start_s"]
@@ -174,7 +173,7 @@ def fit_profile(data: FitData) -> dict:
     except ValueError:
         raise ScenarioError(f"device {data.device!r}: field gpu: a profile needs a catalogue GPU's datasheet "
                             "(H100, H200, A100, L40S)") from None
-    ok = device_samples(data.steps, data.level)
+    ok = device_samples(data.steps)
     if len(ok) < MIN_STEPS:
         raise ScenarioError(f"too few steps to fit a profile: {len(ok)} have a device window, need {MIN_STEPS}")
     sizes = shape_sizes(model_config(data.model))
