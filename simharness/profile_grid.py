@@ -18,13 +18,15 @@ from pydantic import BaseModel
 
 from simharness import results
 from simharness.calibration import load_fit_data
+from simharness.models import model_config
 from simharness.profile import default_path
 from simharness.profile_fit import fit_profile
 from simharness.runner import execute
 from simharness.scenario import Point, Scenario, ScenarioError, resolve_field, scenario_from_dict
 
 GRID = Path(__file__).resolve().parents[1] / "scenarios" / "profile" / "grid.yaml"
-RUNS = Path("results/profile-runs")  # where a grid's run directory goes
+RUNS = Path("results/profile-runs")  # where a grid's run directories go
+KV_BUDGET_BYTES = 30e9  # of an H100's 80 GB: room for the weights (16 GB for the 8B), CUDA graphs, activations
 
 
 @dataclass
@@ -78,6 +80,36 @@ def grid_points(grid: Path, overrides: dict | None = None) -> tuple[Scenario, li
     return scenario_from_dict({**plain, "sweep": sweep}), points
 
 
+def kv_cache_bytes(points: list[Point]) -> int:
+    """The KV cache a run of `points` sizes its one model for (`MeasuredEngine`: its most slots times its longest
+    request), from the scenarios' bounds: slots x (longest prompt + output + the tokens in flight) per token."""
+    def longest(sc: Scenario) -> int:
+        w, k = sc.workload, sc.engine.speculation.k
+        bound = lambda d: d.value if d.dist == "fixed" else d.max  # noqa: E731
+        return bound(w.prompt_len) + bound(w.output_len) + (sc.scheduler.depth + 1) * (k + 1) + 1
+
+    slots = max(min(p.scenario.scheduler.max_num_seqs, p.scenario.workload.concurrency) for p in points) + 1
+    per_token = model_config(points[0].scenario.engine.model).kv_bytes_per_token
+    return slots * max(longest(p.scenario) for p in points) * per_token
+
+
+def run_groups(points: list[Point], budget: float = KV_BUDGET_BYTES) -> list[list[Point]]:
+    """The grid's points cut into runs whose model's KV cache stays within `budget` (one run's model is sized for
+    its largest batch and its longest request together: the 8B at batch 256 and 4,000-token prompts would need
+    137 GB). Whole blocks go together; each run's points are numbered from 0."""
+    blocks: dict[str, list[Point]] = {}
+    for p in points:
+        blocks.setdefault(p.values["block"], []).append(p)
+    groups: list[list[Point]] = []
+    for block in blocks.values():  # each block into the first run it fits in (first fit)
+        group = next((g for g in groups if kv_cache_bytes(g + block) <= budget), None)
+        if group is None:
+            groups.append(list(block))
+        else:
+            group += block
+    return [[p.model_copy(update={"index": i}) for i, p in enumerate(group)] for group in groups]
+
+
 def _key(value) -> object:
     """A value as the sweep tells values apart (1 and 1.0 are one value)."""
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else repr(value)
@@ -91,8 +123,10 @@ def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, r
         run_dirs = list(from_runs)
     else:
         scenario, points = grid_points(grid, {**(sets or {}), "engine.model": model, "engine.backend": "real"})
-        run_dirs = [execute(scenario, points, runs)]
-        results.combine(run_dirs[0])
+        run_dirs = []
+        for group in run_groups(points):
+            run_dirs.append(execute(scenario, group, runs))
+            results.combine(run_dirs[-1])
     data = load_fit_data(run_dirs, level="real" if not from_runs else None)
     if data.model.lower() != model.lower():
         raise ScenarioError(f"{run_dirs[0]}: field engine.model: the runs measured {data.model!r}, not {model!r}")

@@ -258,3 +258,36 @@ def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkey
         assert overlap["lead_us"] == pytest.approx(truth_overlap["lead_us"], rel=0.01)
     assert fitted["host_costs"]["launch_us"] == pytest.approx(300.0, rel=0.01)
     assert profile.load_profile(out).model == "llama-3.2-1b"
+
+
+def test_the_grid_is_cut_into_runs_whose_kv_cache_fits():
+    """One run's model is sized for its largest batch and longest request together: the 8B grid as one run would
+    need over 100 GB of KV cache; cut by blocks, every run stays within the budget and every point runs once."""
+    from simharness.profile_grid import GRID, KV_BUDGET_BYTES, grid_points, kv_cache_bytes, run_groups
+
+    _, points = grid_points(GRID, {"engine.model": "llama-3-8b"})
+    assert kv_cache_bytes(points) > 100e9
+    groups = run_groups(points)
+    assert len(groups) > 1
+    assert all(kv_cache_bytes(g) <= KV_BUDGET_BYTES for g in groups)
+    assert sorted(p.id for g in groups for p in g) == sorted(p.id for p in points)
+    assert all([p.index for p in g] == list(range(len(g))) for g in groups)
+
+
+@pytest.mark.parametrize(
+    "grid,message",
+    [
+        ({"scenario": {"name": "g"}}, "a grid file holds `scenario`"),
+        ({"scenario": {"name": "g"}, "blocks": {"b": {"workload.concurrency": []}}}, "blocks.b: a mapping"),
+        ({"scenario": {"name": "g"}, "blocks": {"b": {"workload.nothing": [1]}}}, "workload.nothing"),
+        ({"scenario": {"name": "g", "sweep": {"scheduler.depth": [1, 2]}}, "blocks": {"b": {"scheduler.depth": [1]}}},
+         "the base scenario sweeps nothing"),
+    ],
+)
+def test_a_bad_grid_exits_2(tmp_path, grid, message):
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    r = CliRunner().invoke(app, ["profile", "--grid", str(path), "--runs", str(tmp_path / "runs")])
+    assert r.exit_code == 2, r.output
+    assert message in " ".join(r.stderr.split())
+    assert not (tmp_path / "runs").exists()
