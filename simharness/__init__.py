@@ -10,6 +10,7 @@ from simharness.calibration import calibrate, load_fit_data
 from simharness.compare import compare
 from simharness.fidelity import FidelityResult, run_fidelity
 from simharness.frontier import Frontier, derive_k_schedule, schedule_vs_fixed, speculation_frontier, write_frontier
+from simharness.profile_grid import measure_profile
 from simharness.runner import RunResult, run
 from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 from simharness.seeds import SEEDS, run_seed, seed_effects
@@ -26,6 +27,7 @@ __all__ = [
     "derive_k_schedule",
     "load_fit_data",
     "load_scenario",
+    "measure_profile",
     "run",
     "run_fidelity",
     "run_seed",

@@ -204,6 +204,10 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
         "proposed": s["proposed"], "history": s["history"], "measured": s["measured"],
     })  # fmt: skip
     out["ngram_gpu_context"] = ngram_gpu * out["decode_context"]
+    # a profile's overlap model (simharness.profile_fit): the device window, the launch, the sampling mix, depth
+    out["gpu_start_s"], out["gpu_end_s"], out["launch_end_s"] = s["gpu_start"], s["gpu_end"], s["launch_end"]
+    out["prev_gpu_end_s"] = s["gpu_end"].shift(1)
+    out["random_fraction"], out["depth"] = sc.workload.random_fraction, sc.scheduler.depth
     # the sim starts a step on the device no earlier than its launch's end: its device time runs from then
     out["device_s"] = s["gpu_end"] - np.maximum(s["gpu_start"], s["launch_end"])
     out["schedule_s"] = s["schedule_end"] - s["schedule_start"]
@@ -293,14 +297,8 @@ def calibrate(data: FitData) -> dict:
         raise ScenarioError(f"too few steps to fit: {usable} of {len(steps)} measured steps have device time after "
                             f"their launch, need {need} (on a CPU the device work runs inside the launch)")
     coef, quality = device
-    host, kept, qualities = {}, [], {"device": quality}
-    for phase, (name, features, fields, units) in HOST_PHASES.items():
-        fitted = fit_phase(steps[has(name)], features, f"{phase}_s")
-        if fitted is None:
-            kept.extend(fields)
-            continue
-        host.update({f: float(c / unit) for f, c, unit in zip(fields, fitted[0], units, strict=True)})
-        qualities[phase] = fitted[1]
+    host, kept, qualities = fit_host(steps)
+    qualities = {"device": quality, **qualities}
     return {
         "format": FORMAT,
         "note": f"fitted by `simharness calibrate` from {data.level}-level step records",
@@ -312,6 +310,21 @@ def calibrate(data: FitData) -> dict:
         "provenance": {"runs": data.runs, "steps": len(steps), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "calibrate_source_digest": loaded_digest()},
     }  # fmt: skip
+
+
+def fit_host(steps: pd.DataFrame) -> tuple[dict[str, float], list[str], dict[str, dict]]:
+    """The host phases' affine fits (HOST_PHASES) on the steps whose level measured them: the fitted host costs,
+    the fields kept from the scenario (too few steps), and each fitted phase's k-fold quality."""
+    measured = steps["measured"].str.split(",")
+    host, kept, qualities = {}, [], {}
+    for phase, (name, features, fields, units) in HOST_PHASES.items():
+        fitted = fit_phase(steps[measured.map(lambda m, name=name: name in m).astype(bool)], features, f"{phase}_s")
+        if fitted is None:
+            kept.extend(fields)
+            continue
+        host.update({f: float(c / unit) for f, c, unit in zip(fields, fitted[0], units, strict=True)})
+        qualities[phase] = fitted[1]
+    return host, kept, qualities
 
 
 def write_calibration(calibration: dict, out: Path) -> Path:

@@ -270,6 +270,42 @@ def calibrate_cmd(
             err.print(f"[yellow]warning:[/] {escape(drift)}", highlight=False, soft_wrap=True)
 
 
+@app.command("profile")
+def profile_cmd(
+    model: Annotated[str, typer.Option("--model", help="the catalogue model to profile",
+                                       metavar="MODEL")] = "llama-3.2-1b",
+    grid: Annotated[Path | None, typer.Option("--grid", help="the designed grid (default: "
+                                              "scenarios/profile/grid.yaml)", metavar="FILE")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="the profile YAML to write (default: "
+                                                  "results/profiles/<gpu>-<model>.yaml)", metavar="FILE")] = None,
+    runs: Annotated[Path, typer.Option("--runs", help="results root of the grid's run",
+                                       metavar="DIR")] = Path("results/profile-runs"),
+    from_runs: Annotated[list[Path], typer.Option("--from", help="fit from this grid run instead of measuring "
+                                                  "(repeatable)", metavar="RUN_DIR")] = [],  # noqa: B006
+    sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
+) -> None:
+    """Measure the designed grid at the real level on this GPU and fit the model's cost profile (physical device
+    terms, launch overlap per depth, host phases); print the fit's held-out error. Exit 2 on bad input."""
+    from simharness.profile_grid import GRID, measure_profile
+
+    try:
+        result = measure_profile(model, grid=grid or GRID, out=out_path, runs=runs, sets=parse_sets(sets),
+                                 from_runs=from_runs)
+    except ScenarioError as e:
+        fail(str(e))
+    p = result.profile
+    table = Table(title=f"k-fold relative error on steps the fit did not see ({p['level']}, {p['device']}, "
+                  f"{p['model']})", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("phase", "steps", "median", "P90"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, q in p["quality"].items():
+        table.add_row(phase, str(q["steps"]), f"{q['median_rel_error']:.1%}", f"{q['p90_rel_error']:.1%}")
+    out.print(table)
+    out.print("efficiency against the datasheet: " + ", ".join(f"{k} {v:.2f}" for k, v in p["efficiency"].items()))
+    out.print(f"grid run: {', '.join(map(str, result.run_dirs))}")
+    out.print(f"profile: {result.path}")
+
+
 def summary_table(summary, swept: list[str]) -> Table:
     """The run's headline metrics, a row per point, labelled by its swept values as in the report. The numbers
     never wrap (their two-line headers are as narrow as they are); the label takes the width that is left, which

@@ -5,7 +5,8 @@ forward over the batch's tokens (weights + KV read), plus the rejection sampler 
 logits), the GPU n-gram proposer and the optimistic correction kernel. Host phase costs are
 linear in requests and tokens with the scenario's `engine.host_costs`. With `engine.calibration` the step time
 is the calibration's linear model of what the step holds (`fitted_seconds`) and its fitted host costs replace
-those of `engine.host_costs`.
+those of `engine.host_costs`; otherwise a cost profile (`engine.profile`, simharness.profile) does the same with
+its physical terms.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 from simharness.costfile import DEVICE_FEATURES, NGRAM_GPU_FEATURES, load_calibration
 from simharness.jit import njit
 from simharness.models import GPUS, ModelConfig, gpu_spec, model_config
+from simharness.profile import PROPOSER
+from simharness.profile import resolve as resolve_profile
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
 
@@ -32,6 +35,14 @@ class CostModel:
             if not self.ngram_gpu:
                 self.fit[[DEVICE_FEATURES.index(f) for f in NGRAM_GPU_FEATURES]] = 0.0
             self.h = engine.host_costs.model_copy(update=calibration.host_costs)
+        # the profile's device terms (simharness.profile; empty: none), only where no calibration replaces it
+        self.profile = resolve_profile(engine) if engine.backend == "model" else None
+        self.prof = np.zeros(0)
+        if self.profile is not None:
+            self.prof = np.array(self.profile.coef)
+            if not self.ngram_gpu:
+                self.prof[PROPOSER] = 0.0
+            self.h = engine.host_costs.model_copy(update=self.profile.host_costs)
         # a calibrated device need not be in the roofline's catalogue (a CPU): its roofline is unused
         self.gpu = gpu_spec(engine.gpu) if calibration is None else gpu_spec_or_h100(engine.gpu)
         self.shape: ModelConfig = model_config(engine.model)  # the catalogue (simharness.models)

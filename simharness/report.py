@@ -23,6 +23,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from simharness import profile
 from simharness.frontier import frontier_section
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
@@ -206,6 +207,7 @@ def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
         f"acceptance `{spec.acceptance.model}`, invalid slots `{spec.invalid_slots}`; scheduler depth {s.depth}, "
         f"policy `{s.policy}`; workload `{w.arrival}`, concurrency {w.concurrency}, {w.total_requests} requests."
     )
+    setup += f"\n\n**Sim cost profile:** {profile.describe(e)}." if e.backend == "model" else ""
     if scenario.sweep:
         axes = " × ".join(f"`{p}` ∈ {{{', '.join(str(v) for v in vs)}}}" for p, vs in scenario.sweep.items())
         swept = f"**Swept:** {axes} (swept values replace the setup's)."

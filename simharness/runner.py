@@ -23,6 +23,7 @@ from simharness.gcwatch import GC_COLUMNS
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
+from simharness.profile import summary_columns as profile_columns
 from simharness.records import device_syncs_frame
 from simharness.scenario import (
     Point,
@@ -326,7 +327,7 @@ LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
 # sampler's; a sim point runs no decode loop and has no host to gauge.
 IGNORED = {
     "measured": ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration",
-                 "engine.gc.full_every", "engine.host_costs.gc_ns_per_object"),
+                 "engine.profile", "engine.gc.full_every", "engine.host_costs.gc_ns_per_object"),
     "sim": ("engine.device", "engine.cuda_graphs", "engine.steer", "engine.host_slowdown"),
 }
 
@@ -390,6 +391,7 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
     summary.update(effective_depth=mode.depth, note="; ".join(filter(None, notes)))
     summary.update(metrics)
     summary.update(host)
+    summary.update(profile_columns(sc.engine, level))
     trace = trace_json(trace_events(steps, syncs, max_steps=sc.report.trace_steps), {"point": point.id})
     tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
               "device_syncs": device_syncs}

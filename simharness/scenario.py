@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from simharness.costfile import CalibrationError, check_match, load_calibration
 from simharness.models import checkpoint_dir, gpu_spec, model_config
+from simharness.profile import ProfileError
+from simharness.profile import resolve as resolve_profile
 
 
 class ScenarioError(ValueError):
@@ -275,6 +277,11 @@ class Engine(Strict):
         None, description="sim level: a calibration file (`simharness calibrate`) fitted on this gpu and model; its "
         "device step times and measured host phases replace the roofline and those host_costs"
     )
+    profile: str = Field(
+        "auto", description="sim level: the cost profile (`simharness profile`, docs/calibration.md): auto = the "
+        "committed results/profiles/<gpu>-<model>.yaml where there is one, none = the roofline, or a profile file; "
+        "engine.calibration, when set, is used instead"
+    )
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
     model: str = Field(
         "llama-3-8b",
@@ -325,6 +332,10 @@ class Engine(Strict):
             unknown = sorted(set(cal.host_costs) - set(HostCosts.model_fields))
             if unknown:
                 raise ValueError(f"calibration: {self.calibration}: unknown host cost {unknown[0]!r}")
+        try:
+            resolve_profile(self)
+        except ProfileError as e:
+            raise ValueError(f"profile: {e}") from None
         return self
 
 

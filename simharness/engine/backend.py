@@ -29,6 +29,7 @@ from simharness.policy import (
     VERIFIED,
     WASTED,
 )
+from simharness.profile import profile_seconds
 from simharness.records import Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
@@ -88,6 +89,8 @@ def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
     rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
     backend = ModelBackend(requests, acceptance, cost, mode.k, rng, sc.engine.gc.allocations_per_step,
                            sc.engine.gc.full_every)
+    if cost.profile is not None:
+        backend.overlap = cost.profile.overlap_at(mode.depth)
     if backend.allocations_per_step:
         # the process's earlier allocations left the collector's count anywhere (the seed's own stream)
         backend.allocated = int(np.random.default_rng(np.random.SeedSequence([sc.seed, 3])).integers(
@@ -124,6 +127,9 @@ class ModelBackend:
         self.draws = k > 0 and len(acceptance.survival) > 0
         self.uniforms = np.zeros(0, dtype=np.float64)
         self.next_uniform = 0
+        # a profile's launch overlap at this depth (lead, tail seconds): the device starts `lead` into the launch
+        # and ends no earlier than `tail` after it (None: the step starts once its launch ends)
+        self.overlap: tuple[float, float] | None = None
 
     def valid_drafts(self) -> np.ndarray:
         """Valid drafts the proposer holds now, per request id (0 for finished ones); a view to read, not keep."""
@@ -142,9 +148,13 @@ class ModelBackend:
         return None  # every sync point is modelled here
 
     def launch(self, step: Step) -> float:
-        if self.launch_s is not None:
-            return self.launch_s
-        return self.cost.launch(step.batch.size, step.batch.n_prefill)
+        seconds = self.launch_s
+        if seconds is None:
+            seconds = self.cost.launch(step.batch.size, step.batch.n_prefill)
+        if self.overlap is not None:  # one part, enqueued over the launch (simulation._overlapped_end)
+            lead, tail = self.overlap
+            step.enqueue = ((min(lead, seconds), seconds + tail),)
+        return seconds
 
     def propose(self, rids: np.ndarray) -> float:
         # the proposer scans each request's whole history: its context (only at depth 1, so the host's view)
@@ -165,7 +175,10 @@ class ModelBackend:
         seconds, self.next_uniform = _run_step(
             b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
             self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
+            self.cost.prof,
         )
+        if self.overlap is not None:  # the launch's one part (`launch`)
+            step.parts_s = (seconds,)
         return seconds, self.readback_s
 
 
@@ -194,6 +207,7 @@ def _run_step(
     rates: np.ndarray,
     random: np.ndarray,
     fit: np.ndarray,
+    prof: np.ndarray,
 ) -> tuple[float, int]:
     """One step on the device truth: fills the batch's outcome rows, returns its GPU seconds (from its query
     tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans; or, with a
@@ -252,9 +266,13 @@ def _run_step(
             truth[CONTEXT, rid] = c + emitted
             history += emitted
     _hold(table, truth, k, survival, offset, valid)
+    decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
     if len(fit):
-        decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
         seconds = fitted_seconds(fit, decode_rows, decode_tokens, decode_context, prefill_reqs, prefill_tokens)
+        return seconds, next_uniform
+    if len(prof):
+        seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
+                                  prefill_tokens, random_tokens, history)
         return seconds, next_uniform
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens), next_uniform
 

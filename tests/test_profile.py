@@ -1,0 +1,293 @@
+"""Cost profiles: the fit recovers known physical costs and extrapolates as the physics says; the sim picks the
+profile of its GPU and model; a profile that does not fit is refused with exit 2; the validation scenarios run at
+the sim level."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from simharness import profile
+from simharness.cli import app
+from simharness.costmodel import CostModel
+from simharness.models import model_config
+from simharness.profile import (
+    COMPUTE,
+    EXPONENT,
+    FIXED,
+    FORMAT,
+    MEMORY,
+    PER_FORWARD,
+    PROPOSER,
+    RANDOM,
+    SAMPLER,
+    TERMS,
+    UNITS,
+    prior_coefficients,
+    profile_times,
+    shape_sizes,
+)
+from simharness.profile_fit import FITTED, fit_device
+from simharness.runner import run, without_ignored
+from simharness.scenario import load_scenario, scenario_from_dict
+
+SIZES = shape_sizes(model_config("llama-3.2-1b"))
+TAILS = {1: 40e-6, 2: 60e-6, 3: 50e-6}
+
+
+def truth() -> np.ndarray:
+    """Known physical costs, away from the roofline prior in every fitted term."""
+    coef = prior_coefficients("H100")
+    coef[FIXED], coef[PER_FORWARD], coef[PROPOSER], coef[EXPONENT] = 300e-6, 80e-6, 0.2e-9, 6.0
+    coef[MEMORY], coef[COMPUTE], coef[SAMPLER], coef[RANDOM] = 1 / 0.7, 1 / 0.5, 1 / 0.6, 0.3
+    return coef
+
+
+def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) -> np.ndarray:
+    """Steps (profile.FEATURES) of up to `rows` decode rows, `k` drafts per row, `context` tokens per row, some
+    with prefill chunks, greedy, random and mixed sampling, and the GPU proposer's history."""
+    decode_rows = rng.integers(1, rows + 1, n).astype(float)
+    tokens = decode_rows * (1 + rng.integers(0, k + 1, n))
+    decode_context = decode_rows * rng.uniform(64, context, n)
+    chunks = (rng.random(n) < 0.2) * rng.integers(1, 4, n)
+    prefill_tokens = chunks * rng.integers(16, 1024, n)
+    random_tokens = tokens * rng.choice([0.0, 0.5, 1.0], n)
+    return np.column_stack([decode_rows, tokens, decode_context, chunks, prefill_tokens, random_tokens,
+                            decode_context + prefill_tokens])
+
+
+def measured(rng: np.random.Generator, x: np.ndarray, coef: np.ndarray):
+    """Real-level windows: the device work, or the launch's end plus its depth's tail where the launch is slower."""
+    depth = rng.integers(1, 4, len(x))
+    work = profile_times(coef, SIZES, x)
+    launch = work * rng.uniform(0.3, 1.5, len(x))  # about half the steps launch-bound
+    window = np.maximum(work, launch + np.array([TAILS[d] for d in depth]))
+    return window, launch, depth
+
+
+def test_fit_recovers_known_physical_costs_within_1_percent():
+    rng = np.random.default_rng(0)
+    coef = truth()
+    x = design(rng, 3000, 256, 8, 4096)
+    window, launch, depth = measured(rng, x, coef)
+    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100"))
+    for term in FITTED:
+        assert fit.coef[term] == pytest.approx(coef[term], rel=0.01), TERMS[term]
+    for d, tail in TAILS.items():
+        assert fit.tails[d] == pytest.approx(tail, rel=0.01)
+
+
+def test_fit_extrapolates_to_k8_long_context_and_batch_256():
+    """Fitted on batches up to 64, k up to 4 and 1024 tokens of context per row, the profile predicts batches to
+    256, k = 8 and 4096-token contexts within 1%, as the physical terms grow with what drives them; a linear fit in
+    the calibration's features (rows, tokens, context) on the same steps does not."""
+    rng = np.random.default_rng(1)
+    coef = truth()
+    x = design(rng, 3000, 64, 4, 1024)
+    window, launch, depth = measured(rng, x, coef)
+    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100"))
+    far = design(rng, 1000, 256, 8, 4096)
+    far = far[(far[:, 0] > 128) | (far[:, 1] > 5 * far[:, 0]) | (far[:, 2] > 2048 * far[:, 0])]
+    expected = profile_times(coef, SIZES, far)
+    error = np.abs(profile_times(fit.coef, SIZES, far) / expected - 1)
+    assert error.max() < 0.01
+    linear_x = np.column_stack([np.ones(len(x)), x[:, :5]])
+    work = profile_times(coef, SIZES, x)
+    beta = np.linalg.lstsq(linear_x, work, rcond=None)[0]
+    linear_error = np.abs(np.column_stack([np.ones(len(far)), far[:, :5]]) @ beta / expected - 1)
+    assert linear_error.max() > 0.2
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def profile_mapping(gpu: str = "H100", model: str = "tiny", **changes) -> dict:
+    coef = truth()
+    data = {"format": FORMAT, "device": "test device", "gpu": gpu, "model": model, "level": "real",
+            "device_step": {name: float(coef[i] / UNITS[i]) for i, name in enumerate(TERMS)},
+            "overlap": {1: {"lead_us": 20.0, "tail_us": 40.0}, 2: {"lead_us": 25.0, "tail_us": 60.0}},
+            "host_costs": {"launch_us": 300.0}, "validation": {"summary": "mean TPOT median |error| 3.0%"}}
+    data.update(changes)
+    return data
+
+
+@pytest.fixture
+def profiles(tmp_path, monkeypatch) -> Path:
+    """A profiles directory holding an H100 profile of the tiny model."""
+    monkeypatch.setattr(profile, "PROFILES_DIR", tmp_path / "profiles")
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "h100-tiny.yaml").write_text(yaml.safe_dump(profile_mapping()))
+    return tmp_path / "profiles"
+
+
+TINY = {"name": "p", "workload": {"num_requests": 12, "concurrency": 4, "prompt_len": {"dist": "fixed", "value": 64},
+                                  "output_len": {"dist": "fixed", "value": 24}},
+        "engine": {"gpu": "H100", "model": "tiny"}, "report": {"trace_steps": 0}}
+
+
+def test_sim_uses_the_profile_of_its_gpu_and_model(profiles, tmp_path):
+    sc = scenario_from_dict(TINY)
+    cost = CostModel(sc.engine, optimistic_correction=True)
+    assert cost.profile is not None and cost.profile.path == str(profiles / "h100-tiny.yaml")
+    assert cost.h.launch_us == 300.0  # the profile's host costs replace the scenario's
+    assert CostModel(scenario_from_dict(TINY, {"engine.gpu": "H200"}).engine, optimistic_correction=True).profile \
+        is None  # no H200 profile: the roofline
+    assert CostModel(scenario_from_dict(TINY, {"engine.profile": "none"}).engine,
+                     optimistic_correction=True).profile is None
+    with_profile = run(sc, tmp_path / "a")
+    roofline = run(scenario_from_dict(TINY, {"engine.profile": "none"}), tmp_path / "b")
+    assert with_profile.summary["cost_profile"].iloc[0] == str(profiles / "h100-tiny.yaml")
+    assert with_profile.summary["cost_profile_validation"].iloc[0] == "mean TPOT median |error| 3.0%"
+    assert roofline.summary["cost_profile"].iloc[0] == "none"
+    assert "uncalibrated" in roofline.summary["cost_profile_validation"].iloc[0]
+    # every step's device window holds at least the profile's fixed 300 µs and 80 µs per forward; the roofline's
+    # tiny-model steps are far shorter
+    window = lambda r: r.steps["gpu_end"] - r.steps["gpu_start"]  # noqa: E731
+    assert window(with_profile).min() >= 380e-6
+    assert window(roofline).median() < 200e-6
+    # the device starts during the launch (the profile's lead), not after it
+    steps = with_profile.steps
+    assert (steps["gpu_start"] < steps["launch_end"]).any()
+    report = (with_profile.run_dir / "report.md").read_text()
+    assert f"**Sim cost profile:** {profiles / 'h100-tiny.yaml'}" in report
+    assert "the sim is uncalibrated" in (roofline.run_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (profile_mapping(model="llama-3-8b"), "field model: fitted for 'llama-3-8b'"),
+        (profile_mapping(gpu="H200"), "field gpu: measured on 'H200'"),
+        (profile_mapping(format="simharness-profile-0"), "field format: 'simharness-profile-0'"),
+        ({"format": "simharness-calibration-1", "device": "x"}, "field format: 'simharness-calibration-1'"),
+        ({"weights": [1, 2]}, "field format: missing"),
+        ("device_step: [unclosed", "not a readable YAML file"),
+        (profile_mapping(device_step={"fixed_us": 1.0}), "field device_step.per_forward_us"),
+        (profile_mapping(overlap={1: {"lead_us": "x", "tail_us": 1}}), "field overlap"),
+        (profile_mapping(host_costs={"warp_us": 1.0}), "field host_costs.warp_us"),
+    ],
+)
+def test_a_profile_that_does_not_fit_exits_2_naming_file_and_field(tmp_path, content, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content if isinstance(content, str) else yaml.safe_dump(content))
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    r = CliRunner().invoke(app, ["run", str(scenario), "--out", str(tmp_path / "out"), "--set",
+                                 f"engine.profile={path}"])
+    assert r.exit_code == 2, r.output
+    assert str(path) in " ".join(r.stderr.split()).replace(" ", "") or str(path) in r.stderr
+    assert message in " ".join(r.stderr.split())
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_committed_profile_is_refused(profiles, tmp_path):
+    (profiles / "h100-tiny.yaml").write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
+    with pytest.raises(ValueError, match="h100-tiny.yaml: field model"):
+        scenario_from_dict(TINY)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+VALIDATION = sorted((Path(__file__).resolve().parents[1] / "scenarios" / "validation").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", VALIDATION, ids=lambda p: p.stem)
+def test_validation_scenarios_run_at_the_sim_level(path, tmp_path):
+    """Each family at tiny sizes (the test override), every sweep point, at the sim level."""
+    sc = load_scenario(path)
+    count = "workload.requests_per_user" if sc.workload.requests_per_user else "workload.num_requests"
+    small = load_scenario(path, {count: 2, "workload.output_len": {"dist": "fixed", "value": 12},
+                                 "workload.prompt_len": {"dist": "uniform", "min": 32, "max": 96},
+                                 "engine.model": "tiny"})
+    without_ignored(small, "sim")  # as `simharness fidelity` does for its sim level
+    result = run(small, tmp_path)
+    assert len(VALIDATION) >= 5
+    assert result.failed.empty
+    assert (result.summary["output_throughput"] > 0).all()
+
+
+# ------------------------------------------------------------------------------------------------ through records
+
+
+def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkeypatch):
+    """The designed grid (tiny sizes) run at the sim level on a known profile, its records relabelled as measured at
+    the real level, then `simharness profile --from`: the step records' features, the device windows and the
+    launch overlap give back the profile the run was made with. The records hold no sampling flag per row, no
+    prefill context and the CPU proposer's history, not the GPU's, so the recovery is close, not exact."""
+    import json
+
+    import pandas as pd
+
+    from simharness.profile_grid import GRID, grid_points
+    from simharness.runner import execute
+
+    source = tmp_path / "truth.yaml"
+    source.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
+    grid = yaml.safe_load(GRID.read_text())  # the committed grid's base, smaller blocks of the same kinds
+    grid["blocks"] = {"batch_tokens": {"workload.concurrency": [1, 8, 48], "engine.speculation.k": [0, 4, 8]},
+                      "context": {"workload.prompt_len": [{"dist": "fixed", "value": 2000}]},
+                      "sampling": {"workload.random_fraction": [1.0]},
+                      "prefill": {"scheduler.max_num_batched_tokens": [256], "workload.concurrency": [2]},
+                      "depth": {"scheduler.depth": [1, 3], "workload.concurrency": [4]}}
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
+    scenario, points = grid_points(tmp_path / "grid.yaml", {
+        "engine.backend": "model", "engine.profile": str(source), "workload.requests_per_user": 1,
+        "workload.output_len": {"dist": "fixed", "value": 16}})
+    run_dir = execute(scenario, points, tmp_path / "runs")
+    for point in (run_dir / "points").iterdir():
+        summary = json.loads((point / "summary.json").read_text())
+        (point / "summary.json").write_text(json.dumps({**summary, "level": "real"}))
+        steps = pd.read_parquet(point / "steps.parquet")
+        steps.assign(measured="prep,launch,gpu,readback").to_parquet(point / "steps.parquet", index=False)
+    meta = json.loads((run_dir / "meta.json").read_text())
+    (run_dir / "meta.json").write_text(json.dumps({**meta, "device": "real: NVIDIA H100 80GB HBM3, torch 2"}))
+    out = tmp_path / "fitted.yaml"
+    r = CliRunner().invoke(app, ["profile", "--model", "llama-3.2-1b", "--from", str(run_dir), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    fitted = yaml.safe_load(out.read_text())
+    assert (fitted["gpu"], fitted["model"], fitted["level"]) == ("H100", "llama-3.2-1b", "real")
+    assert fitted["quality"]["device"]["median_rel_error"] < 0.02
+    true_step = profile_mapping()["device_step"]
+    for name in ("fixed_us", "memory_slowdown"):
+        assert fitted["device_step"][name] == pytest.approx(true_step[name], rel=0.05), name
+    for depth, overlap in fitted["overlap"].items():
+        truth_overlap = profile_mapping()["overlap"][min(depth, 2)]
+        assert overlap["lead_us"] == pytest.approx(truth_overlap["lead_us"], rel=0.01)
+    assert fitted["host_costs"]["launch_us"] == pytest.approx(300.0, rel=0.01)
+    assert profile.load_profile(out).model == "llama-3.2-1b"
+
+
+def test_the_grid_is_cut_into_runs_whose_kv_cache_fits():
+    """One run's model is sized for its largest batch and longest request together: the 8B grid as one run would
+    need over 100 GB of KV cache; cut by blocks, every run stays within the budget and every point runs once."""
+    from simharness.profile_grid import GRID, KV_BUDGET_BYTES, grid_points, kv_cache_bytes, run_groups
+
+    _, points = grid_points(GRID, {"engine.model": "llama-3-8b"})
+    assert kv_cache_bytes(points) > 100e9
+    groups = run_groups(points)
+    assert len(groups) > 1
+    assert all(kv_cache_bytes(g) <= KV_BUDGET_BYTES for g in groups)
+    assert sorted(p.id for g in groups for p in g) == sorted(p.id for p in points)
+    assert all([p.index for p in g] == list(range(len(g))) for g in groups)
+
+
+@pytest.mark.parametrize(
+    "grid,message",
+    [
+        ({"scenario": {"name": "g"}}, "a grid file holds `scenario`"),
+        ({"scenario": {"name": "g"}, "blocks": {"b": {"workload.concurrency": []}}}, "blocks.b: a mapping"),
+        ({"scenario": {"name": "g"}, "blocks": {"b": {"workload.nothing": [1]}}}, "workload.nothing"),
+        ({"scenario": {"name": "g", "sweep": {"scheduler.depth": [1, 2]}}, "blocks": {"b": {"scheduler.depth": [1]}}},
+         "the base scenario sweeps nothing"),
+    ],
+)
+def test_a_bad_grid_exits_2(tmp_path, grid, message):
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    r = CliRunner().invoke(app, ["profile", "--grid", str(path), "--runs", str(tmp_path / "runs")])
+    assert r.exit_code == 2, r.output
+    assert message in " ".join(r.stderr.split())
+    assert not (tmp_path / "runs").exists()
