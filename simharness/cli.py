@@ -217,9 +217,11 @@ def calibrate_cmd(
 ) -> None:
     """Fit the sim cost model from measured step records; print the fit's k-fold error and write a calibration
     that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
+    from simharness import results
     from simharness.calibration import calibrate, check_calibration, load_fit_data, parse_where, write_calibration
 
     try:
+        results.check_writable(out_path, "--out")  # before the fit, not after it
         data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
         fitted = calibrate(data)
         calibration = write_calibration(fitted, out_path)
