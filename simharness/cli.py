@@ -7,6 +7,7 @@ naming the field; 3 compare: a point of one run is missing in the other; 130 int
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Annotated
 
 import typer
 from rich import box
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -33,8 +34,27 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich
 bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.",
                         rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
-err = Console(stderr=True)
-out = Console()
+
+
+class Output(Console):
+    """A rich console that wraps only for a terminal: output to a file, a pipe or a CI log keeps its lines whole (a
+    path, a command, a table's widest cell) where rich would cut them at 80 columns. COLUMNS still sets a width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(UNWRAPPED, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+UNWRAPPED = 1000  # columns of output not shown in a terminal: tables at their natural width, no line cut
+err = Output(stderr=True)
+out = Output()
 
 
 SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; on a swept field it replaces the sweep; "
@@ -153,12 +173,15 @@ def run_cmd(
     except KeyboardInterrupt:
         if bar.status is not None:
             where = bar.status.run_dir
-            err.print(f"interrupted: finished points are kept in {where}; finish with "
-                      f"`simharness run {scenario} --resume {where}` (and the same --set options)")
+            command = shlex.join(["simharness", "run", str(scenario), "--resume", str(where),
+                                  *(arg for value in sets for arg in ("--set", value))])
+            err.print(f"interrupted: finished points are kept in {escape(str(where))}; finish with:",
+                      highlight=False, soft_wrap=True)
+            err.print(escape(command), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     ok = result.summary.drop(result.failed.index)
     out.print(summary_table(ok, [p for p in [*sc.sweep, "repeat"] if p in result.summary.columns]))
-    out.print(f"report: {result.report}")
+    out.print(f"report: {escape(str(result.report))}", highlight=False, soft_wrap=True)
     report_failed(result.summary)
 
 
@@ -193,13 +216,14 @@ def fidelity_cmd(
         fail(str(e))
     table = Table(title="fidelity: |error| against the real level", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("level", "metric", "median", "worst", "worst point"):
-        table.add_column(column, justify="left" if column in ("level", "metric", "worst point") else "right")
+        table.add_column(column, justify="left" if column in ("level", "metric", "worst point") else "right",
+                         overflow="fold")  # the point ids share long prefixes: never cut to one
     for r in result.stats.itertuples():
         table.add_row(r.level, r.metric, f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}", str(r.worst_point))
     out.print(table)
     for violation in result.violations:
-        err.print(f"[bold red]tolerance exceeded:[/] {violation}", highlight=False)
-    out.print(f"report: {result.report}")
+        err.print(f"[bold red]tolerance exceeded:[/] {escape(str(violation))}", highlight=False, soft_wrap=True)
+    out.print(f"report: {escape(str(result.report))}", highlight=False, soft_wrap=True)
     report_failed(result.summary)
     if result.violations:
         raise typer.Exit(1)
@@ -236,7 +260,7 @@ def calibrate_cmd(
     out.print(table)
     if fitted["kept_from_scenario"]:
         out.print(f"not measured, kept from the scenario: {', '.join(fitted['kept_from_scenario'])}")
-    out.print(f"calibration: {calibration}")
+    out.print(f"calibration: {escape(str(calibration))}", highlight=False, soft_wrap=True)
     if check:
         try:
             stats, run_dir, drift = check_calibration(data, calibration, calibration.parent / "check")
@@ -249,7 +273,7 @@ def calibrate_cmd(
         for r in stats.itertuples():
             table.add_row(r.level, r.metric, str(r.points), f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}")
         out.print(table)
-        out.print(f"check run: {run_dir}")
+        out.print(f"check run: {escape(str(run_dir))}", highlight=False, soft_wrap=True)
         if drift:
             err.print(f"[yellow]warning:[/] {escape(drift)}", highlight=False, soft_wrap=True)
 
@@ -294,7 +318,7 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
             report = run_dir / "report.md"
     except ScenarioError as e:
         fail(str(e))
-    out.print(f"report: {report}")
+    out.print(f"report: {escape(str(report))}", highlight=False, soft_wrap=True)
 
 
 @app.command("compare")
@@ -362,7 +386,7 @@ def bench_kernels(
     for kernel, table in kernel_tables(frame):  # one per kernel: no column of another kernel's NaNs
         out.print(f"\n[bold]{kernel}[/]")
         out.print(table.to_string(index=False, na_rep="", float_format="{:.4g}".format), highlight=False)
-    out.print(f"written: {out_dir / 'kernels.md'}")
+    out.print(f"written: {escape(str(out_dir / 'kernels.md'))}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -6,10 +6,12 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -222,6 +224,49 @@ def test_help_pages_are_plain_and_list_exit_codes(command):
     assert "Exit status: 0 done" in r.stdout or "Exit status: 0 no regression" in r.stdout, r.stdout
     assert re.search(r"; 2 (bad input|not a run directory)", " ".join(r.stdout.split())), r.stdout
     assert not re.search(r"<(bool|list\[str\]|float|text)>", r.stdout), r.stdout
+
+
+def test_output_not_in_a_terminal_is_not_wrapped(tmp_path, monkeypatch):
+    """Captured output (a pipe, a file, CI's log) keeps its lines whole: the report's path on one line, however
+    long; an interrupted run prints the resume command on one line with the run's --set options, and it works."""
+    out = tmp_path / ("a-long-results-directory-name-" * 3) / "out"
+    sets = ["--set", "workload.num_requests=3", "--set", "workload.output_len={dist: fixed, value: 6}"]
+    write_point = results.write_point
+
+    def interrupted(run_dir, index, summary, tables):
+        if index == 1:
+            raise KeyboardInterrupt
+        write_point(run_dir, index, summary, tables)
+
+    monkeypatch.setattr(results, "write_point", interrupted)
+    r = invoke("run", scenario_file(tmp_path), "--out", out, *sets)
+    assert r.exit_code == 130, r.output
+    (run_dir,) = run_dirs(out)
+    command = f"simharness run {scenario_file(tmp_path)} --resume {run_dir} --set workload.num_requests=3 " \
+              "--set 'workload.output_len={dist: fixed, value: 6}'"
+    assert command in r.stderr.splitlines(), r.stderr
+    monkeypatch.setattr(results, "write_point", write_point)
+    r = invoke(*shlex.split(command)[1:])
+    assert r.exit_code == 0, r.output
+    assert f"report: {run_dir / 'report.md'}" in r.stdout.splitlines()
+
+
+def test_fidelity_table_shows_whole_point_ids(monkeypatch, tmp_path):
+    """The "worst point" column is never cut to the long prefix its ids share, in a terminal of 80 columns too."""
+    import simharness.fidelity as fidelity
+
+    ids = [f"engine.speculation.proposer=ngram_gpu,scheduler.policy=optimistic,workload.concurrency={c}"
+           for c in (4, 16)]
+    stats = pd.DataFrame({"level": ["hil", "sim"], "metric": "mean_tpot_ms", "points": 2, "median_abs_error": 0.01,
+                          "worst_abs_error": 0.02, "worst_point": ids})
+    result = SimpleNamespace(stats=stats, violations=[], report=tmp_path / "report.md",
+                             summary=pd.DataFrame({"point": ids}))
+    monkeypatch.setattr(fidelity, "run_fidelity", lambda *args, **kwargs: result)
+    for env in ({}, {"COLUMNS": "80"}):
+        r = CliRunner().invoke(app, ["fidelity", str(scenario_file(tmp_path))], env=env)
+        assert r.exit_code == 0, r.output
+        text = "".join(r.stdout.split())
+        assert all(i in text for i in ids), r.stdout
 
 
 # ---------------------------------------------------------------------------------------------
