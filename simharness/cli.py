@@ -10,6 +10,8 @@ import json
 import shlex
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -25,7 +27,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 
 from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets
 
@@ -67,17 +69,25 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+@contextmanager
+def notes() -> Iterator[None]:
+    """Print what the scenario's validation or the run notes (an override replacing a sweep, fields a level
+    ignores) as one `note:` line each, and any other warning as one `warning:` line, without Python's source
+    line; printed when the block ends, however it ends."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ScenarioNote)
+        try:
+            yield
+        finally:
+            for note in caught:
+                kind = "note" if issubclass(note.category, ScenarioNote) else "warning"
+                err.print(f"[bold]{kind}:[/] {escape(str(note.message))}", highlight=False, soft_wrap=True)
+
+
 def load(scenario: Path, sets: list[str]) -> Scenario:
     """The scenario with its --set overrides; what the validation notes (an override replacing a sweep) is printed."""
-    with warnings.catch_warnings(record=True) as notes:
-        warnings.simplefilter("always", ScenarioNote)
-        sc = load_scenario(scenario, parse_sets(sets))
-    for note in notes:
-        if issubclass(note.category, ScenarioNote):
-            err.print(f"[bold]note:[/] {note.message}", highlight=False, soft_wrap=True)
-        else:
-            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
-    return sc
+    with notes():
+        return load_scenario(scenario, parse_sets(sets))
 
 
 WorkersOption = Annotated[str | None, typer.Option(
@@ -104,15 +114,19 @@ def parse_workers(value: str | None) -> int | str | None:
 
 class SweepBar:
     """A sweep's progress on stderr: points done of all, running, failed, elapsed, time left and the last point;
-    retries and failures are printed above the bar as they happen. Keeps the last status (its run directory)."""
+    retries and failures are printed above the bar as they happen. Keeps the last status (its run directory).
+    The counts and times keep their room in a terminal of 80 columns: the title and the point id (long in a sweep
+    of many fields) take what is left, cut with an ellipsis."""
 
     def __init__(self, title: str):
         self.title, self.status = title, None
         self.bar = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[state]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-            TextColumn("{task.fields[point]}"),
-            console=err, transient=True,
+            TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis",
+                                                                       max_width=24)),
+            BarColumn(bar_width=12), MofNCompleteColumn(), TextColumn("{task.fields[state]}"), TimeElapsedColumn(),
+            TextColumn("left"), TimeRemainingColumn(),
+            TextColumn("{task.fields[point]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+            console=err, transient=True, expand=True,
         )
 
     def __enter__(self) -> SweepBar:
@@ -128,7 +142,7 @@ class SweepBar:
         if status.message:
             self.bar.console.print(f"[yellow]{escape(status.message)}[/]", highlight=False, soft_wrap=True)
         self.bar.update(self.task, total=status.total, completed=status.done, point=status.point_id,
-                        state=f"{status.running} running, {status.failed} failed")
+                        state=f"{status.running} running" + (f", {status.failed} failed" if status.failed else ""))
 
 
 def report_failed(summary) -> None:
@@ -165,7 +179,7 @@ def run_cmd(
     bar = SweepBar(scenario.stem)
     try:
         sc = load(scenario, sets)
-        with bar:
+        with notes(), bar:
             result = run(sc, out_dir, resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
                          retries=retries, process_per_point=process_per_point)
     except ScenarioError as e:
@@ -208,7 +222,7 @@ def fidelity_cmd(
 
     try:
         sc = load(scenario, sets)
-        with SweepBar(f"{sc.name} fidelity") as bar:
+        with notes(), SweepBar(f"{sc.name} fidelity") as bar:
             result = run_fidelity(sc, out_dir, levels=[lv.strip() for lv in levels.split(",") if lv.strip()],
                                   resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
                                   retries=retries, process_per_point=process_per_point)

@@ -251,6 +251,37 @@ def test_output_not_in_a_terminal_is_not_wrapped(tmp_path, monkeypatch):
     assert f"report: {run_dir / 'report.md'}" in r.stdout.splitlines()
 
 
+@pytest.mark.parametrize("columns", [80, 100, 120])
+def test_progress_line_keeps_counts_and_times_in_a_narrow_terminal(columns):
+    """The long point id of a many-field sweep gives way: the count, state, elapsed and time left stay whole, on
+    one line."""
+    from simharness.cli import SweepBar
+    from simharness.runner import SweepStatus
+
+    bar = SweepBar("fidelity")
+    bar.task = bar.bar.add_task(bar.title, total=None, point="", state="")
+    point = "engine.speculation.proposer=ngram_gpu,scheduler.policy=optimistic,scheduler.depth=3," \
+            "workload.concurrency=64,engine.speculation.k=4"
+    bar(SweepStatus(Path("run"), total=1088, done=17, running=2, failed=1, point_id=point))
+    console = Console(width=columns, record=True, force_terminal=True)
+    console.print(bar.bar.make_tasks_table(bar.bar.tasks))
+    lines = console.export_text().splitlines()
+    assert len(lines) == 1 and len(lines[0]) <= columns, lines
+    assert re.search(r"━+ +17/1088 2 running, 1 failed 0:00:0\d left -:--:-- ", lines[0]), lines
+
+
+def test_ignored_fields_are_noted_once_per_run(tmp_path):
+    """Fields every sim point ignores are one note for the run, not a Python warning (with its source line) a
+    point."""
+    doc = {**TINY, "engine": {**TINY["engine"], "device": "cuda", "host_slowdown": 1.2},
+           "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [1, 2]}}
+    r = invoke("run", scenario_file(tmp_path, doc), "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    notes = [line for line in r.stderr.splitlines() if line.strip()]
+    assert notes == ["note: engine.device, engine.host_slowdown: set, but a sim point runs no decode loop; ignored "
+                     "(4 of 4 points)"], r.stderr
+
+
 def test_fidelity_table_shows_whole_point_ids(monkeypatch, tmp_path):
     """The "worst point" column is never cut to the long prefix its ids share, in a terminal of 80 columns too."""
     import simharness.fidelity as fidelity
