@@ -46,19 +46,18 @@ MEASURED_COLUMNS = [
 ]  # fmt: skip
 
 
-def run_kernel_bench(device: str, out_dir: Path, quick: bool = False) -> pd.DataFrame:
-    """Measure every kernel row on `device` and write kernels.csv / kernels.md to out_dir."""
+def run_kernel_bench(device: str, out_dir: Path, quick: bool = False,
+                     progress: Callable[[str], None] = lambda what: None) -> pd.DataFrame:
+    """Measure every kernel row on `device` and write kernels.csv / kernels.md to out_dir; `progress(what)` is
+    called as each group of rows starts (minutes apart on CPU)."""
     dev = torch.device(device)
+    progress("copy bandwidth and matmul peak")
     copy_gbps = measure_copy_bandwidth(dev, quick)
     peak_tflops = measure_matmul_tflops(dev)
-    frame = pd.DataFrame(kernel_rows(dev, quick, copy_gbps) + verify_rows(dev, quick, copy_gbps, peak_tflops))
+    rows = ngram_rows(dev, quick, progress) + rejection_rows(dev, quick, copy_gbps, progress)
+    frame = pd.DataFrame(rows + verify_rows(dev, quick, copy_gbps, peak_tflops, progress))
     write_tables(frame, dev, Path(out_dir), copy_gbps, quick, peak_tflops)
     return frame
-
-
-def kernel_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[Row]:
-    """The n-gram and rejection-sampler rows."""
-    return ngram_rows(device, quick) + rejection_rows(device, quick, copy_gbps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,7 +122,7 @@ def measure_matmul_tflops(device: torch.device) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
+def ngram_rows(device: torch.device, quick: bool, progress: Callable[[str], None]) -> list[Row]:
     batches = [16, 64] if quick else [16, 64, 256]
     widths = [2048, 8192] if quick else [2048, 8192, 32768]
     repeats = 5 if quick or device.type != "cuda" else 25
@@ -131,6 +130,7 @@ def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
     rows: list[Row] = []
     for batch in batches:
         for width in widths:
+            progress(f"n-gram proposer: batch {batch}, width {width}")
             token_ids = torch.randint(0, NGRAM_VOCAB, (batch, width), generator=generator, device=device)
             token_ids = token_ids.to(torch.int32)
             # Lengths: uniform in [L/8, L/2], and a short-context case with every length <= 4k.
@@ -165,7 +165,7 @@ def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
 # --------------------------------------------------------------------------------------------------
 
 
-def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[Row]:
+def rejection_rows(device: torch.device, quick: bool, copy_gbps: float, progress: Callable[[str], None]) -> list[Row]:
     batches = [16, 64] if quick else [16, 64, 256]
     vocab = 32000 if quick else 128256
     repeats = 5 if quick or device.type != "cuda" else 25
@@ -178,6 +178,7 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[
     rows: list[Row] = []
     for dtype in (torch.float32, torch.bfloat16):
         for batch in batches:
+            progress(f"rejection sampler: {str(dtype).removeprefix('torch.')}, batch {batch}")
             logits = torch.randn((batch, K + 1, vocab), generator=generator, device=device).to(dtype)
             drafts = torch.randint(0, vocab, (batch, K), generator=generator, device=device)
             num_drafts = torch.full((batch,), K, device=device)
@@ -206,12 +207,14 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[
 # --------------------------------------------------------------------------------------------------
 
 
-def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float) -> list[Row]:
+def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float,
+                progress: Callable[[str], None]) -> list[Row]:
     """The model verify step (k drafts + 1 per row, after VERIFY_CONTEXT cached tokens; CUDA graphs on CUDA)
     next to three floors: weights / copy bandwidth, (weights + K/V read) / copy bandwidth, FLOPs / peak."""
     runs = VERIFY_CPU if device.type != "cuda" else VERIFY_QUICK if quick else VERIFY_CUDA
     rows: list[Row] = []
     for preset, batches in runs:
+        progress(f"verify step: {preset}, batches {', '.join(map(str, batches))}")
         measured = bench_verify_step(
             preset, batches, K, device, repeats=5 if quick or device.type != "cuda" else 50,
             bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12, context_len=VERIFY_CONTEXT,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -396,7 +397,13 @@ def bench_kernels(
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(f"--out {out_dir}: cannot create it ({e.strerror or e})")
-    frame = run_kernel_bench(device, out_dir, quick=quick)
+    start = time.monotonic()
+
+    def progress(what: str) -> None:  # a line a group of rows: on CPU the whole run takes minutes
+        elapsed = int(time.monotonic() - start)
+        err.print(f"[{elapsed // 60}:{elapsed % 60:02d}] {escape(what)}", highlight=False, soft_wrap=True)
+
+    frame = run_kernel_bench(device, out_dir, quick=quick, progress=progress)
     for kernel, table in kernel_tables(frame):  # one per kernel: no column of another kernel's NaNs
         out.print(f"\n[bold]{kernel}[/]")
         out.print(table.to_string(index=False, na_rep="", float_format="{:.4g}".format), highlight=False)

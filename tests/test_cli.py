@@ -323,6 +323,22 @@ def test_scenarios_run_without_triton(tmp_path):
         assert json.loads((run_dir / "meta.json").read_text())["scenario"] == name
 
 
+def test_bench_kernels_says_what_it_measures(tmp_path, monkeypatch):
+    """On CPU the benchmark takes minutes: a line as each group of rows starts, with the time since the start."""
+    import simharness.bench as bench
+
+    monkeypatch.setattr(bench, "time_call", lambda fn, device, repeats: (1.0, 1.0))  # every row, no timing
+    r = invoke("bench", "kernels", "--device", "cpu", "--quick", "--out", tmp_path)
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0] == "[0:00] copy bandwidth and matmul peak", lines
+    assert [line.split("] ")[1] for line in lines[1:]] == [
+        *(f"n-gram proposer: batch {b}, width {w}" for b in (16, 64) for w in (2048, 8192)),
+        *(f"rejection sampler: {d}, batch {b}" for d in ("float32", "bfloat16") for b in (16, 64)),
+        "verify step: tiny, batches 1, 8"], lines
+    assert all(re.fullmatch(r"\[\d+:\d\d\] .+", line) for line in lines)
+
+
 def test_bench_kernels_prints_no_nan_frame(tmp_path, monkeypatch):
     """Each kernel's rows are printed with that kernel's columns only (a NaN-filled frame said nothing)."""
     import simharness.bench as bench
@@ -332,7 +348,7 @@ def test_bench_kernels_prints_no_nan_frame(tmp_path, monkeypatch):
         {"kernel": "rejection", "impl": "reference", "batch": 16, "k": 4, "device_ms": 2.5, "pct_of_copy_bw": 0.4},
         {"kernel": "verify", "impl": "eager", "batch": 1, "model": "tiny", "device_ms": 19.0, "wall_ms": float("nan")},
     ])
-    monkeypatch.setattr(bench, "run_kernel_bench", lambda device, out_dir, quick=False: frame)
+    monkeypatch.setattr(bench, "run_kernel_bench", lambda device, out_dir, quick=False, progress=None: frame)
     r = invoke("bench", "kernels", "--device", "cpu", "--quick", "--out", tmp_path)
     assert r.exit_code == 0, r.output
     assert "NaN" not in r.stdout and "nan" not in r.stdout.lower().replace("ngram", "")
