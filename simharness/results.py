@@ -121,7 +121,7 @@ def encode_tables(tables: dict[str, pd.DataFrame]) -> dict[str, bytes]:
     encoded = {}
     for name, df in tables.items():
         buffer = io.BytesIO()
-        table = pa.Table.from_pandas(df, preserve_index=False)
+        table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)  # small tables: no thread pool a call
         pq.write_table(table, buffer, use_dictionary=_text_columns(table.schema))
         encoded[name] = buffer.getvalue()
     return encoded
