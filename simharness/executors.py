@@ -311,7 +311,8 @@ class RayCluster:
         if self.address != "local":
             options["runtime_env"] = {"py_modules": [str(Path(__file__).resolve().parent)]}
         try:
-            with _ray_log_hidden():
+            # joining a cluster, not starting one (whose processes would inherit the hidden descriptor)
+            with _ray_log_hidden() if self.address != "local" else contextlib.nullcontext():
                 ray.init(address=self.address, **options)
         except (ConnectionError, RuntimeError) as e:
             raise ScenarioError(f"--ray {self.address}: cannot join the Ray cluster ({describe_error(e)})") from None
