@@ -128,6 +128,7 @@ class SweepBar:
             TextColumn("left"), TimeRemainingColumn(),
             TextColumn("{task.fields[point]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
             console=err, transient=True, expand=True,
+            disable=not err.is_terminal,  # a file or CI log gets the messages alone (a bar's exit left a blank line)
         )
 
     def __enter__(self) -> SweepBar:
