@@ -23,7 +23,7 @@ def main() -> None:
     device = torch.device(args.device)
     copy_gbps = measure_copy_bandwidth(device, args.quick)
     peak_tflops = measure_matmul_tflops(device)
-    frame = pd.DataFrame(decode_rows(device, args.quick, copy_gbps, peak_tflops))
+    frame = pd.DataFrame(decode_rows(device, args.quick, copy_gbps, peak_tflops, print))
     write_tables(frame, device, args.out, copy_gbps, args.quick, peak_tflops)
     for _, table in kernel_tables(frame):
         print(table.to_string(index=False, float_format="{:.4g}".format))

@@ -3,7 +3,7 @@ bandwidth of the sampler next to the device's measured copy bandwidth, and the m
 its memory and compute floors. Writes kernels.csv and kernels.md. Above the engine: it builds the
 target model.
 
-`run_kernel_bench` = `kernel_rows` (measure) + `write_tables` (render); other benchmarks append their rows
+`run_kernel_bench` = the `*_rows` functions (measure) + `write_tables` (render); other benchmarks append their rows
 (same columns, their own `kernel` name) before `write_tables`, which renders one table per kernel.
 """
 
@@ -52,20 +52,19 @@ MEASURED_COLUMNS = [
 ]  # fmt: skip
 
 
-def run_kernel_bench(device: str, out_dir: Path, quick: bool = False) -> pd.DataFrame:
-    """Measure every kernel row on `device` and write kernels.csv / kernels.md to out_dir."""
+def run_kernel_bench(device: str, out_dir: Path, quick: bool = False,
+                     progress: Callable[[str], None] = lambda what: None) -> pd.DataFrame:
+    """Measure every kernel row on `device` and write kernels.csv / kernels.md to out_dir; `progress(what)` is
+    called as each group of rows starts (minutes apart on CPU)."""
     dev = torch.device(device)
+    progress("copy bandwidth and matmul peak")
     copy_gbps = measure_copy_bandwidth(dev, quick)
     peak_tflops = measure_matmul_tflops(dev)
-    rows = kernel_rows(dev, quick, copy_gbps) + verify_rows(dev, quick, copy_gbps, peak_tflops)
-    frame = pd.DataFrame(rows + decode_rows(dev, quick, copy_gbps, peak_tflops))
+    rows = ngram_rows(dev, quick, progress) + rejection_rows(dev, quick, copy_gbps, progress)
+    rows += verify_rows(dev, quick, copy_gbps, peak_tflops, progress)
+    frame = pd.DataFrame(rows + decode_rows(dev, quick, copy_gbps, peak_tflops, progress))
     write_tables(frame, dev, Path(out_dir), copy_gbps, quick, peak_tflops)
     return frame
-
-
-def kernel_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[Row]:
-    """The n-gram and rejection-sampler rows."""
-    return ngram_rows(device, quick) + rejection_rows(device, quick, copy_gbps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,7 +129,7 @@ def measure_matmul_tflops(device: torch.device) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
+def ngram_rows(device: torch.device, quick: bool, progress: Callable[[str], None]) -> list[Row]:
     batches = [16, 64] if quick else [16, 64, 256]
     widths = [2048, 8192] if quick else [2048, 8192, 32768]
     repeats = 5 if quick or device.type != "cuda" else 25
@@ -138,6 +137,7 @@ def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
     rows: list[Row] = []
     for batch in batches:
         for width in widths:
+            progress(f"n-gram proposer: batch {batch}, width {width}")
             token_ids = torch.randint(0, NGRAM_VOCAB, (batch, width), generator=generator, device=device)
             token_ids = token_ids.to(torch.int32)
             # Lengths: uniform in [L/8, L/2], and a short-context case with every length <= 4k.
@@ -172,7 +172,7 @@ def ngram_rows(device: torch.device, quick: bool) -> list[Row]:
 # --------------------------------------------------------------------------------------------------
 
 
-def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[Row]:
+def rejection_rows(device: torch.device, quick: bool, copy_gbps: float, progress: Callable[[str], None]) -> list[Row]:
     batches = [16, 64] if quick else [16, 64, 256]
     vocab = 32000 if quick else 128256
     repeats = 5 if quick or device.type != "cuda" else 25
@@ -185,6 +185,7 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[
     rows: list[Row] = []
     for dtype in (torch.float32, torch.bfloat16):
         for batch in batches:
+            progress(f"rejection sampler: {str(dtype).removeprefix('torch.')}, batch {batch}")
             logits = torch.randn((batch, K + 1, vocab), generator=generator, device=device).to(dtype)
             drafts = torch.randint(0, vocab, (batch, K), generator=generator, device=device)
             num_drafts = torch.full((batch,), K, device=device)
@@ -213,12 +214,14 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float) -> list[
 # --------------------------------------------------------------------------------------------------
 
 
-def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float) -> list[Row]:
+def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float,
+                progress: Callable[[str], None]) -> list[Row]:
     """The model verify step (k drafts + 1 per row, after VERIFY_CONTEXT cached tokens; CUDA graphs on CUDA)
     next to three floors: weights / copy bandwidth, (weights + K/V read) / copy bandwidth, FLOPs / peak."""
     runs = VERIFY_CPU if device.type != "cuda" else VERIFY_QUICK if quick else VERIFY_CUDA
     rows: list[Row] = []
     for preset, batches in runs:
+        progress(f"verify step: {preset}, batches {', '.join(map(str, batches))}")
         measured = bench_verify_step(
             preset, batches, K, device, repeats=5 if quick or device.type != "cuda" else 50,
             bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12, context_len=VERIFY_CONTEXT,
@@ -412,7 +415,8 @@ def bench_verify_step(
 # --------------------------------------------------------------------------------------------------
 
 
-def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float) -> list[Row]:
+def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops: float,
+                progress: Callable[[str], None]) -> list[Row]:
     """The whole decode step (verify, sample, commit, propose, the copy back) per batch size: eager (ops enqueued one
     by one around the verify graph on CUDA) and through the step graphs. launch_us is the host time of
     `DecodeLoop.step` from an idle device; device_ms the sum of its parts' device times (events, or the graphs'
@@ -421,6 +425,7 @@ def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
     repeats = 5 if quick or device.type != "cuda" else 50
     rows: list[Row] = []
     for preset, batches in runs:
+        progress(f"decode step: {preset}, batches {', '.join(map(str, batches))}")
         measured = bench_decode_step(preset, batches, K, device, repeats, context_len=VERIFY_CONTEXT,
                                      bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12)  # fmt: skip
         for m in measured:

@@ -18,6 +18,7 @@ the calibration and reports their errors against the measured medians, as `simha
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import time
@@ -328,8 +329,15 @@ def fit_host(steps: pd.DataFrame) -> tuple[dict[str, float], list[str], dict[str
 
 
 def write_calibration(calibration: dict, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump(calibration, sort_keys=False))
+    """Write the calibration YAML (whole or not at all: a temporary file, then a rename); a target that cannot be
+    written is bad input naming --out (`results.check_writable` finds most before the fit)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(calibration, sort_keys=False))
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ScenarioError(f"--out {out}: cannot write ({e.strerror or e})") from None
     return out
 
 

@@ -7,14 +7,18 @@ naming the field; 3 compare: a point of one run is missing in the other; 130 int
 from __future__ import annotations
 
 import json
+import shlex
 import sys
+import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich import box
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -24,7 +28,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 
 from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets, unit_notes
 
@@ -33,8 +37,27 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich
 bench_app = typer.Typer(no_args_is_help=True, help="Performance benchmarks of the harness's own parts.",
                         rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
-err = Console(stderr=True)
-out = Console()
+
+
+class Output(Console):
+    """A rich console that wraps only for a terminal: output to a file, a pipe or a CI log keeps its lines whole (a
+    path, a command, a table's widest cell) where rich would cut them at 80 columns. COLUMNS still sets a width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(UNWRAPPED, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+UNWRAPPED = 1000  # columns of output not shown in a terminal: tables at their natural width, no line cut
+err = Output(stderr=True)
+out = Output()
 
 
 SET_HELP = ("override a field (repeatable), e.g. scheduler.depth=3; a section's value, e.g. 'workload={num_requests: "
@@ -48,17 +71,26 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+@contextmanager
+def notes() -> Iterator[None]:
+    """Print what the scenario's validation or the run notes (an override replacing a sweep, fields a level
+    ignores) as one `note:` line each, and any other warning as one `warning:` line, without Python's source
+    line; printed when the block ends, however it ends."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ScenarioNote)
+        try:
+            yield
+        finally:
+            for note in caught:
+                kind = "note" if issubclass(note.category, ScenarioNote) else "warning"
+                err.print(f"[bold]{kind}:[/] {escape(str(note.message))}", highlight=False, soft_wrap=True)
+
+
 def load(scenario: Path, sets: list[str]) -> Scenario:
     """The scenario with its --set overrides; what the validation notes (an override replacing a sweep, a value
     in an implausible unit) is printed."""
-    with warnings.catch_warnings(record=True) as notes:
-        warnings.simplefilter("always", ScenarioNote)
+    with notes():
         sc = load_scenario(scenario, parse_sets(sets))
-    for note in notes:
-        if issubclass(note.category, ScenarioNote):
-            err.print(f"[bold]note:[/] {escape(str(note.message))}", highlight=False, soft_wrap=True)
-        else:
-            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     for note in unit_notes(sc):
         err.print(f"[bold]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     return sc
@@ -89,15 +121,20 @@ def parse_workers(value: str | None) -> int | str | None:
 
 class SweepBar:
     """A sweep's progress on stderr: points done of all, running, failed, elapsed, time left and the last point;
-    retries and failures are printed above the bar as they happen. Keeps the last status (its run directory)."""
+    retries and failures are printed above the bar as they happen. Keeps the last status (its run directory).
+    The counts and times keep their room in a terminal of 80 columns: the title and the point id (long in a sweep
+    of many fields) take what is left, cut with an ellipsis."""
 
     def __init__(self, title: str):
         self.title, self.status = title, None
         self.bar = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[state]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
-            TextColumn("{task.fields[point]}"),
-            console=err, transient=True,
+            TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis",
+                                                                       max_width=24)),
+            BarColumn(bar_width=12), MofNCompleteColumn(), TextColumn("{task.fields[state]}"), TimeElapsedColumn(),
+            TextColumn("left"), TimeRemainingColumn(),
+            TextColumn("{task.fields[point]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+            console=err, transient=True, expand=True,
+            disable=not err.is_terminal,  # a file or CI log gets the messages alone (a bar's exit left a blank line)
         )
 
     def __enter__(self) -> SweepBar:
@@ -113,7 +150,7 @@ class SweepBar:
         if status.message:
             self.bar.console.print(f"[yellow]{escape(status.message)}[/]", highlight=False, soft_wrap=True)
         self.bar.update(self.task, total=status.total, completed=status.done, point=status.point_id,
-                        state=f"{status.running} running, {status.failed} failed")
+                        state=f"{status.running} running" + (f", {status.failed} failed" if status.failed else ""))
 
 
 def report_failed(summary) -> None:
@@ -150,7 +187,7 @@ def run_cmd(
     bar = SweepBar(scenario.stem)
     try:
         sc = load(scenario, sets)
-        with bar:
+        with notes(), bar:
             result = run(sc, out_dir, resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
                          retries=retries, process_per_point=process_per_point)
     except ScenarioError as e:
@@ -158,12 +195,15 @@ def run_cmd(
     except KeyboardInterrupt:
         if bar.status is not None:
             where = bar.status.run_dir
-            err.print(f"interrupted: finished points are kept in {where}; finish with "
-                      f"`simharness run {scenario} --resume {where}` (and the same --set options)")
+            command = shlex.join(["simharness", "run", str(scenario), "--resume", str(where),
+                                  *(arg for value in sets for arg in ("--set", value))])
+            err.print(f"interrupted: finished points are kept in {escape(str(where))}; finish with:",
+                      highlight=False, soft_wrap=True)
+            err.print(escape(command), highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     ok = result.summary.drop(result.failed.index)
     out.print(summary_table(ok, [p for p in [*sc.sweep, "repeat"] if p in result.summary.columns]))
-    out.print(f"report: {result.report}")
+    out.print(f"report: {escape(str(result.report))}", highlight=False, soft_wrap=True)
     report_failed(result.summary)
 
 
@@ -190,7 +230,7 @@ def fidelity_cmd(
 
     try:
         sc = load(scenario, sets)
-        with SweepBar(f"{sc.name} fidelity") as bar:
+        with notes(), SweepBar(f"{sc.name} fidelity") as bar:
             result = run_fidelity(sc, out_dir, levels=[lv.strip() for lv in levels.split(",") if lv.strip()],
                                   resume=resume, progress=bar, workers=parse_workers(workers), ray=ray,
                                   retries=retries, process_per_point=process_per_point)
@@ -198,13 +238,14 @@ def fidelity_cmd(
         fail(str(e))
     table = Table(title="fidelity: |error| against the real level", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("level", "metric", "median", "worst", "worst point"):
-        table.add_column(column, justify="left" if column in ("level", "metric", "worst point") else "right")
+        table.add_column(column, justify="left" if column in ("level", "metric", "worst point") else "right",
+                         overflow="fold")  # the point ids share long prefixes: never cut to one
     for r in result.stats.itertuples():
         table.add_row(r.level, r.metric, f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}", str(r.worst_point))
     out.print(table)
     for violation in result.violations:
-        err.print(f"[bold red]tolerance exceeded:[/] {violation}", highlight=False)
-    out.print(f"report: {result.report}")
+        err.print(f"[bold red]tolerance exceeded:[/] {escape(str(violation))}", highlight=False, soft_wrap=True)
+    out.print(f"report: {escape(str(result.report))}", highlight=False, soft_wrap=True)
     report_failed(result.summary)
     if result.violations:
         raise typer.Exit(1)
@@ -226,6 +267,7 @@ def calibrate_cmd(
 ) -> None:
     """Fit the sim cost model from measured step records; print the fit's k-fold error and write a calibration
     that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
+    from simharness import results
     from simharness.calibration import (
         MEASURED_LEVELS,
         calibrate,
@@ -238,6 +280,7 @@ def calibrate_cmd(
     if level is not None and level not in MEASURED_LEVELS:
         fail(f"--level {level}: unknown level; choose {' or '.join(MEASURED_LEVELS)}")
     try:
+        results.check_writable(out_path, "--out")  # before the fit, not after it
         data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
         fitted = calibrate(data)
         calibration = write_calibration(fitted, out_path)
@@ -252,7 +295,7 @@ def calibrate_cmd(
     out.print(table)
     if fitted["kept_from_scenario"]:
         out.print(f"not measured, kept from the scenario: {', '.join(fitted['kept_from_scenario'])}")
-    out.print(f"calibration: {calibration}")
+    out.print(f"calibration: {escape(str(calibration))}", highlight=False, soft_wrap=True)
     if check:
         try:
             stats, run_dir, drift = check_calibration(data, calibration, calibration.parent / "check")
@@ -265,7 +308,7 @@ def calibrate_cmd(
         for r in stats.itertuples():
             table.add_row(r.level, r.metric, str(r.points), f"{r.median_abs_error:.1%}", f"{r.worst_abs_error:.1%}")
         out.print(table)
-        out.print(f"check run: {run_dir}")
+        out.print(f"check run: {escape(str(run_dir))}", highlight=False, soft_wrap=True)
         if drift:
             err.print(f"[yellow]warning:[/] {escape(drift)}", highlight=False, soft_wrap=True)
 
@@ -346,7 +389,7 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
             report = run_dir / "report.md"
     except ScenarioError as e:
         fail(str(e))
-    out.print(f"report: {report}")
+    out.print(f"report: {escape(str(report))}", highlight=False, soft_wrap=True)
 
 
 @app.command("frontier")
@@ -446,11 +489,17 @@ def bench_kernels(
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(f"--out {out_dir}: cannot create it ({e.strerror or e})")
-    frame = run_kernel_bench(device, out_dir, quick=quick)
+    start = time.monotonic()
+
+    def progress(what: str) -> None:  # a line a group of rows: on CPU the whole run takes minutes
+        elapsed = int(time.monotonic() - start)
+        err.print(f"[{elapsed // 60}:{elapsed % 60:02d}] {escape(what)}", highlight=False, soft_wrap=True)
+
+    frame = run_kernel_bench(device, out_dir, quick=quick, progress=progress)
     for kernel, table in kernel_tables(frame):  # one per kernel: no column of another kernel's NaNs
         out.print(f"\n[bold]{kernel}[/]")
         out.print(table.to_string(index=False, na_rep="", float_format="{:.4g}".format), highlight=False)
-    out.print(f"written: {out_dir / 'kernels.md'}")
+    out.print(f"written: {escape(str(out_dir / 'kernels.md'))}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -18,10 +18,13 @@ import pickle
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -308,10 +311,28 @@ class RayCluster:
         if self.address != "local":
             options["runtime_env"] = {"py_modules": [str(Path(__file__).resolve().parent)]}
         try:
-            ray.init(address=self.address, **options)
+            # joining a cluster, not starting one (whose processes would inherit the hidden descriptor)
+            with _ray_log_hidden() if self.address != "local" else contextlib.nullcontext():
+                ray.init(address=self.address, **options)
         except (ConnectionError, RuntimeError) as e:
             raise ScenarioError(f"--ray {self.address}: cannot join the Ray cluster ({describe_error(e)})") from None
         return True
+
+
+@contextmanager
+def _ray_log_hidden() -> Iterator[None]:
+    """Ray's core writes its connection attempts' warnings straight to file descriptor 2 (a line every few
+    seconds while a cluster does not answer): while joining, they go to a temporary file; a failure is said once,
+    by the error that follows."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as log:
+            os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 _ray_stopping: threading.Thread | None = None  # the shutdown of the local cluster the last run started
@@ -334,9 +355,19 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit():
         raise ScenarioError(f"--ray {address}: expected local, auto, HOST:PORT or ray://HOST:PORT")
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            conn.sendall(HTTP2_PREFACE)
+            head = conn.recv(9)
     except OSError as e:
         raise ScenarioError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e})") from None
+    if len(head) < 9 or head[3] != 4:  # a Ray cluster speaks gRPC: HTTP/2, whose server opens with SETTINGS (4)
+        raise ScenarioError(f"--ray {address}: something answers there, but not a Ray cluster (no gRPC)")
+
+
+# An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (a Ray cluster's GCS or its
+# client server) answers with a SETTINGS frame of its own; anything else does not (Ray itself would retry for
+# minutes, printing a line of warnings every few seconds).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 def visible_gpus() -> list[str]:

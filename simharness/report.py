@@ -47,6 +47,8 @@ HOST_COLORS = {
 GPU_COLORS = ("slategray", "lightslategray")  # alternate so back-to-back steps stay distinct
 MARKERS = "os^Dv<>p"
 LINESTYLES = ("-", "--", ":", "-.")
+LEGEND_ROWS = 18  # legend entries a column holds beside a plot 4 inches tall
+TIMELINE_PANELS = 8  # at most this many timelines (a panel each, 1.3 inches tall), evenly spaced over the points
 
 
 def write_report(run_dir: Path) -> Path:
@@ -202,8 +204,10 @@ def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
     if meta.get("source_digest"):
         run += f"; source digest `{meta['source_digest'][:12]}`"
     e, spec, s, w = scenario.engine, scenario.engine.speculation, scenario.scheduler, scenario.workload
+    # the sim level models a named GPU; a measured level runs on engine.device (a CPU run is not "on H100")
+    where = f"a modelled {e.gpu}" if e.backend == "model" else f"`{e.device}`"
     setup = (
-        f"**Setup:** `{e.model}` on {e.gpu} (`{e.backend}` backend); proposer `{spec.proposer}`, k={spec.k}, "
+        f"**Setup:** `{e.model}` on {where} (`{e.backend}` backend); proposer `{spec.proposer}`, k={spec.k}, "
         f"acceptance `{spec.acceptance.model}`, invalid slots `{spec.invalid_slots}`; scheduler depth {s.depth}, "
         f"policy `{s.policy}`; workload `{w.arrival}`, concurrency {w.concurrency}, {w.total_requests} requests."
     )
@@ -426,20 +430,32 @@ def _plot_tpot(summary: pd.DataFrame, by_concurrency: bool, path: Path) -> None:
     tail = _tail_key(summary, "tpot")
     if tail is not None:
         panels.append((tail[0], f"{tail[1]} TPOT (ms)"))
-    fig = Figure(figsize=(5.5 * len(panels), 4), layout="constrained")
-    for ax, (column, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
-        _draw_metric(ax, summary, column, ylabel, by_concurrency)
+    fig = Figure(figsize=(5.5 * len(panels) + _legend_width(summary, by_concurrency), 4), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (column, ylabel) in zip(axes, panels, strict=True):
+        _draw_metric(ax, summary, column, ylabel, by_concurrency, legend=ax is axes[-1])
     fig.savefig(path, dpi=110)
 
 
 def _plot_single(summary: pd.DataFrame, by_concurrency: bool, column: str, ylabel: str, path: Path) -> None:
-    fig = Figure(figsize=(6.5, 4), layout="constrained")
+    fig = Figure(figsize=(5.5 + _legend_width(summary, by_concurrency), 4), layout="constrained")
     _draw_metric(fig.subplots(), summary, column, ylabel, by_concurrency)
     fig.savefig(path, dpi=110)
 
 
-def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_concurrency: bool) -> None:
-    """One line per mode against concurrency (log2 axis), or one bar per point."""
+def _legend_width(summary: pd.DataFrame, by_concurrency: bool) -> float:
+    """Inches the legend of the modes takes beside the plot: its columns of LEGEND_ROWS entries at small type."""
+    if not by_concurrency:
+        return 0.0
+    modes = summary["mode"].astype(str).unique()
+    columns = -(-len(modes) // LEGEND_ROWS)
+    return columns * (0.8 + 0.07 * max(len(m) for m in modes))
+
+
+def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_concurrency: bool,
+                 legend: bool = True) -> None:
+    """One line per mode against concurrency (log2 axis), the legend beside the plot, never over the lines; or
+    one bar per point."""
     if by_concurrency:
         for i, (mode, rows) in enumerate(summary.groupby("mode", sort=False)):
             rows = rows.sort_values(CONCURRENCY)
@@ -454,7 +470,10 @@ def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_c
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.minorticks_off()
         ax.set_xlabel("concurrency")
-        ax.legend(fontsize="small")
+        if legend:
+            modes = summary["mode"].nunique()
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0,
+                      ncols=-(-modes // LEGEND_ROWS))
     else:
         ax.bar(range(len(summary)), summary[column], yerr=_error_bars(summary, column), color="tab:blue", capsize=3)
         ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
@@ -473,13 +492,18 @@ def _error_bars(rows: pd.DataFrame, column: str) -> np.ndarray | None:
 
 def _timeline_points(summary: pd.DataFrame, by_concurrency: bool) -> tuple[str, pd.DataFrame]:
     """The points whose timelines are drawn: one per mode at the largest concurrency <= 16 (else
-    the middle one), or every point when concurrency is not swept."""
-    if not by_concurrency:
-        return "", summary
-    values = sorted(summary[CONCURRENCY].unique())
-    small = [c for c in values if c <= 16]
-    chosen = small[-1] if small else values[len(values) // 2]
-    return f" at concurrency {chosen}", summary[summary[CONCURRENCY] == chosen]
+    the middle one), or every point when concurrency is not swept; at most TIMELINE_PANELS of them, evenly
+    spaced in sweep order (a panel each: a large sweep's image stays a readable size)."""
+    where, rows = "", summary
+    if by_concurrency:
+        values = sorted(summary[CONCURRENCY].unique())
+        small = [c for c in values if c <= 16]
+        chosen = small[-1] if small else values[len(values) // 2]
+        where, rows = f" at concurrency {chosen}", summary[summary[CONCURRENCY] == chosen]
+    if len(rows) > TIMELINE_PANELS:
+        where += f" ({TIMELINE_PANELS} of {len(rows)} points, evenly spaced in sweep order)"
+        rows = rows.iloc[np.linspace(0, len(rows) - 1, TIMELINE_PANELS).round().astype(int)]
+    return where, rows
 
 
 def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, path: Path) -> None:

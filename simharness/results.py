@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,25 @@ def new_run_dir(out: Path, scenario: Scenario) -> Path:
         (run_dir / "points").mkdir()
         (run_dir / "scenario.yaml").write_text(yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False))
     return run_dir
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Bad input (ScenarioError naming `option`) unless `path` can be written as a file: not a directory, not under
+    a file, on a writable file system. Checked before the work, so a long fit or run never ends in a failed write.
+    Leaves nothing behind (a probe file in the nearest existing directory is removed)."""
+    if path.is_dir():
+        raise ScenarioError(f"{option} {path}: cannot write (Is a directory)")
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise ScenarioError(f"{option} {path}: cannot write (Not a directory: {existing})")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ScenarioError(f"{option} {path}: cannot write ({e.strerror or e})") from None
 
 
 @contextmanager
@@ -101,7 +121,7 @@ def encode_tables(tables: dict[str, pd.DataFrame]) -> dict[str, bytes]:
     encoded = {}
     for name, df in tables.items():
         buffer = io.BytesIO()
-        table = pa.Table.from_pandas(df, preserve_index=False)
+        table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)  # small tables: no thread pool a call
         pq.write_table(table, buffer, use_dictionary=_text_columns(table.schema))
         encoded[name] = buffer.getvalue()
     return encoded

@@ -29,6 +29,7 @@ from simharness.scenario import (
     Point,
     Scenario,
     ScenarioError,
+    ScenarioNote,
     load_scenario,
     resolve_field,
     scenario_diff,
@@ -161,6 +162,7 @@ def execute(
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
     _check_one_engine([p.scenario for p in points if p.scenario.engine.backend != "model"])
+    note_ignored(points)
     # a cluster may have GPUs this machine lacks: only a local run checks its device
     local = [p for p in points if p.scenario.engine.backend != "model" and ray in (None, "local")]
     try:
@@ -339,6 +341,25 @@ def ignored_fields(sc: Scenario, level: str) -> list[str]:
             if getattr(*resolve_field(sc, path)) != getattr(*resolve_field(default, path))]
 
 
+def ignored_message(fields: list[str], level: str) -> str:
+    reason = "runs no decode loop" if level == "sim" else "measures what they model"
+    return f"{', '.join(fields)}: set, but a {level} point {reason}; ignored"
+
+
+def note_ignored(points: list[Point]) -> None:
+    """Say once per run (a ScenarioNote, which the CLI prints as a note) which set fields its points ignore and at
+    how many points; each point's summary also notes it."""
+    where: dict[str, int] = {}
+    for p in points:
+        level = LEVELS[p.scenario.engine.backend]
+        fields = ignored_fields(p.scenario, level)
+        if fields:
+            message = ignored_message(fields, level)
+            where[message] = where.get(message, 0) + 1
+    for message, count in where.items():
+        warnings.warn(ScenarioNote(f"{message} ({count} of {len(points)} points)"), stacklevel=3)
+
+
 def without_ignored(sc: Scenario, level: str) -> None:
     """Set the fields a point of `level` ignores back to their defaults (a fidelity run drives one scenario at
     every level on purpose, so its points do not warn about the other levels' fields)."""
@@ -371,10 +392,7 @@ def _point_result(point: Point, mode: Mode, requests: Requests, measured: Measur
         device_syncs = device_syncs_frame([])
     ignored = ignored_fields(sc, level)
     if ignored:
-        reason = "runs no decode loop" if level == "sim" else "measures what they model"
-        message = f"{', '.join(ignored)}: set, but a {level} point {reason}; ignored"
-        warnings.warn(f"sweep point {point.id}: {message}", stacklevel=2)
-        notes.append(message)
+        notes.append(ignored_message(ignored, level))
     steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
     metrics = compute_metrics(
         records.requests,

@@ -65,6 +65,7 @@ def complete_slices(
     end = np.round(np.asarray(end_s, dtype=np.float64) * US, 3)
     names = [name] * len(ts) if isinstance(name, str) else list(name)
     cats = [cat] * len(ts) if isinstance(cat, str) else list(cat)
+    starts, ends = ts.tolist(), end.tolist()  # Python floats: indexing numpy scalars one by one is slow
     return [
         {
             "ph": "X",
@@ -72,11 +73,11 @@ def complete_slices(
             "cat": cats[i],
             "pid": pid,
             "tid": tid,
-            "ts": float(ts[i]),
-            "dur": round(float(end[i] - ts[i]), 3),
+            "ts": starts[i],
+            "dur": round(ends[i] - starts[i], 3),
             "args": args[i] if args is not None else {},
         }
-        for i in np.flatnonzero(end > ts)
+        for i in np.flatnonzero(end > ts).tolist()
     ]
 
 
@@ -116,13 +117,23 @@ def trace_json(events: list[dict], metadata: Mapping[str, Any]) -> str:
     """A trace JSON object; `metadata` (scenario, point, seed...) goes to `otherData`. Strict JSON: an event at a
     non-finite time is left out, and any other non-finite number is written as null (no `Infinity`/`NaN`, which
     trace viewers reject)."""
-    timed = [ev for ev in events if all(_finite(ev[key]) for key in ("ts", "dur") if key in ev)]
-    obj = _finite_json({"traceEvents": timed, "displayTimeUnit": "ms", "otherData": dict(metadata)})
-    return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False)
+    timed = [ev for ev in events if _finite(ev.get("ts")) and _finite(ev.get("dur"))]
+    obj = {"traceEvents": timed, "displayTimeUnit": "ms", "otherData": dict(metadata)}
+    try:  # the usual case, every number finite: no copy of the events
+        return json.dumps(obj, separators=(",", ":"), default=_finite_str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite_json(obj), separators=(",", ":"), default=str, allow_nan=False)
 
 
 def _finite(x: Any) -> bool:
     return not isinstance(x, float) or math.isfinite(x)
+
+
+def _finite_str(value: Any) -> str:
+    """json's fallback for other types (str), refusing a non-finite numpy float as json does a float."""
+    if isinstance(value, np.floating) and not math.isfinite(value):
+        raise ValueError("non-finite number")
+    return str(value)
 
 
 def _finite_json(value: Any) -> Any:
@@ -138,29 +149,33 @@ def _finite_json(value: Any) -> Any:
 
 def _host_slices(steps: pd.DataFrame, syncs: pd.DataFrame) -> list[dict]:
     iv = host_intervals(steps, syncs)
+    kinds = iv["kind"].tolist()
     args = [
-        {"step": int(r.step), "phase": r.phase, "waits_for": r.waits_for} if r.kind == "sync"
-        else {"step": int(r.step)}
-        for r in iv.itertuples()
+        {"step": int(step), "phase": phase, "waits_for": waits_for} if kind == "sync" else {"step": int(step)}
+        for step, kind, phase, waits_for in zip(iv["step"].tolist(), kinds, iv["phase"].tolist(),
+                                                iv["waits_for"].tolist(), strict=True)
     ]
-    cats = [kind if kind in ("gc", "sync") else "host" for kind in iv["kind"]]
+    cats = [kind if kind in ("gc", "sync") else "host" for kind in kinds]
     return complete_slices(HOST_PID, ENGINE_TID, list(iv["name"]), iv["start_s"], iv["end_s"],
                            cat=cats, args=args)
 
 
 def _gpu_slices(steps: pd.DataFrame) -> list[dict]:
+    columns = ["step", "n_reqs", "prefill_tokens", "decode_tokens", "drafts_scheduled", "drafts_valid", "accepted",
+               "emitted", "wasted_slots"]
     args = [
         {
-            "step": int(r.step),
-            "n_reqs": int(r.n_reqs),
-            "tokens": int(r.prefill_tokens + r.decode_tokens),
-            "drafts": int(r.drafts_scheduled),
-            "drafts_valid": int(r.drafts_valid),
-            "accepted": int(r.accepted),
-            "emitted": int(r.emitted),
-            "wasted_slots": int(r.wasted_slots),
+            "step": int(step),
+            "n_reqs": int(n_reqs),
+            "tokens": int(prefill + decode),
+            "drafts": int(drafts),
+            "drafts_valid": int(valid),
+            "accepted": int(accepted),
+            "emitted": int(emitted),
+            "wasted_slots": int(wasted),
         }
-        for r in steps.itertuples()
+        for step, n_reqs, prefill, decode, drafts, valid, accepted, emitted, wasted
+        in zip(*(steps[c].tolist() for c in columns), strict=True)
     ]
     return complete_slices(GPU_PID, STREAM_TID, "step", steps["gpu_start"], steps["gpu_end"],
                            cat="gpu", args=args)
@@ -188,12 +203,13 @@ def _in_flight_counter(steps: pd.DataFrame) -> list[dict]:
 def _launch_flows(steps: pd.DataFrame) -> list[dict]:
     """Arrows from each launch slice to its GPU step (both bound at their slices' midpoints)."""
     events = []
-    for r in steps.itertuples():
-        launch_us = (round(r.prep_end * US, 3), round(r.launch_end * US, 3))
-        gpu_us = (round(r.gpu_start * US, 3), round(r.gpu_end * US, 3))
+    columns = ["step", "prep_end", "launch_end", "gpu_start", "gpu_end"]
+    for step, prep_end, launch_end, gpu_start, gpu_end in zip(*(steps[c].tolist() for c in columns), strict=True):
+        launch_us = (round(prep_end * US, 3), round(launch_end * US, 3))
+        gpu_us = (round(gpu_start * US, 3), round(gpu_end * US, 3))
         if launch_us[1] <= launch_us[0] or gpu_us[1] <= gpu_us[0]:
             continue
-        common = {"name": "launch", "cat": "launch", "id": int(r.step)}
+        common = {"name": "launch", "cat": "launch", "id": int(step)}
         events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": sum(launch_us) / 2})
         events.append({**common, "ph": "f", "bp": "e", "pid": GPU_PID, "tid": STREAM_TID,
                        "ts": sum(gpu_us) / 2})

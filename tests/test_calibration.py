@@ -190,6 +190,32 @@ def test_bad_input_exits_2(sim_run, tmp_path):
         assert r.exit_code == 2 and message in r.stderr, (message, r.output)
 
 
+def test_unwritable_out_exits_2_before_the_fit(sim_run, tmp_path, monkeypatch):
+    """An existing directory, a path under a file, a read-only file system (simulated: root ignores permission
+    bits): exit 2 naming --out, before the fit runs, and nothing written."""
+    import errno
+    import tempfile
+
+    from simharness import calibration
+
+    run = str(as_measured(shutil.copytree(sim_run, tmp_path / "run")))
+    (tmp_path / "file").write_text("")
+    fits = []
+    monkeypatch.setattr(calibration, "calibrate", lambda data: fits.append(data))
+    for out, reason in ((tmp_path, "Is a directory"), (tmp_path / "file" / "costs.yaml", "Not a directory")):
+        r = invoke("calibrate", run, "--out", str(out))
+        assert r.exit_code == 2 and f"--out {out}: cannot write ({reason}" in " ".join(r.stderr.split()), r.output
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    out = tmp_path / "new" / "costs.yaml"
+    r = invoke("calibrate", run, "--out", str(out))
+    assert r.exit_code == 2 and "cannot write (Read-only file system)" in " ".join(r.stderr.split()), r.output
+    assert not fits and not (tmp_path / "new").exists()
+
+
 def test_too_few_steps(tmp_path):
     tiny = {**SIM, "workload": {"num_requests": 2, "output_len": {"dist": "fixed", "value": 4}}, "sweep": {}}
     run = as_measured(simharness.run(simharness.scenario_from_dict(tiny), out=tmp_path).run_dir)

@@ -6,11 +6,13 @@ import errno
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -303,6 +305,79 @@ def test_every_option_is_named_explicitly():
     assert r.exit_code == 2 and "--device: 'tpu' is neither cpu nor cuda" in r.stderr, r.output
 
 
+def test_output_not_in_a_terminal_is_not_wrapped(tmp_path, monkeypatch):
+    """Captured output (a pipe, a file, CI's log) keeps its lines whole: the report's path on one line, however
+    long; an interrupted run prints the resume command on one line with the run's --set options, and it works."""
+    out = tmp_path / ("a-long-results-directory-name-" * 3) / "out"
+    sets = ["--set", "workload.num_requests=3", "--set", "workload.output_len={dist: fixed, value: 6}"]
+    write_point = results.write_point
+
+    def interrupted(run_dir, index, summary, tables):
+        if index == 1:
+            raise KeyboardInterrupt
+        write_point(run_dir, index, summary, tables)
+
+    monkeypatch.setattr(results, "write_point", interrupted)
+    r = invoke("run", scenario_file(tmp_path), "--out", out, *sets)
+    assert r.exit_code == 130, r.output
+    (run_dir,) = run_dirs(out)
+    command = f"simharness run {scenario_file(tmp_path)} --resume {run_dir} --set workload.num_requests=3 " \
+              "--set 'workload.output_len={dist: fixed, value: 6}'"
+    assert command in r.stderr.splitlines(), r.stderr
+    monkeypatch.setattr(results, "write_point", write_point)
+    r = invoke(*shlex.split(command)[1:])
+    assert r.exit_code == 0, r.output
+    assert f"report: {run_dir / 'report.md'}" in r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("columns", [80, 100, 120])
+def test_progress_line_keeps_counts_and_times_in_a_narrow_terminal(columns):
+    """The long point id of a many-field sweep gives way: the count, state, elapsed and time left stay whole, on
+    one line."""
+    from simharness.cli import SweepBar
+    from simharness.runner import SweepStatus
+
+    bar = SweepBar("fidelity")
+    bar.task = bar.bar.add_task(bar.title, total=None, point="", state="")
+    point = "engine.speculation.proposer=ngram_gpu,scheduler.policy=optimistic,scheduler.depth=3," \
+            "workload.concurrency=64,engine.speculation.k=4"
+    bar(SweepStatus(Path("run"), total=1088, done=17, running=2, failed=1, point_id=point))
+    console = Console(width=columns, record=True, force_terminal=True)
+    console.print(bar.bar.make_tasks_table(bar.bar.tasks))
+    lines = console.export_text().splitlines()
+    assert len(lines) == 1 and len(lines[0]) <= columns, lines
+    assert re.search(r"━+ +17/1088 2 running, 1 failed 0:00:0\d left -:--:-- ", lines[0]), lines
+
+
+def test_ignored_fields_are_noted_once_per_run(tmp_path):
+    """Fields every sim point ignores are one note for the run, not a Python warning (with its source line) a
+    point."""
+    doc = {**TINY, "engine": {**TINY["engine"], "device": "cuda", "host_slowdown": 1.2},
+           "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [1, 2]}}
+    r = invoke("run", scenario_file(tmp_path, doc), "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines() == ["note: engine.device, engine.host_slowdown: set, but a sim point runs no decode "
+                                     "loop; ignored (4 of 4 points)"], r.stderr
+
+
+def test_fidelity_table_shows_whole_point_ids(monkeypatch, tmp_path):
+    """The "worst point" column is never cut to the long prefix its ids share, in a terminal of 80 columns too."""
+    import simharness.fidelity as fidelity
+
+    ids = [f"engine.speculation.proposer=ngram_gpu,scheduler.policy=optimistic,workload.concurrency={c}"
+           for c in (4, 16)]
+    stats = pd.DataFrame({"level": ["hil", "sim"], "metric": "mean_tpot_ms", "points": 2, "median_abs_error": 0.01,
+                          "worst_abs_error": 0.02, "worst_point": ids})
+    result = SimpleNamespace(stats=stats, violations=[], report=tmp_path / "report.md",
+                             summary=pd.DataFrame({"point": ids}))
+    monkeypatch.setattr(fidelity, "run_fidelity", lambda *args, **kwargs: result)
+    for env in ({}, {"COLUMNS": "80"}):
+        r = CliRunner().invoke(app, ["fidelity", str(scenario_file(tmp_path))], env=env)
+        assert r.exit_code == 0, r.output
+        text = "".join(r.stdout.split())
+        assert all(i in text for i in ids), r.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # a CPU-only install: no Triton
 
@@ -326,6 +401,22 @@ def test_scenarios_run_without_triton(tmp_path):
         assert json.loads((run_dir / "meta.json").read_text())["scenario"] == name
 
 
+def test_bench_kernels_says_what_it_measures(tmp_path, monkeypatch):
+    """On CPU the benchmark takes minutes: a line as each group of rows starts, with the time since the start."""
+    import simharness.bench as bench
+
+    monkeypatch.setattr(bench, "time_call", lambda fn, device, repeats: (1.0, 1.0))  # every row, no timing
+    r = invoke("bench", "kernels", "--device", "cpu", "--quick", "--out", tmp_path)
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0] == "[0:00] copy bandwidth and matmul peak", lines
+    assert [line.split("] ")[1] for line in lines[1:]] == [
+        *(f"n-gram proposer: batch {b}, width {w}" for b in (16, 64) for w in (2048, 8192)),
+        *(f"rejection sampler: {d}, batch {b}" for d in ("float32", "bfloat16") for b in (16, 64)),
+        "verify step: tiny, batches 1, 8"], lines
+    assert all(re.fullmatch(r"\[\d+:\d\d\] .+", line) for line in lines)
+
+
 def test_bench_kernels_prints_no_nan_frame(tmp_path, monkeypatch):
     """Each kernel's rows are printed with that kernel's columns only (a NaN-filled frame said nothing)."""
     import simharness.bench as bench
@@ -335,7 +426,7 @@ def test_bench_kernels_prints_no_nan_frame(tmp_path, monkeypatch):
         {"kernel": "rejection", "impl": "reference", "batch": 16, "k": 4, "device_ms": 2.5, "pct_of_copy_bw": 0.4},
         {"kernel": "verify", "impl": "eager", "batch": 1, "model": "tiny", "device_ms": 19.0, "wall_ms": float("nan")},
     ])
-    monkeypatch.setattr(bench, "run_kernel_bench", lambda device, out_dir, quick=False: frame)
+    monkeypatch.setattr(bench, "run_kernel_bench", lambda device, out_dir, quick=False, progress=None: frame)
     r = invoke("bench", "kernels", "--device", "cpu", "--quick", "--out", tmp_path)
     assert r.exit_code == 0, r.output
     assert "NaN" not in r.stdout and "nan" not in r.stdout.lower().replace("ngram", "")

@@ -335,6 +335,37 @@ def test_bad_executor_options_exit_2_and_write_nothing(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_ray_address_that_is_not_a_cluster_exits_2_at_once(tmp_path):
+    """A port that answers but is no Ray cluster (a web server) is refused before Ray tries to join it (which took
+    minutes, printing Ray's own warnings); the GCS of a real cluster passes the same check."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(b"HTTP/1.0 400 Bad request\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    result = CliRunner().invoke(app, ["run", str(_write(tmp_path, SMALL)), "--out", str(tmp_path / "out"), "--ray",
+                                      f"127.0.0.1:{port}"])  # fmt: skip
+    server.close()
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: --ray 127.0.0.1:{port}: something answers there, but not a Ray " \
+                                    "cluster (no gRPC)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_ray_clusters_address_passes_the_check(cluster):
+    from simharness.executors import _check_reachable
+
+    _check_reachable(ray.get_runtime_context().gcs_address)
+
+
 def test_ray_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails as if it were not installed
     result = CliRunner().invoke(app, ["run", str(_write(tmp_path, SMALL)), "--out", str(tmp_path / "out"), "--ray",

@@ -89,3 +89,75 @@ def test_frontier_notebook(python3_kernel, tmp_path):
     """notebooks/frontier.ipynb (issue 31): stored clean, public API only, executes on its small live sim grid."""
     test_notebook_is_stored_clean_and_uses_the_public_api("frontier.ipynb")
     test_notebook_executes("frontier.ipynb", python3_kernel, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the quickstart and sync-points notebooks show, asserted on the values they compute
+
+
+def _facts(name: str, kernel: str, code: str) -> dict:
+    """Execute notebook `name` with a last cell that prints the JSON of `code` (an expression over the notebook's
+    variables); returns it."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(f"import json; print(json.dumps({code}, default=str))"))
+    NotebookClient(nb, kernel_name=kernel, timeout=300, resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return json.loads(nb.cells[-1].outputs[0]["text"])
+
+
+def test_quickstart_shows_what_async_buys(python3_kernel):
+    """The three modes at each concurrency: the same acceptance; sync slower than async waiting for the accepted
+    counts (one sync more a step), slower than zero-bubble; zero-bubble keeps the GPU busy, and the printed saving
+    is zero-bubble against sync."""
+    import pandas as pd
+
+    facts = _facts("quickstart.ipynb", python3_kernel,
+                   '{"summary": summary[columns].to_dict(orient="records"), "gain": gain.to_dict()}')
+    summary = pd.DataFrame(facts["summary"])
+    by = summary.pivot(index="workload.concurrency", columns="mode")
+    sync, wait, zero = "sync (depth 1)", "async depth 2, wait for accepted counts", "async depth 2, zero-bubble"
+    assert set(by["mean_tpot_ms"].columns) == {sync, wait, zero} and len(by) == 3
+    assert (by["acceptance_rate"].nunique(axis=1) == 1).all()  # scheduling does not change what is accepted
+    tpot = by["mean_tpot_ms"]
+    assert ((tpot[sync] > tpot[wait]) & (tpot[wait] > tpot[zero])).all(), tpot
+    assert (by["syncs_per_step"][wait] == by["syncs_per_step"][zero] + 1).all()
+    busy = by["gpu_busy_fraction"]
+    assert (busy[zero] > 0.99).all() and (busy[sync] < 0.95).all(), busy
+    gain = {int(c): v for c, v in facts["gain"].items()}
+    assert gain == pytest.approx((100 * (1 - tpot[zero] / tpot[sync])).to_dict())
+    assert all(5 < v < 20 for v in gain.values()), gain
+
+
+def test_sync_points_shows_what_each_sync_costs(python3_kernel):
+    """The claims under the what-if table and the GC plot: removing the only sync before prep restores the
+    overlap and cuts TPOT while the GPU verifies more tokens; a second sync at the same place, or the swap, costs
+    little; a sync before schedule costs more than one before prep; GC pauses add latency as they become more
+    likely, more to the tail than to the mean, and more in relative terms to the faster async loop."""
+    import pandas as pd
+
+    facts = _facts("sync-points.ipynb", python3_kernel,
+                   '{"table": table.to_dict(orient="records"), "gc": g.to_dict(orient="records")}')
+    table = pd.DataFrame(facts["table"]).set_index(["what_if", "workload.concurrency"])
+    base = table.loc["as shipped (trim: valid-draft-count sync)"]
+
+    def change(what_if: str, metric: str = "mean_tpot_ms") -> pd.Series:
+        return table.loc[what_if][metric] / base[metric] - 1
+
+    removed = table.loc["remove the valid-draft-count sync"]
+    assert (removed["gpu_busy_fraction"] > 0.99).all() and (base["gpu_busy_fraction"] < 0.9).all()
+    assert (change("remove the valid-draft-count sync") < -0.1).all()
+    assert (removed["verified_tokens_per_step"] > 2 * base["verified_tokens_per_step"]).all()
+    for second in ("+ accepted-count readback (policy wait)", "+ .item() in metadata build",
+                   "swap: remove valid-draft sync, + .item()"):
+        assert (change(second).abs() < 0.02).all(), (second, change(second))
+    before_schedule = change("+ a sync before schedule")
+    assert (before_schedule > change("+ .item() in metadata build") + 0.05).all(), before_schedule
+    gc = pd.DataFrame(facts["gc"])
+    relative = {}
+    for depth, part in gc.groupby("scheduler.depth"):
+        part = part.sort_values("engine.gc.probability")
+        for metric in ("mean_tpot_ms", "p99_tpot_ms", "p99_itl_ms"):
+            assert part[metric].is_monotonic_increasing, (depth, metric)
+        added = part[["mean_tpot_ms", "p99_itl_ms"]].iloc[-1] - part[["mean_tpot_ms", "p99_itl_ms"]].iloc[0]
+        assert added["p99_itl_ms"] > 5 * added["mean_tpot_ms"] > 0, (depth, added)
+        relative[depth] = part["mean_tpot_ms"].iloc[-1] / part["mean_tpot_ms"].iloc[0]
+    assert relative[2] > relative[1], relative

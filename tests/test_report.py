@@ -258,3 +258,57 @@ def test_timeline_title_names_the_steps_drawn() -> None:
     bars = [t for t in ax.texts]  # GPU bars wide enough carry their step number
     assert {int(t.get_text()) for t in bars} <= set(range(first, last + 1))
     assert f"in {span_ms:.2f} ms" in title
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[16:24]
+    return int.from_bytes(head[:4], "big"), int.from_bytes(head[4:], "big")
+
+
+def test_many_modes_keep_their_legend_beside_the_lines(tmp_path, monkeypatch) -> None:
+    """40 modes: the legend is whole inside the image and covers no part of the plot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from simharness.report import _plot_single, _plot_tpot
+
+    modes = [f"ngram_gpu, optimistic, depth={d}, k={k}" for d in range(1, 6) for k in range(1, 9)]
+    summary = pd.DataFrame([{"mode": m, "workload.concurrency": c, "mean_tpot_ms": i + c, "p99_tpot_ms": i + 2 * c,
+                             "output_throughput": 100.0 * c} for i, m in enumerate(modes) for c in (1, 4, 16)])
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self))
+    _plot_single(summary, True, "output_throughput", "tok/s", tmp_path / "x.png")
+    _plot_tpot(summary, True, tmp_path / "y.png")
+    for fig in figures:
+        FigureCanvasAgg(fig).draw()
+        (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]  # one legend a figure
+        box = legend.get_window_extent()
+        assert len(legend.get_texts()) == len(modes)
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+        assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+
+
+def test_timeline_of_a_large_sweep_draws_a_few_evenly_spaced_points(tmp_path) -> None:
+    from simharness.report import TIMELINE_PANELS, _timeline_points
+
+    summary = pd.DataFrame({"point": [f"p{i}" for i in range(136)], "mode": [f"m{i}" for i in range(136)]})
+    where, rows = _timeline_points(summary, by_concurrency=False)
+    assert list(rows["point"]) == ["p0", "p19", "p39", "p58", "p77", "p96", "p116", "p135"]
+    assert where == f" ({TIMELINE_PANELS} of 136 points, evenly spaced in sweep order)"
+    run_dir = make_run(tmp_path, {"scheduler.depth": [1, 2, 3], "engine.speculation.k": [1, 2, 3, 4]})
+    text = _render(run_dir)
+    assert "(8 of 12 points, evenly spaced in sweep order), one panel per mode" in text
+    width, height = _png_size(run_dir / "plots" / "timeline.png")
+    assert height <= (0.8 + 1.3 * TIMELINE_PANELS) * 110 + 1, (width, height)
+
+
+def test_setup_names_the_device_a_level_runs_on(tmp_path) -> None:
+    """A sim run models a GPU; a measured run on the CPU is not labelled with the (ignored) engine.gpu."""
+    text = _render(make_run(tmp_path, {}))
+    assert "**Setup:** `llama-3-8b` on a modelled H100 (`model` backend)" in text
+    run_dir = make_run(tmp_path / "cpu", {})
+    stored = yaml.safe_load((run_dir / "scenario.yaml").read_text())
+    stored["engine"].update(backend="torch", device="cpu", model="tiny")
+    (run_dir / "scenario.yaml").write_text(yaml.safe_dump(stored))
+    text = write_report(run_dir).read_text()
+    assert "**Setup:** `tiny` on `cpu` (`torch` backend)" in text and "H100" not in text.split("**Swept")[0]

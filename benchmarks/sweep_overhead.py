@@ -1,0 +1,99 @@
+"""Per-point cost of a sweep of tiny sim points: what the harness spends besides the simulation (per-point tables,
+traces, metrics, the run's combined tables and report) bounds a design-space sweep of small points.
+
+The sweep is depth x concurrency x k (4 x 8 x 8 = 256 points, 8 requests each; --points 64 takes 4 x 4 x 4).
+Each source tree given (`--tree`, default this checkout) runs it as `simharness run` in a fresh process, the trees
+taking turns, `--repeats` times: on a shared, noisy machine only figures from one such interleaved run compare. The
+table gives each tree's median wall time per point and its spread (min-max); the runs' summary.csv and trace files
+must be the same bytes in every tree (the change is bookkeeping, not results). Usage:
+
+    python benchmarks/sweep_overhead.py --tree /tmp/base --tree . [--repeats 3] [--points 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SWEEPS = {
+    256: {"scheduler.depth": [1, 2, 3, 4], "workload.concurrency": [1, 2, 4, 8, 16, 32, 64, 128],
+          "engine.speculation.k": [1, 2, 3, 4, 5, 6, 7, 8]},
+    64: {"scheduler.depth": [1, 2, 3, 4], "workload.concurrency": [1, 2, 4, 8], "engine.speculation.k": [1, 2, 3, 4]},
+}
+
+
+def scenario(points: int) -> dict:
+    return {
+        "name": "overhead", "seed": 0,
+        "workload": {"num_requests": 8, "prompt_len": {"dist": "uniform", "min": 128, "max": 512},
+                     "output_len": {"dist": "fixed", "value": 96}, "kinds": {"code_edit": 0.5, "free": 0.5}},
+        "engine": {"model": "llama-3-8b", "speculation": {"proposer": "ngram_gpu", "acceptance": {"model": "replay"}}},
+        "sweep": SWEEPS[points],
+    }  # fmt: skip
+
+
+def timed_run(tree: Path, scenario_path: Path, out: Path) -> tuple[float, Path]:
+    """Wall time of `simharness run` from `tree` (start-up, points, combined tables, report); its run directory."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "simharness", "run", str(scenario_path), "--out", str(out)], cwd=tree,
+                   env=env, check=True, capture_output=True)
+    return time.perf_counter() - start, next(out.glob("*/*/"))
+
+
+def fingerprint(run_dir: Path) -> str:
+    """A digest of the run's results: summary.csv and every trace."""
+    digest = hashlib.sha256((run_dir / "summary.csv").read_bytes())
+    for path in sorted((run_dir / "traces").iterdir()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", type=Path, action="append", help="a source tree to time (repeatable)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--points", type=int, choices=sorted(SWEEPS), default=256)
+    args = parser.parse_args()
+    trees = [t.resolve() for t in args.tree or [ROOT]]
+    work = Path(tempfile.mkdtemp(prefix="sweep-overhead-"))
+    scenario_path = work / "overhead.yaml"
+    scenario_path.write_text(yaml.safe_dump(scenario(args.points), sort_keys=False))
+    print(f"{args.points} points of 8 requests; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} "
+          f"{os.getloadavg()[1]:.2f} at the start", flush=True)
+    for tree in trees:  # a first run compiles the tree's numba functions (cached beside them): not timed
+        timed_run(tree, scenario_path, work / "warm-up")
+        shutil.rmtree(work / "warm-up")
+    walls: dict[Path, list[float]] = {tree: [] for tree in trees}
+    prints: set[str] = set()
+    for repeat in range(args.repeats):
+        for tree in trees:
+            out = work / f"run-{repeat}"
+            wall, run_dir = timed_run(tree, scenario_path, out)
+            walls[tree].append(wall)
+            prints.add(fingerprint(run_dir))
+            print(f"  run {repeat + 1}, {tree}: {wall:.1f} s ({wall / args.points * 1e3:.1f} ms a point)", flush=True)
+            shutil.rmtree(out)
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the end")
+    print("| tree | median ms a point | min-max |")
+    print("|---|---|---|")
+    for tree, times in walls.items():
+        per_point = [t / args.points * 1e3 for t in times]
+        print(f"| {tree} | {statistics.median(per_point):.1f} | {min(per_point):.1f}-{max(per_point):.1f} |")
+    print(f"results identical in every run: {'yes' if len(prints) == 1 else 'NO: ' + ', '.join(sorted(prints))}")
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
