@@ -44,7 +44,7 @@ def step(req: list[int], *, prefill: int = 0, slots: int = K) -> SimpleNamespace
     else:
         table[TOKENS] = 1 + slots
         table[SLOTS] = table[VERIFIED] = slots
-    return SimpleNamespace(batch=Batch(table, len(req), len(req) * int(prefill > 0), int(table[TOKENS].sum())),
+    return SimpleNamespace(batch=Batch(table, len(req), len(req) * int(prefill > 0), int(table[TOKENS].sum()), K),
                            trimmed=False)
 
 

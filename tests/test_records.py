@@ -16,7 +16,7 @@ def table(**rows: list[int]) -> np.ndarray:
 
 
 def step(id: int, table: np.ndarray) -> Step:
-    return Step(id, Batch(table, table.shape[1], 0, 0), in_flight=1)
+    return Step(id, Batch(table, table.shape[1], 0, 0, 0), in_flight=1)
 
 
 def test_step_counts_emissions_and_request_tallies():
