@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from simharness.costfile import CalibrationError, check_match, load_calibration
+from simharness.hostprofile import HostProfileError, load_profile
+from simharness.hostprofile import host_costs as profile_host_costs
 from simharness.models import gpu_spec, model_config
 
 
@@ -180,9 +182,23 @@ class GpuCosts(Strict):
 class HostCosts(Strict):
     """Host (engine thread) phase costs in microseconds: base per step + per request (+ per token).
 
-    Defaults are order-of-magnitude figures for a vLLM V1 engine thread on a server CPU
-    (vLLM #6854/#10634 report 5-13 ms host gaps per step at large batch in 2024; much less today)."""
+    schedule and update default to vLLM's own `Scheduler.schedule` and `update_from_output` (async scheduling,
+    folded at 3 drafts per request), measured on the development machine: `results/host/vllm-0.32.0.json`,
+    docs/host-costs.md. The other phases are the harness's own figures (measured at hil/real)."""
 
+    vllm_version: str = Field(
+        "0.32.0", description="the vLLM version whose host costs these stand for; a `profile` of another one is noted"
+    )
+    profile: str | None = Field(
+        None, description="a host profile (`simharness host-profile`): its schedule and update costs (folded at "
+        "`profile_k` drafts per request, scaled to `host_gauge_us`) replace the defaults; fields set here still win"
+    )
+    profile_k: int = Field(3, ge=0, le=64, description="drafts per request at which the profile's per-draft cost "
+                           "is folded into the per-request cost")
+    host_gauge_us: float | None = Field(
+        None, gt=0, le=MAX_VALUE, description="the host gauge (`simharness.hostspeed`, fastest median, µs) of the "
+        "host modelled: the profile's costs scale by it over the profile's own (unset: the profile's host)"
+    )
     schedule_us: NonNegFloat = 150.0
     schedule_per_req_us: NonNegFloat = 4.0
     prep_us: NonNegFloat = 200.0
@@ -201,6 +217,23 @@ class HostCosts(Strict):
         30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap (85 on a "
         "shared 2-core VM, gc.collect() over 1e6 one-item lists)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_profile(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("profile") is None:
+            return data
+        try:
+            profile = load_profile(data["profile"])
+        except HostProfileError as e:
+            raise ValueError(f"profile: {e}") from None
+        version = data.get("vllm_version", cls.model_fields["vllm_version"].default)
+        if profile.vllm_version != version:
+            warnings.warn(f"engine.host_costs.profile {data['profile']} is for vLLM {profile.vllm_version}, the "
+                          f"scenario names vLLM {version} (engine.host_costs.vllm_version)", ScenarioNote, stacklevel=2)
+        k = data.get("profile_k", cls.model_fields["profile_k"].default)
+        costs = profile_host_costs(profile, k=k, gauge_us=data.get("host_gauge_us"))
+        return {**costs, **data}
 
 
 class GcPauses(Strict):

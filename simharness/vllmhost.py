@@ -8,6 +8,7 @@ machine without a GPU); every other path of the harness works without it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -106,6 +107,11 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
 
     scheduler = make_scheduler(point, model_dir)
     outputs = OutputProcessor(None, log_stats=False)
+    # what exists now is frozen (as vLLM's engine does once started) and the collector is off while timing: the
+    # harness models collections on their own (`engine.gc`), so a phase's cost leaves them out
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     params = SamplingParams(max_tokens=MAX_MODEL_LEN - point.prompt_len - 64, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
     for i in range(point.requests):
@@ -118,10 +124,11 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
     rows = []
     while sum(r["prefill_reqs"] == 0 for r in rows) < steps:
         prefilling = {r.request_id for r in scheduler.requests.values() if r.num_computed_tokens < r.num_prompt_tokens}
-        t = time.perf_counter()
+        t = clock()
         out = scheduler.schedule()
+        row = {**point.__dict__, **since(t, "schedule")}
         scheduled = set(out.num_scheduled_tokens)
-        row = {**point.__dict__, "schedule_us": (time.perf_counter() - t) * 1e6, "reqs": len(scheduled),
+        row |= {"reqs": len(scheduled),
                "prefill_reqs": len(prefilling & scheduled), "tokens": out.total_num_scheduled_tokens,
                "draft_tokens": sum(len(v) for v in out.scheduled_spec_decode_tokens.values())}
         sampling = [r for r in out.num_scheduled_tokens
@@ -131,22 +138,35 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
             continue
         out, row, sampling = in_flight.pop(0)
         runner = model_output(out, sampling, rng)
-        t = time.perf_counter()
+        t = clock()
         core_outputs = scheduler.update_from_output(out, runner)
-        row["update_us"] = (time.perf_counter() - t) * 1e6
-        row["drafts_us"] = 0.0
+        row |= since(t, "update") | {"drafts_us": 0.0, "drafts_wall_us": 0.0}
         if point.k and not point.async_scheduling:  # sync: the engine hands the step's new drafts to the scheduler
             draft = DraftTokenIds(list(sampling), [[rng.randrange(32000) for _ in range(point.k)] for _ in sampling])
-            t = time.perf_counter()
+            t = clock()
             scheduler.update_draft_token_ids(draft)
-            row["drafts_us"] = (time.perf_counter() - t) * 1e6
-        t = time.perf_counter()
+            row |= since(t, "drafts")
+        t = clock()
         for engine_outputs in core_outputs.values():
             outputs.process_outputs(engine_outputs.outputs, engine_outputs.timestamp)
-        row["output_us"] = (time.perf_counter() - t) * 1e6
+        row |= since(t, "output")
         row["sampled_tokens"] = sum(len(s) for s in runner.sampled_token_ids)
         rows.append(row)
+    gc.enable()
+    gc.unfreeze()
     return rows
+
+
+def clock() -> tuple[float, float]:
+    """This thread's CPU time and the wall time, in seconds."""
+    return time.thread_time(), time.perf_counter()
+
+
+def since(start: tuple[float, float], phase: str) -> dict[str, float]:
+    """A phase's cost since `start`, µs: its thread CPU time (`<phase>_us`: what the profile fits, untouched by
+    other processes taking the CPU on a shared host) and its wall time (`<phase>_wall_us`)."""
+    cpu, wall = clock()
+    return {f"{phase}_us": (cpu - start[0]) * 1e6, f"{phase}_wall_us": (wall - start[1]) * 1e6}
 
 
 def model_output(out, sampling: list[str], rng: random.Random):
@@ -215,8 +235,11 @@ def measure_profile(out: Path, repeats: int, steps: int) -> tuple[HostProfile, P
     load = [os.getloadavg()[0]]
     rows = []
     for repeat in range(repeats):
-        rows += [{**r, "repeat": repeat} for r in measure(profile_points(), 1, steps, seed=repeat)]
-        gauge.probe()
+        before = gauge.probe()
+        measured = measure(profile_points(), 1, steps, seed=repeat)
+        # the gauge around this repeat (µs): how slow the host was while it ran, against `host_gauge_us`
+        slow_us = max(before, gauge.probe()) * 1e6
+        rows += [{**r, "repeat": repeat, "gauge_us": slow_us} for r in measured]
         load.append(os.getloadavg()[0])
     steps_frame = pd.DataFrame(rows)
     steps_frame.to_csv(out / f"vllm-{version}-steps.csv", index=False)
