@@ -9,6 +9,7 @@
 from simharness.calibration import calibrate, load_fit_data
 from simharness.compare import compare
 from simharness.fidelity import FidelityResult, run_fidelity
+from simharness.hostprofile import HostProfile, fit_profile, host_costs, load_profile
 from simharness.runner import RunResult, run
 from simharness.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 from simharness.seeds import SEEDS, run_seed, seed_effects
@@ -16,12 +17,16 @@ from simharness.seeds import SEEDS, run_seed, seed_effects
 __all__ = [
     "SEEDS",
     "FidelityResult",
+    "HostProfile",
     "RunResult",
     "Scenario",
     "ScenarioError",
     "calibrate",
     "compare",
+    "fit_profile",
+    "host_costs",
     "load_fit_data",
+    "load_profile",
     "load_scenario",
     "run",
     "run_fidelity",
