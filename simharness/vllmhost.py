@@ -242,7 +242,7 @@ def measure_profile(out: Path, repeats: int, steps: int) -> tuple[HostProfile, P
         rows += [{**r, "repeat": repeat, "gauge_us": slow_us} for r in measured]
         load.append(os.getloadavg()[0])
     steps_frame = pd.DataFrame(rows)
-    steps_frame.to_csv(out / f"vllm-{version}-steps.csv", index=False)
+    steps_frame.to_csv(out / f"vllm-{version}-steps.csv", index=False, float_format="%.2f")
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
                f"{platform.python_version()}, load average {min(load):.1f}-{max(load):.1f} while measuring")
     profile = fit_profile(steps_frame, HELD_OUT, vllm_version=version, host_gauge_us=gauge.fastest_s * 1e6,

@@ -117,13 +117,19 @@ def test_host_profile_command_without_vllm_exits_2(monkeypatch, tmp_path):
 
 
 def test_defaults_are_the_committed_profile():
+    """The committed profile is its committed step timings' fit, and the defaults are that profile."""
+    from simharness.vllmhost import HELD_OUT as MEASURED_HELD_OUT
+
     profile = load_profile(COMMITTED)
+    rows = pd.read_csv(COMMITTED.with_name("vllm-0.32.0-steps.csv"))
+    assert fit_profile(rows, MEASURED_HELD_OUT, vllm_version=profile.vllm_version, host_gauge_us=profile.host_gauge_us,
+                       machine=profile.machine) == profile
     defaults = HostCosts()
     assert profile.vllm_version == defaults.vllm_version
     for name, value in host_costs(profile, k=defaults.profile_k).items():
-        assert getattr(defaults, name) == pytest.approx(value, abs=0.05), name  # written to 0.1 µs
+        assert getattr(defaults, name) == pytest.approx(value, abs=0.005), name  # written to 0.01 µs
     assert HostCosts(profile=str(COMMITTED)).model_dump() == pytest.approx(
-        {**defaults.model_dump(), "profile": str(COMMITTED)}, abs=0.05)
+        {**defaults.model_dump(), "profile": str(COMMITTED)}, abs=0.005)
 
 
 def test_a_scenario_takes_a_profile_scaled_and_notes_another_version(tmp_path):
