@@ -2,8 +2,9 @@
 (`simharness.vllmhost`), with the host's speed they were measured at, and scaled to another host's speed.
 
 A phase's cost per step is linear: base + per request x requests + per draft token x drafts scheduled
-(+ per prefill chunk). The fit is least squares over the medians of the measured points; its error is the
-median relative error on held-out points, those whose (requests, k) the fit did not see. The profile's
+(+ per prefill chunk). The fit is least squares over the measured points (each the median over repeats of its
+mean step); its error is the median relative error on held-out points, those whose (requests, k) the fit did
+not see. The profile's
 `host_gauge_us` is `simharness.hostspeed`'s gauge (the fastest median time of its fixed workload) on the
 measuring host: a profile scales to a host whose gauge reads g by g / host_gauge_us (docs/host-costs.md).
 """
@@ -73,12 +74,12 @@ class HostProfile:
 
 
 def point_medians(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per measured point and repeat the median step (steps with prefill kept apart from those without), then
-    per point the median over repeats: the values the fit sees."""
+    """Per measured point and repeat the mean step (steps with prefill kept apart from those without: the cost a
+    step adds on average), then per point the median over repeats: the values the fit sees."""
     keys = ["requests", "k", "prompt_len", "async_scheduling", "max_batched_tokens"]
     rows = rows.assign(prefilling=rows["prefill_reqs"] > 0)
     numeric = sorted({f for fs in FEATURES.values() for f in fs} | {f"{p}_us" for p in FEATURES})
-    per_repeat = rows.groupby([*keys, "prefilling", "repeat"])[numeric].median()
+    per_repeat = rows.groupby([*keys, "prefilling", "repeat"])[numeric].mean()
     return per_repeat.groupby(level=[*keys, "prefilling"]).median().reset_index()
 
 

@@ -107,11 +107,10 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
 
     scheduler = make_scheduler(point, model_dir)
     outputs = OutputProcessor(None, log_stats=False)
-    # what exists now is frozen (as vLLM's engine does once started) and the collector is off while timing: the
-    # harness models collections on their own (`engine.gc`), so a phase's cost leaves them out
+    # what exists now is frozen, as vLLM's engine does once started: later collections see only what the steps
+    # allocate, and those a phase triggers count in its time, as in vLLM
     gc.collect()
     gc.freeze()
-    gc.disable()
     params = SamplingParams(max_tokens=MAX_MODEL_LEN - point.prompt_len - 64, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
     for i in range(point.requests):
@@ -152,7 +151,6 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
         row |= since(t, "output")
         row["sampled_tokens"] = sum(len(s) for s in runner.sampled_token_ids)
         rows.append(row)
-    gc.enable()
     gc.unfreeze()
     return rows
 

@@ -32,13 +32,14 @@ OUTPUT = (3.5, 4.5, 0.1)  # base, per request, per sampled token
 HELD_OUT = {(3, 2), (24, 6), (96, 2), (192, 6)}
 
 
-def synthetic_rows(rng: np.random.Generator, noise: float = 0.03, spikes: float = 0.05) -> pd.DataFrame:
-    """Steps of every (requests, k) point, 3 repeats of 10 steps, with multiplicative noise and a share of
-    4 ms spikes (a collection, another process) that the medians must shrug off."""
+def synthetic_rows(rng: np.random.Generator, noise: float = 0.03, slow_repeat: float = 3.0) -> pd.DataFrame:
+    """Steps of every (requests, k) point, 3 repeats of 10 steps, with multiplicative noise; one repeat of each
+    point (drawn) `slow_repeat` times as slow, which the median over repeats must shrug off."""
     rows = []
     pairs = [(b, k) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for k in (0, 1, 3, 4, 8)] + sorted(HELD_OUT)
     for is_async in (False, True):
         for b, k in pairs:
+            slow = rng.integers(3)
             for repeat in range(3):
                 for prefill in (0, 0, 0, 0, 0, 0, 0, 0, 2, 0):
                     row = {"requests": b, "k": k, "prompt_len": 512, "async_scheduling": is_async,
@@ -46,7 +47,7 @@ def synthetic_rows(rng: np.random.Generator, noise: float = 0.03, spikes: float 
                            "draft_tokens": b * k, "sampled_tokens": b * (1 + k // 2), "tokens": b * (1 + k)}
                     for phase, (base, per_req, per_draft, per_prefill) in TRUTH.items():
                         t = base + per_req * b + per_draft * b * k + per_prefill * prefill
-                        row[f"{phase}_us"] = t * rng.lognormal(0, noise) + (4000 if rng.random() < spikes else 0)
+                        row[f"{phase}_us"] = t * rng.lognormal(0, noise) * (slow_repeat if repeat == slow else 1.0)
                     row["output_us"] = OUTPUT[0] + OUTPUT[1] * b + OUTPUT[2] * row["sampled_tokens"]
                     rows.append(row)
     return pd.DataFrame(rows)
@@ -60,7 +61,7 @@ def test_fit_recovers_the_costs_and_scores_held_out_points():
             fit = profile.fits[mode][phase]
             assert fit.base_us == pytest.approx(base, rel=0.15), (mode, phase)
             assert fit.per_unit_us["reqs"] == pytest.approx(per_req, rel=0.05), (mode, phase)
-            assert fit.per_unit_us["draft_tokens"] == pytest.approx(per_draft, rel=0.15), (mode, phase)
+            assert fit.per_unit_us["draft_tokens"] == pytest.approx(per_draft, rel=0.2), (mode, phase)
             assert fit.held_out == len(HELD_OUT) * 2  # decode and prefill steps of each held-out point
             assert fit.median_error < 0.05
         assert profile.fits[mode]["output"].per_unit_us["reqs"] == pytest.approx(OUTPUT[1], rel=1e-6)
@@ -68,7 +69,7 @@ def test_fit_recovers_the_costs_and_scores_held_out_points():
 
 def test_fit_error_is_large_where_the_model_is_wrong():
     """The held-out error measures the fit: timings quadratic in the batch are not fitted within 10%."""
-    rows = synthetic_rows(np.random.default_rng(1), noise=0.0, spikes=0.0)
+    rows = synthetic_rows(np.random.default_rng(1), noise=0.0, slow_repeat=1.0)
     rows["update_us"] = 5.0 + 0.05 * rows["reqs"] ** 2
     profile = fit_profile(rows, HELD_OUT, vllm_version="0.32.0", host_gauge_us=150.0, machine="synthetic")
     assert profile.fits["async"]["update"].median_error > 0.1
