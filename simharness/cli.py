@@ -360,12 +360,13 @@ def host_profile_cmd(
     profile, path = measure_profile(out_dir, repeats, steps)
     table = Table(title=f"vLLM {profile.vllm_version} host phases, µs ({profile.machine})", box=box.SIMPLE_HEAD,
                   pad_edge=False)
-    for column in ("mode", "phase", "per step", "per request", "per draft token", "held-out median |error|", "worst"):
+    for column in ("mode", "phase", "per step", "per request", "per token", "held-out median |error|", "worst"):
         table.add_column(column, justify="left" if column in ("mode", "phase") else "right")
     for mode, phases in profile.fits.items():
         for phase, fit in phases.items():
             per = fit.per_unit_us
-            table.add_row(mode, phase, f"{fit.base_us:.1f}", f"{per['reqs']:.2f}", f"{per.get('draft_tokens', 0):.3f}",
+            token = per.get("draft_tokens", per.get("sampled_tokens"))  # drafts scheduled; output: tokens sampled
+            table.add_row(mode, phase, f"{fit.base_us:.1f}", f"{per['reqs']:.2f}", f"{token:.3f}",
                           f"{fit.median_error:.1%}", f"{fit.worst_error:.1%}")
     out.print(table)
     out.print(f"host gauge {profile.host_gauge_us:.1f} µs (now {HostGauge().fastest_s * 1e6:.1f}); profile: {path}")

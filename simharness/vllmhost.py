@@ -56,7 +56,7 @@ def vllm_version() -> str:
 
 def make_scheduler(point: Point, model_dir: Path):
     """vLLM's scheduler (AsyncScheduler with async scheduling) for `point`, from a local config (no hub, no
-    tokenizer), prefix caching off, KV blocks for every request's whole length."""
+    tokenizer), prefix caching off, KV blocks for a quarter of each request's longest length (more than it uses)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -188,19 +188,18 @@ def model_output(out, sampling: list[str], rng: random.Random):
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
 
 
-def measure(points: list[Point], repeats: int, steps: int, seed: int = 0) -> list[dict]:
-    """Every point `repeats` times, interleaved (each repeat runs the points in another order), `steps` decode
-    steps each; one row per step with its repeat."""
+def measure(points: list[Point], steps: int, seed: int) -> list[dict]:
+    """Every point once, in an order drawn from `seed` (so that repeats interleave), `steps` decode steps each;
+    one row per step."""
     rng = random.Random(seed)
+    order = list(points)
+    rng.shuffle(order)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-host-") as tmp:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
-        for repeat in range(repeats):
-            order = list(points)
-            rng.shuffle(order)
-            for point in order:
-                rows.extend({**row, "repeat": repeat} for row in run_point(point, model_dir, steps, rng))
+        for point in order:
+            rows += run_point(point, model_dir, steps, rng)
     return rows
 
 
@@ -234,7 +233,7 @@ def measure_profile(out: Path, repeats: int, steps: int) -> tuple[HostProfile, P
     rows = []
     for repeat in range(repeats):
         before = gauge.probe()
-        measured = measure(profile_points(), 1, steps, seed=repeat)
+        measured = measure(profile_points(), steps, seed=repeat)
         # the gauge around this repeat (µs): how slow the host was while it ran, against `host_gauge_us`
         slow_us = max(before, gauge.probe()) * 1e6
         rows += [{**r, "repeat": repeat, "gauge_us": slow_us} for r in measured]

@@ -101,7 +101,7 @@ def test_seeds_notebook_shows_the_committed_and_live_effects(python3_kernel, tmp
     assert sorted(p.name for p in ROOT.iterdir()) == before and not (NOTEBOOKS / "results").exists()
     images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {}))
     assert images >= 3, "the plots did not render"
-    shown, prompts = (pd.DataFrame(json.loads(line)) for line in nb.cells[-1].outputs[0]["text"].split())
+    shown, prompts = (pd.DataFrame(json.loads(line)) for line in nb.cells[-1].outputs[0]["text"].splitlines())
     shown["seed"] = shown["seed"].astype(str)
     results = ROOT / "results" / "seeds"
     for level, path in (("sim", results / "effects.csv"), ("hil", results / "effects.csv"),
@@ -113,8 +113,8 @@ def test_seeds_notebook_shows_the_committed_and_live_effects(python3_kernel, tmp
         assert len(merged) == len(committed) > 0, level
         assert np.allclose(merged.effect_pct, merged.effect_pct_shown, rtol=1e-9), level
         assert (merged.reproduced == merged.reproduced_shown).all(), level
-    live = shown[shown.level == "sim (live)"]
-    assert len(live) == sum(len(seed.reported) for seed in simharness.SEEDS.values())
+    live, sim = shown[shown.level == "sim (live)"], shown[shown.level == "sim"]
+    assert sorted(zip(live.seed, live.metric, strict=True)) == sorted(zip(sim.seed, sim.metric, strict=True))
     for row in live.itertuples():
         assert np.sign(row.effect_pct) == simharness.SEEDS[row.seed].sign[row.metric], (row.seed, row.metric)
         if row.reported_pct is not None and not np.isnan(row.reported_pct):
