@@ -21,6 +21,8 @@ import pandas as pd
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [lowest, highest) major.minor of vLLM whose scheduler these profiles drive
 SUPPORTED_TEXT = ">=0.32, <0.33"
+# the `engine.host_costs` fields a profile gives
+PROFILE_FIELDS = ("schedule_us", "schedule_per_req_us", "update_us", "update_per_req_us")
 # phase -> the step's features its cost is linear in (after the base): rows of `vllmhost.run_point`
 FEATURES = {
     "schedule": ["reqs", "draft_tokens", "prefill_reqs"],

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from simharness.costfile import CalibrationError, check_match, load_calibration
-from simharness.hostprofile import HostProfileError, load_profile
+from simharness.hostprofile import PROFILE_FIELDS, HostProfileError, load_profile
 from simharness.hostprofile import host_costs as profile_host_costs
 from simharness.models import gpu_spec, model_config
 
@@ -221,7 +221,8 @@ class HostCosts(Strict):
     @model_validator(mode="before")
     @classmethod
     def _from_profile(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("profile") is None:
+        # nothing to take, or taken already: a resolved scenario (a run's, a sweep point's) holds the profile's costs
+        if not isinstance(data, dict) or data.get("profile") is None or all(name in data for name in PROFILE_FIELDS):
             return data
         try:
             profile = load_profile(data["profile"])

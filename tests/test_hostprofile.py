@@ -149,6 +149,12 @@ def test_a_scenario_takes_a_profile_scaled_and_notes_another_version(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scenario_from_dict(base, {"engine.host_costs.vllm_version": "0.33.1"})
+    # a resolved scenario (a run's scenario.yaml, a sweep point) holds the costs: the profile is not read again
+    resolved = scenario_from_dict(base, {"engine.host_costs.vllm_version": "0.33.1"}).model_dump()
+    Path(path).unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert scenario_from_dict(resolved).engine.host_costs.schedule_us == pytest.approx(scaled["schedule_us"])
     with pytest.raises(ScenarioError, match="host_costs.*nothing.json"):
         scenario_from_dict({"name": "t", "engine": {"host_costs": {"profile": str(tmp_path / "nothing.json")}}})
 
