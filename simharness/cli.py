@@ -466,6 +466,45 @@ def compare_cmd(
         raise typer.Exit(3)
 
 
+@app.command("host-profile")
+def host_profile_cmd(
+    out_dir: Annotated[Path, typer.Option("--out", help="where the profile and its step timings go", metavar="DIR")]
+    = Path("results/host"),
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="runs of every point, interleaved")] = 3,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="decode steps timed per point and run")] = 30,
+) -> None:
+    """Time vLLM's own scheduler and output processor on synthetic requests with speculative tokens, fit the host
+    profile (per phase: per step, per request, per draft token) and write it (docs/host-costs.md). Needs vLLM.
+
+    Exit status: 0 done; 2 vLLM missing or unsupported, or an unwritable --out.
+    """
+    from simharness.hostprofile import HostProfileError
+    from simharness.hostspeed import HostGauge
+
+    try:
+        from simharness.vllmhost import measure_profile, vllm_version
+
+        vllm_version()
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except HostProfileError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"--out {out_dir}: cannot create it ({e.strerror or e})")
+    profile, path = measure_profile(out_dir, repeats, steps)
+    table = Table(title=f"vLLM {profile.vllm_version} host phases, µs ({profile.machine})", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for column in ("mode", "phase", "per step", "per request", "per token", "held-out median |error|", "worst"):
+        table.add_column(column, justify="left" if column in ("mode", "phase") else "right")
+    for mode, phases in profile.fits.items():
+        for phase, fit in phases.items():
+            per = fit.per_unit_us
+            token = per.get("draft_tokens", per.get("sampled_tokens"))  # drafts scheduled; output: tokens sampled
+            table.add_row(mode, phase, f"{fit.base_us:.1f}", f"{per['reqs']:.2f}", f"{token:.3f}",
+                          f"{fit.median_error:.1%}", f"{fit.worst_error:.1%}")
+    out.print(table)
+    out.print(f"host gauge {profile.host_gauge_us:.1f} µs (now {HostGauge().fastest_s * 1e6:.1f}); profile: {path}")
+
+
 @bench_app.command("kernels")
 def bench_kernels(
     device: Annotated[str, typer.Option("--device", help="cpu or cuda", metavar="DEVICE")] = "cuda",

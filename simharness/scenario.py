@@ -20,6 +20,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from simharness.costfile import CalibrationError, check_match, load_calibration
+from simharness.hostprofile import PROFILE_FIELDS, HostProfileError, load_host_profile
+from simharness.hostprofile import host_costs as profile_host_costs
 from simharness.models import checkpoint_dir, gpu_spec, model_config
 from simharness.profile import ProfileError
 from simharness.profile import resolve as resolve_profile
@@ -219,19 +221,33 @@ class GpuCosts(Strict):
 class HostCosts(Strict):
     """Host (engine thread) phase costs in microseconds: base per step + per request (+ per token).
 
-    Defaults are order-of-magnitude figures for a vLLM V1 engine thread on a server CPU
-    (vLLM #6854/#10634 report 5-13 ms host gaps per step at large batch in 2024; much less today)."""
+    schedule and update default to vLLM's own `Scheduler.schedule` and `update_from_output` (async scheduling,
+    folded at 3 drafts per request), measured on the development machine: `results/host/vllm-0.32.0.json`,
+    docs/host-costs.md. The other phases are the harness's own figures (measured at hil/real)."""
 
-    schedule_us: NonNegFloat = 150.0
-    schedule_per_req_us: NonNegFloat = 4.0
+    vllm_version: str = Field(
+        "0.32.0", description="the vLLM version whose host costs these stand for; a `profile` of another one is noted"
+    )
+    profile: str | None = Field(
+        None, description="a host profile (`simharness host-profile`): its schedule and update costs (folded at "
+        "`profile_k` drafts per request, scaled to `host_gauge_us`) replace the defaults; fields set here still win"
+    )
+    profile_k: int = Field(3, ge=0, le=64, description="drafts per request at which the profile's per-draft cost "
+                           "is folded into the per-request cost")
+    host_gauge_us: float | None = Field(
+        None, gt=0, le=MAX_VALUE, description="the host gauge (`simharness.hostspeed`, fastest median, µs) of the "
+        "host modelled: the profile's costs scale by it over the profile's own (unset: the profile's host)"
+    )
+    schedule_us: NonNegFloat = 28.73
+    schedule_per_req_us: NonNegFloat = 9.48
     prep_us: NonNegFloat = 200.0
     prep_per_req_us: NonNegFloat = 5.0
     prep_per_token_us: NonNegFloat = 0.05
     launch_us: NonNegFloat = 60.0
     launch_per_req_us: NonNegFloat = 0.0
     launch_per_prefill_us: NonNegFloat = Field(0.0, description="per prefill chunk (its launch is not a replay)")
-    update_us: NonNegFloat = 120.0
-    update_per_req_us: NonNegFloat = 6.0
+    update_us: NonNegFloat = 8.84
+    update_per_req_us: NonNegFloat = 5.33
     ngram_cpu_us: NonNegFloat = 20.0
     ngram_cpu_per_req_us: NonNegFloat = 3.0
     ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")
@@ -240,6 +256,24 @@ class HostCosts(Strict):
         30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap (85 on a "
         "shared 2-core VM, gc.collect() over 1e6 one-item lists)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_profile(cls, data: Any) -> Any:
+        # nothing to take, or taken already: a resolved scenario (a run's, a sweep point's) holds the profile's costs
+        if not isinstance(data, dict) or data.get("profile") is None or all(name in data for name in PROFILE_FIELDS):
+            return data
+        try:
+            profile = load_host_profile(data["profile"])
+        except HostProfileError as e:
+            raise ValueError(f"profile: {e}") from None
+        version = data.get("vllm_version", cls.model_fields["vllm_version"].default)
+        if profile.vllm_version != version:
+            warnings.warn(f"engine.host_costs.profile {data['profile']} is for vLLM {profile.vllm_version}, the "
+                          f"scenario names vLLM {version} (engine.host_costs.vllm_version)", ScenarioNote, stacklevel=2)
+        k = data.get("profile_k", cls.model_fields["profile_k"].default)
+        costs = profile_host_costs(profile, k=k, gauge_us=data.get("host_gauge_us"))
+        return {**costs, **data}
 
 
 class GcPauses(Strict):

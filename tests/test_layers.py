@@ -8,8 +8,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    # the scenario, model catalogue, leaf utilities (the host gauge and the GC watch among them)
-    ["jit", "models", "costfile", "scenario", "tokenizer", "kernels", "hostspeed", "gcwatch"],
+    # the scenario, model catalogue, leaf utilities (the host gauge, the host profiles, the GC watch among them)
+    ["jit", "models", "costfile", "hostprofile", "scenario", "tokenizer", "kernels", "hostspeed", "gcwatch"],
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",
@@ -21,7 +21,7 @@ LAYERS = [
      "engine.backend", "engine.mirror", "engine.slots", "engine.host_work", "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
-    ["measured", "bench"],  # set-up of the measured levels, benchmarks
+    ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
     ["executors"],  # where points run: this process, local workers, a Ray cluster
     ["runner", "fidelity", "calibration"],  # drivers

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 
@@ -62,7 +63,7 @@ def python3_kernel(tmp_path, monkeypatch):
     return "python3"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "seeds.ipynb"])  # seeds: its own test below
 def test_notebook_executes(name, python3_kernel, tmp_path):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     # a last cell that says which interpreter and which simharness the kernel ran
@@ -161,3 +162,43 @@ def test_sync_points_shows_what_each_sync_costs(python3_kernel):
         assert added["p99_itl_ms"] > 5 * added["mean_tpot_ms"] > 0, (depth, added)
         relative[depth] = part["mean_tpot_ms"].iloc[-1] / part["mean_tpot_ms"].iloc[0]
     assert relative[2] > relative[1], relative
+
+
+def test_seeds_notebook_shows_the_committed_and_live_effects(python3_kernel, tmp_path):
+    """seeds.ipynb runs, and the effects it shows are the committed ones (`results/seeds/**/effects.csv`, written
+    by benchmarks/seeds.py from the same rows) and, for its live sim run, the posted sign and size within 2x."""
+    import pandas as pd
+
+    nb = nbformat.read(NOTEBOOKS / "seeds.ipynb", as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell('print(effects.to_json(orient="records")); '
+                                              'print(prompts.to_json(orient="records"))'))
+    before = sorted(p.name for p in ROOT.iterdir())
+    client = NotebookClient(nb, kernel_name=python3_kernel, timeout=300,
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()
+    assert sorted(p.name for p in ROOT.iterdir()) == before and not (NOTEBOOKS / "results").exists()
+    images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {}))
+    assert images >= 3, "the plots did not render"
+    shown, prompts = (pd.DataFrame(json.loads(line)) for line in nb.cells[-1].outputs[0]["text"].splitlines())
+    shown["seed"] = shown["seed"].astype(str)
+    results = ROOT / "results" / "seeds"
+    for level, path in (("sim", results / "effects.csv"), ("hil", results / "effects.csv"),
+                        ("real", results / "effects.csv"),
+                        ("sim, host before", results / "host-model" / "before" / "effects.csv")):
+        committed = pd.read_csv(path, dtype={"seed": str})
+        committed = committed[committed.level == ("sim" if level.startswith("sim") else level)]
+        merged = committed.merge(shown[shown.level == level], on=["seed", "metric"], suffixes=("", "_shown"))
+        assert len(merged) == len(committed) > 0, level
+        assert np.allclose(merged.effect_pct, merged.effect_pct_shown, rtol=1e-9), level
+        assert (merged.reproduced == merged.reproduced_shown).all(), level
+    live, sim = shown[shown.level == "sim (live)"], shown[shown.level == "sim"]
+    assert sorted(zip(live.seed, live.metric, strict=True)) == sorted(zip(sim.seed, sim.metric, strict=True))
+    for row in live.itertuples():
+        assert np.sign(row.effect_pct) == simharness.SEEDS[row.seed].sign[row.metric], (row.seed, row.metric)
+        if row.reported_pct is not None and not np.isnan(row.reported_pct):
+            assert 0.5 <= row.effect_pct / row.reported_pct <= 2.0, (row.seed, row.metric, row.effect_pct)
+    # #29184 at 2, 8 and 16 prompts: both host models, the committed runs' effects
+    assert len(prompts) == 6 and set(prompts.prompts) == {2, 8, 16} and set(prompts.host) == {"before", "after"}
+    for row in prompts.itertuples():
+        committed = pd.read_csv(results / "host-model" / f"{row.host}-29184-c{row.prompts}" / "effects.csv")
+        assert row.effect_pct == pytest.approx(committed.effect_pct.iloc[0], rel=1e-9)

@@ -1,5 +1,6 @@
-"""The seed changes at the sim level: each A/B runs and its effect has the sign the PR posted (a change of the model
-that flips one fails here); the options the seeds added do what they say at every level."""
+"""The seed changes at the sim level: each A/B runs and its effect has the sign the PR posted and, where the PR
+posted a number, a size within 2x of it (a change of the model that flips or shrinks one fails here); the options
+the seeds added do what they say at every level."""
 
 import time
 
@@ -18,10 +19,14 @@ from simharness.workload import build_requests
 
 
 @pytest.mark.parametrize("pr", sorted(SEEDS))
-def test_seed_effect_has_the_posted_sign(pr, tmp_path):
+def test_seed_effect_has_the_posted_sign_and_size(pr, tmp_path):
     effects = simharness.seed_effects(simharness.run_seed(pr, "sim", 1, tmp_path))
+    assert len(effects) > 0 and set(effects.metric) <= set(SEEDS[pr].reported)  # the sampler's time: not at sim
     for row in effects.itertuples():
         assert np.sign(row.effect_pct) == SEEDS[pr].sign[row.metric], (pr, row.metric, row.effect_pct)
+        reported = SEEDS[pr].reported[row.metric]
+        if reported is not None:
+            assert 0.5 <= row.effect_pct / reported <= 2.0, (pr, row.metric, row.effect_pct, reported)
 
 
 def test_seed_scenarios_sweep_their_field():

