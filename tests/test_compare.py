@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 import simharness
 from simharness.cli import app
-from simharness.compare import METRICS, markdown, to_json
+from simharness.compare import METRICS
+from simharness.gate_report import markdown, to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "results" / "baselines" / "ci"
