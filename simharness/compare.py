@@ -147,7 +147,7 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         if path.is_dir() and not _is_run(path):
             inside = sorted(p for p in path.iterdir() if p.is_dir() and _is_run(p))
             if not inside:
-                raise CompareError(f"{path}: neither a run directory nor a folder of run directories")
+                raise CompareError(f"{path}: no summary.json (is it a run directory, or a folder of them?)")
             runs += sorted((load_run(p) for p in inside), key=_written_at)
         else:
             runs.append(load_run(path))
