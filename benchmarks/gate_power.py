@@ -15,7 +15,7 @@ trials reuse runs, so a rate from a small pool is coarser than its trial count s
 deterministic: one run per arm, and the verdict is the same for any n (n copies of a run are compared as n runs).
 
 Arms: the baseline A; the decode device step 1/2/5/10% slower; one extra host sync per step (`metadata_item`); a
-per-step host allocation (50 GC-tracked objects, with a 500,000-object heap on every arm); the scheduler's host phase
+per-step host allocation (500 GC-tracked objects, with a 500,000-object heap on every arm); the scheduler's host phase
 10% slower; acceptance collapsed to a tenth; and each seed change reversed (base: the seed scenario after the change,
 current: before it). Knobs of the scenario inject what they can; the rest is injected in the worker process
 (`inject`): at sim the device costs scale exactly and the replay tables keep one accepted draft count in ten; at hil
@@ -48,7 +48,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simharness.compare import compare_runs, load_run  # noqa: E402
+from simharness.compare import METRICS, compare_runs, load_run  # noqa: E402
 from simharness.gate_report import verdict  # noqa: E402
 from simharness.scenario import load_scenario, parse_sets  # noqa: E402
 from simharness.seeds import SEEDS, seed_scenario_path  # noqa: E402
@@ -82,7 +82,7 @@ def arms(level: str, sc_path: Path, seeds: list[str]) -> dict[str, Arm]:
                        == "sim" else {}, None if level == "sim" else ("device", 1 + pct / 100)))
     out += [
         Arm("extra-sync", "one extra host sync per step", {"scheduler.sync_points.add": ["metadata_item"]}),
-        Arm("host-alloc", "50 GC-tracked objects allocated per step", {"engine.gc.allocations_per_step": 50}),
+        Arm("host-alloc", "500 GC-tracked objects allocated per step", {"engine.gc.allocations_per_step": 500}),
         Arm("schedule+10%", "scheduler host phase 10% slower",
             {"engine.host_costs.schedule_us": h.schedule_us * 1.1,
              "engine.host_costs.schedule_per_req_us": h.schedule_per_req_us * 1.1}),
@@ -321,9 +321,12 @@ def analyse(pool: Path, level: str, count: int) -> pd.DataFrame:
                     result = compare_runs(b, c)
                 flagged = sorted({r.metric for r in result if r.verdict == "regression"})
                 changed = sum(r.verdict not in ("same", "noise") for r in result)
+                worse = [r.change_pct * (-1 if METRICS[r.metric][0] else 1) for r in result
+                         if r.metric in METRICS and METRICS[r.metric][0] is not None and np.isfinite(r.change_pct)]
                 rows.append({"level": level, "comparison": name, "change": change, "n": n, "trial": i,
                              "processes": len(pool_runs[current]), "verdict": verdict(result),
-                             "rows_changed": changed, "regressed": " ".join(flagged)})
+                             "rows_changed": changed, "worst_pct": max(worse, default=0.0),
+                             "regressed": " ".join(flagged)})
     return pd.DataFrame(rows)
 
 
@@ -331,7 +334,8 @@ def rates(trial_rows: pd.DataFrame) -> pd.DataFrame:
     g = trial_rows.groupby(["level", "comparison", "change", "n"], sort=False)
     return g.agg(trials=("trial", "size"), processes=("processes", "first"),
                  fail_rate=("verdict", lambda v: float((v == "fail").mean())),
-                 flagged_rate=("rows_changed", lambda v: float((v > 0).mean()))).reset_index()
+                 flagged_rate=("rows_changed", lambda v: float((v > 0).mean())),
+                 worst_pct=("worst_pct", "median")).reset_index()
 
 
 def table(power: pd.DataFrame, level: str) -> str:
@@ -339,13 +343,17 @@ def table(power: pd.DataFrame, level: str) -> str:
     others), then the smallest device slowdown detected in >= 95% of trials."""
     p = power[power.level == level]
     ns = sorted(p.n.unique())
-    lines = ["| comparison | change | " + " | ".join(f"n={n}" for n in ns) + " |",
-             "|---|---|" + "---:|" * len(ns)]
+    exact = level == "sim"  # also: flagged (any metric listed as changed), and the largest change for the worse
+    lines = ["| comparison | change | " + " | ".join(f"n={n}" for n in ns) + (" | flagged | worst metric |" if exact
+                                                                             else " |"),
+             "|---|---|" + "---:|" * (len(ns) + 2 * exact)]
     for (name, change), group in p.groupby(["comparison", "change"], sort=False):
         cells = []
         for n in ns:
             row = group[group.n == n]
             cells.append(f"{row.fail_rate.iloc[0]:.1%} ({row.trials.iloc[0]})" if len(row) else "n/a")
+        if exact:
+            cells += [f"{group.flagged_rate.iloc[0]:.0%}", f"{group.worst_pct.iloc[0]:+.2f}%"]
         lines.append(f"| {name} | {change} | " + " | ".join(cells) + " |")
     device = p[p.comparison.str.startswith("device+")]
     smallest = []

@@ -276,7 +276,8 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
 
 class _Runs:
     """Several runs a side: each run's value of a point is its median over its repeats (if any); a side's value is
-    the median over its runs (`medians`), and the runs' values are the samples of `run_significance`."""
+    the median over its runs (`medians`), and the runs' values are the samples of `run_significance`, whose spread
+    is at least the median spread of the compared metrics (`floor`)."""
 
     repeated = True
 
@@ -288,11 +289,18 @@ class _Runs:
             stacked = pd.concat(values, keys=range(len(values)), names=["run", "point"])
             medians = stacked.groupby(level="point", sort=False).median()
             self.medians.append(Run(side[0].path, side[0].scenario, side[0].level, medians, None, side[0].meta))
+        common = [p for p in self.medians[0].summary.index if p in self.medians[1].summary.index]
+        spreads = [_pooled_log_variance(*self._samples(p, m)) for p in common for m, (better, _) in METRICS.items()
+                   if better is not None]
+        spreads = [v for v in spreads if math.isfinite(v) and v > 0]
+        self.floor = float(np.median(spreads)) if spreads else 0.0
+
+    def _samples(self, point: str, metric: str) -> list[np.ndarray]:
+        return [np.array([v.at[point, metric] for v in side if point in v.index and metric in v], dtype=np.float64)
+                for side in self.values]
 
     def p_value(self, point: str, metric: str) -> float | None:
-        sides = [np.array([v.at[point, metric] for v in side if point in v.index and metric in v]) for side in
-                 self.values]
-        return run_significance(*sides)
+        return run_significance(*self._samples(point, metric), min_variance=self.floor)
 
 
 def _per_config(run: Run) -> pd.DataFrame:
@@ -305,28 +313,44 @@ def _per_config(run: Run) -> pd.DataFrame:
     return values.groupby(stats.config_ids(summary), sort=False).median()
 
 
-def run_significance(base: np.ndarray, current: np.ndarray) -> float:
-    """Two-sided p-value that runs of two sides differ in location, a run being one value: Student's t-test with
-    the variance pooled over both sides, on the logarithms (on the values themselves when one is not positive).
-    Pooled, because the runs of one tree on one machine spread alike, and so one new run can be tested against a
-    history of several (n + m - 2 degrees of freedom; Welch's test leaves about one with two runs a side).
-    NaN with fewer than three finite runs in all or one side empty; 0 or 1 when no run varies."""
+def _logs(base: np.ndarray, current: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The finite values of each side, as logarithms when all are positive."""
     a = np.asarray(base, dtype=np.float64)
     b = np.asarray(current, dtype=np.float64)
     a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if len(a) and len(b) and (a > 0).all() and (b > 0).all():
+        return np.log(a), np.log(b)
+    return a, b
+
+
+def _pooled_log_variance(base: np.ndarray, current: np.ndarray) -> float:
+    """The variance within sides, pooled over both (NaN with fewer than three values in all or a side empty)."""
+    a, b = _logs(base, current)
     if len(a) == 0 or len(b) == 0 or len(a) + len(b) < 3:
         return math.nan
-    if (a > 0).all() and (b > 0).all():
-        a, b = np.log(a), np.log(b)
-    df = len(a) + len(b) - 2
-    pooled = (((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum()) / df
+    return float((((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum()) / (len(a) + len(b) - 2))
+
+
+def run_significance(base: np.ndarray, current: np.ndarray, *, min_variance: float = 0.0) -> float:
+    """Two-sided p-value that runs of two sides differ in location, a run being one value: Student's t-test with
+    the variance pooled over both sides, on the logarithms (on the values themselves when one is not positive).
+    Pooled, because the runs of one tree on one machine spread alike, and so one new run can be tested against a
+    history of several (n + m - 2 degrees of freedom; Welch's test leaves about one with two runs a side). The
+    variance is taken as at least `min_variance`: from a few runs a spread can come out small by chance, and would
+    then call noise significant. NaN with fewer than three finite runs in all or one side empty; 0 or 1 when no run
+    varies and no floor is given."""
+    a, b = _logs(base, current)
+    pooled = _pooled_log_variance(base, current)
+    if math.isnan(pooled):
+        return math.nan
+    pooled = max(pooled, min_variance)
     diff = b.mean() - a.mean()
     if pooled == 0:
         return 0.0 if diff != 0 else 1.0
     from scipy.stats import t  # scipy.stats takes seconds to import: only when needed
 
     statistic = diff / math.sqrt(pooled * (1 / len(a) + 1 / len(b)))
-    return float(2 * t.sf(abs(statistic), df))
+    return float(2 * t.sf(abs(statistic), len(a) + len(b) - 2))
 
 
 class _Repeats:
