@@ -308,7 +308,7 @@ def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: 
         yield [pool_runs[base][p] for p in b], [pool_runs[current][p] for p in c]
 
 
-def analyse(pool: Path, level: str, count: int) -> pd.DataFrame:
+def analyse(pool: Path, level: str, count: int, threshold: float) -> pd.DataFrame:
     plan = json.loads((pool / "plan.json").read_text())
     arm_set = arms(level, Path(plan["scenario"]), plan["seeds"])
     pool_runs = load_pool(pool, level, arm_set)
@@ -318,7 +318,7 @@ def analyse(pool: Path, level: str, count: int) -> pd.DataFrame:
             for i, (b, c) in enumerate(trials(pool_runs, base, current, n, count)):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    result = compare_runs(b, c)
+                    result = compare_runs(b, c, threshold=threshold)
                 flagged = sorted({r.metric for r in result if r.verdict == "regression"})
                 changed = sum(r.verdict not in ("same", "noise") for r in result)
                 worse = [r.change_pct * (-1 if METRICS[r.metric][0] else 1) for r in result
@@ -379,6 +379,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=450.0, help="measured levels: wall time for all pools")
     ap.add_argument("--max-processes", type=int, default=12, help="measured levels: at most this many per level")
     ap.add_argument("--trials", type=int, default=200, help="draws of runs per comparison and n")
+    ap.add_argument("--threshold", type=float, default=0.05, help="the gate's threshold (compare --threshold)")
     ap.add_argument("--analyse", type=Path, metavar="POOL_OUT", help="run nothing: the tables of OUT/pool")
     args = ap.parse_args()
     if args.worker:
@@ -407,12 +408,13 @@ def main() -> None:
                 build_pool(pool, level, left / len(measured), args.max_processes)
                 measured = measured[1:]
     levels = [lv for lv in BACKENDS if (pool / lv).is_dir()]
-    trial_rows = pd.concat([analyse(pool, lv, args.trials) for lv in levels])
+    trial_rows = pd.concat([analyse(pool, lv, args.trials, args.threshold) for lv in levels])
     args.out.mkdir(parents=True, exist_ok=True)
     power = rates(trial_rows)
     text = [f"# Gate power ({platform.node()}, {time.strftime('%Y-%m-%d')})", "",
-            "Fail rate of `compare` (exit 1) per comparison and runs per side n (trials in brackets); A/A is the "
-            "false-alarm rate. `benchmarks/gate_power.py`; docs/baselines.md \"Gate power\".", ""]
+            f"Fail rate of `compare --threshold {args.threshold:g}` (exit 1) per comparison and runs per side n "
+            "(trials in brackets); A/A is the false-alarm rate. `benchmarks/gate_power.py`; docs/baselines.md "
+            "\"Gate power\".", ""]
     for level in levels:
         trial_rows[trial_rows.level == level].to_csv(args.out / f"{level}.csv", index=False)
         power[power.level == level].to_csv(args.out / f"power-{level}.csv", index=False)
