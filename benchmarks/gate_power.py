@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,10 +244,16 @@ def worker(pool: Path, level: str, process: int) -> None:
         sc = quiet_load(path, {**extra, **sets, **arm.overrides, "engine.backend": BACKENDS[level]})
         out = pool / level / _slug(name) / f"p{process:02d}"
         t = time.perf_counter()
-        with inject(*(arm.inject or (None, 0.0)), level), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run_dir = execute(sc, sweep_points(sc), out)
-        DecodeLoop.step = step
+        try:
+            with inject(*(arm.inject or (None, 0.0)), level), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run_dir = execute(sc, sweep_points(sc), out)
+        except Exception:  # one arm's failure must not cost the pool the others
+            traceback.print_exc()
+            print(f"{level} p{process} {name}: FAILED", flush=True)
+            continue
+        finally:
+            DecodeLoop.step = step
         results.combine(run_dir)  # no report: the gate reads the summary and the samples
         for p in run_dir.iterdir():
             if p.name not in KEEP:
@@ -371,14 +378,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="where the pool, the CSVs and power.md go")
     ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(BACKENDS))
     ap.add_argument("--scenario", type=Path, help="the gate's scenario (default: scenarios/ci.yaml at sim, "
-                    "scenarios/hil.yaml made one small point at hil/real)")
+                    "scenarios/gate-gpu.yaml at hil/real)")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the gate's scenario")
     ap.add_argument("--seeds", nargs="*", default=list(SEEDS), choices=list(SEEDS))
     ap.add_argument("--seed-set", action="append", default=[], metavar="PATH=VALUE",
                     help="override every seed scenario (e.g. workload.num_requests=32)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="measured levels: wall time for all pools")
-    ap.add_argument("--max-processes", type=int, default=12, help="measured levels: at most this many per level")
-    ap.add_argument("--trials", type=int, default=200, help="draws of runs per comparison and n")
+    ap.add_argument("--max-processes", type=int, default=10, help="measured levels: at most this many per level")
+    ap.add_argument("--trials", type=int, default=200, help="draws of runs per comparison and n (0: build the pool "
+                    "only, analyse it later with --analyse)")
     ap.add_argument("--threshold", type=float, default=0.05, help="the gate's threshold (compare --threshold)")
     ap.add_argument("--analyse", type=Path, metavar="POOL_OUT", help="run nothing: the tables of OUT/pool")
     args = ap.parse_args()
@@ -390,12 +398,10 @@ def main() -> None:
         ap.error("--out is required")
     pool = (args.analyse or args.out) / "pool"
     if args.analyse is None:
-        default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/hil.yaml"
+        default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
         scenario = (args.scenario or ROOT / default).resolve()
-        small = [] if args.levels == ["sim"] or args.scenario else [
-            "workload.num_requests=24", "workload.concurrency=8", "workload.prompt_len.max=384"]
         pool.mkdir(parents=True, exist_ok=True)
-        (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": small + args.set,
+        (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set,
                                                     "seeds": args.seeds, "seed_sets": args.seed_set}, indent=1))
         start = time.perf_counter()
         measured = [lv for lv in args.levels if lv != "sim"]
@@ -407,6 +413,8 @@ def main() -> None:
                 left = args.budget_s - (time.perf_counter() - start)
                 build_pool(pool, level, left / len(measured), args.max_processes)
                 measured = measured[1:]
+    if args.trials == 0:
+        return
     levels = [lv for lv in BACKENDS if (pool / lv).is_dir()]
     trial_rows = pd.concat([analyse(pool, lv, args.trials, args.threshold) for lv in levels])
     args.out.mkdir(parents=True, exist_ok=True)
