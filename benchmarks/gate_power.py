@@ -232,13 +232,13 @@ def worker(pool: Path, level: str, process: int) -> None:
     from simharness.scenario import sweep_points
 
     plan = json.loads((pool / "plan.json").read_text())
-    arm_set = arms(level, Path(plan["scenario"]), plan["seeds"])
+    arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     order = list(arm_set)
     random.Random(process).shuffle(order)
     step = DecodeLoop.step
     for name in order:
         arm = arm_set[name]
-        path = seed_scenario_path(arm.seed) if arm.seed else Path(plan["scenario"])
+        path = seed_scenario_path(arm.seed) if arm.seed else ROOT / plan["scenario"]
         sets = parse_sets(plan["seed_sets"] if arm.seed else plan["sets"])
         extra = {} if arm.seed else {**HEAP, **({} if level == "sim" else MEASURED)}
         sc = quiet_load(path, {**extra, **sets, **arm.overrides, "engine.backend": BACKENDS[level]})
@@ -269,21 +269,23 @@ def _slug(name: str) -> str:
 
 
 def build_pool(pool: Path, level: str, budget_s: float, max_processes: int) -> None:
-    """Start worker processes one after another while the next is expected to end within the budget."""
+    """Start worker processes one after another while the next is expected to end within the budget (the sim's
+    budget is 0: exactly `max_processes`); a worker's failure ends the level's pool, not the others'."""
     start, longest = time.perf_counter(), 0.0
     for process in range(max_processes):
         left = budget_s - (time.perf_counter() - start)
-        if process >= 2 and left < longest:  # two at least: an A/A pair
+        if budget_s and (left <= 0 or left < longest):
             break
         t = time.perf_counter()
         cmd = [sys.executable, __file__, "--worker", str(pool), level, str(process)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         longest = max(longest, time.perf_counter() - t)
         (pool / level / f"p{process:02d}.log").write_text(done.stdout + done.stderr)
+        print(f"{level}: process {process} took {time.perf_counter() - t:.0f} s", flush=True)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"gate_power: worker {process} at {level} failed (log in {pool / level})")
-        print(f"{level}: process {process} took {time.perf_counter() - t:.0f} s", flush=True)
+            print(f"gate_power: worker {process} at {level} failed (log in {pool / level})", file=sys.stderr)
+            break
 
 
 def load_pool(pool: Path, level: str, arm_set: dict[str, Arm]) -> dict[str, dict[int, object]]:
@@ -317,7 +319,7 @@ def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: 
 
 def analyse(pool: Path, level: str, count: int, threshold: float) -> pd.DataFrame:
     plan = json.loads((pool / "plan.json").read_text())
-    arm_set = arms(level, Path(plan["scenario"]), plan["seeds"])
+    arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     pool_runs = load_pool(pool, level, arm_set)
     rows = []
     for name, base, current, change in comparisons(arm_set):
@@ -400,6 +402,8 @@ def main() -> None:
     if args.analyse is None:
         default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
         scenario = (args.scenario or ROOT / default).resolve()
+        if scenario.is_relative_to(ROOT):  # the pool is analysed on another machine too
+            scenario = scenario.relative_to(ROOT)
         pool.mkdir(parents=True, exist_ok=True)
         (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set,
                                                     "seeds": args.seeds, "seed_sets": args.seed_set}, indent=1))
