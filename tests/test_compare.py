@@ -667,3 +667,8 @@ def test_unwritable_junit_or_markdown_exits_2(runs, tmp_path):
     for option in ("--junit", "--markdown"):
         r = _invoke(runs["base"], runs["extra_sync"], option, tmp_path / "nodir" / "x")
         assert r.exit_code == 2 and f"{option} " in r.stderr and "cannot write" in r.stderr, r.output
+
+
+def test_one_path_is_not_a_comparison(runs):
+    r = _invoke(runs["base"])
+    assert r.exit_code == 2 and "at least one baseline and the current run" in r.stderr
