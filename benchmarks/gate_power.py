@@ -277,7 +277,7 @@ def build_pool(pool: Path, level: str, budget_s: float, max_processes: int) -> N
         if budget_s and (left <= 0 or left < longest):
             break
         t = time.perf_counter()
-        cmd = [sys.executable, __file__, "--worker", str(pool), level, str(process)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(pool.resolve()), level, str(process)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         longest = max(longest, time.perf_counter() - t)
         (pool / level / f"p{process:02d}.log").write_text(done.stdout + done.stderr)
