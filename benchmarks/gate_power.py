@@ -247,7 +247,7 @@ def worker(pool: Path, level: str, process: int) -> None:
         try:
             with inject(*(arm.inject or (None, 0.0)), level), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                run_dir = execute(sc, sweep_points(sc), out)
+                run_dir = execute(sc, sweep_points(sc), out, retries=0)
         except Exception:  # one arm's failure must not cost the pool the others
             traceback.print_exc()
             print(f"{level} p{process} {name}: FAILED", flush=True)
