@@ -336,6 +336,9 @@ def analyse(pool: Path, level: str, count: int, threshold: float) -> pd.DataFram
                              "processes": len(pool_runs[current]), "verdict": verdict(result),
                              "rows_changed": changed, "worst_pct": max(worse, default=0.0),
                              "regressed": " ".join(flagged)})
+    if not rows:
+        raise SystemExit(f"gate_power: {level}: no trial: the pool ({pool / level}) has fewer than two processes "
+                         "with runs of the compared arms")
     return pd.DataFrame(rows)
 
 
