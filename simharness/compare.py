@@ -44,7 +44,9 @@ METRICS: dict[str, tuple[bool | None, str]] = {
     "sync_wait_ms_per_step": (None, "ms"),
 }
 FLOAT_TOL = 1e-9
-P_VALUE = 0.01
+P_VALUE = 0.01  # one plain run a side: the Mann-Whitney test on per-request samples
+# several runs a side: two-sided, so a regression (a change in the bad direction) is a one-sided 1% test
+RUN_ALPHA = 0.02
 
 
 class CompareError(ValueError):
@@ -172,7 +174,7 @@ def newest(runs: list[Run], last: int | None) -> list[Run]:
 
 
 def compare_runs(base: Run | list[Run], current: Run | list[Run], *, threshold: float = 0.05,
-                 alpha: float = P_VALUE, force: bool = False) -> list[Row]:
+                 alpha: float = RUN_ALPHA, force: bool = False) -> list[Row]:
     """Verdicts for every common point and compared metric, and a `missing` row for each point that only one side
     has. Either side may hold several runs (a rolling baseline, or the same tree run again): each point's value is
     then the median over the side's runs, and with more than two runs in all the run is the unit of the test
@@ -277,7 +279,7 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
 class _Runs:
     """Several runs a side: each run's value of a point is its median over its repeats (if any); a side's value is
     the median over its runs (`medians`), and the runs' values are the samples of `run_significance`, whose spread
-    is at least the median spread of the compared metrics (`floor`)."""
+    is at least the median spread of the compared metrics and of the metric's family (`floor`, `_family`)."""
 
     repeated = True
 
@@ -290,17 +292,29 @@ class _Runs:
             medians = stacked.groupby(level="point", sort=False).median()
             self.medians.append(Run(side[0].path, side[0].scenario, side[0].level, medians, None, side[0].meta))
         common = [p for p in self.medians[0].summary.index if p in self.medians[1].summary.index]
-        spreads = [_pooled_log_variance(*self._samples(p, m)) for p in common for m, (better, _) in METRICS.items()
-                   if better is not None]
-        spreads = [v for v in spreads if math.isfinite(v) and v > 0]
-        self.floor = float(np.median(spreads)) if spreads else 0.0
+        spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common
+                   for m, (better, _) in METRICS.items() if better is not None}
+        spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > 0}
+        overall = float(np.median(list(spreads.values()))) if spreads else 0.0
+        # a statistic's family (P99 of every latency at every point, ...) spreads alike: its median spread too
+        families: dict[str, list[float]] = {}
+        for (_, m), v in spreads.items():
+            families.setdefault(_family(m), []).append(v)
+        self.floor = {f: max(overall, float(np.median(v))) for f, v in families.items()}
+        self.overall = overall
 
     def _samples(self, point: str, metric: str) -> list[np.ndarray]:
         return [np.array([v.at[point, metric] for v in side if point in v.index and metric in v], dtype=np.float64)
                 for side in self.values]
 
     def p_value(self, point: str, metric: str) -> float | None:
-        return run_significance(*self._samples(point, metric), min_variance=self.floor)
+        return run_significance(*self._samples(point, metric),
+                                min_variance=self.floor.get(_family(metric), self.overall))
+
+
+def _family(metric: str) -> str:
+    """The statistic a latency metric is (mean, median, p90, p99); any other metric is a family of its own."""
+    return metric.split("_")[0] if metric.endswith("_ms") and metric.count("_") == 2 else metric
 
 
 def _per_config(run: Run) -> pd.DataFrame:
@@ -465,7 +479,7 @@ def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> 
 
 
 def compare(base: str | Path | list[str | Path], current: str | Path | list[str | Path], *, threshold: float = 0.05,
-            alpha: float = P_VALUE, last: int | None = None, force: bool = False) -> list[Row]:
+            alpha: float = RUN_ALPHA, last: int | None = None, force: bool = False) -> list[Row]:
     """Compare runs (directories, summary.json files or folders of run directories; a list on either side); the
     baseline is the `last` newest of its runs. See `compare_runs`."""
     bases = load_runs(base if isinstance(base, list) else [base])

@@ -672,3 +672,25 @@ def test_unwritable_junit_or_markdown_exits_2(runs, tmp_path):
 def test_one_path_is_not_a_comparison(runs):
     r = _invoke(runs["base"])
     assert r.exit_code == 2 and "at least one baseline and the current run" in r.stderr
+
+
+def test_a_spread_small_by_chance_is_floored_by_its_family(tmp_path):
+    # P99 TPOT's three runs a side happen to agree within 0.1%, and moved 6%; the other P99s spread by 5% a run: the
+    # family's spread, not the chance one, decides, and 6% is noise. The means spread little and moved nothing.
+    def runs(side, shift, spreads):
+        out = []
+        for i, e in enumerate(spreads):
+            values = {"mean_tpot_ms": 1.0 + e / 10, "p99_tpot_ms": 2.0 * shift * (1 + e / 50),
+                      **{f"p99_{k}_ms": 3.0 * (1 + e) for k in ("ttft", "itl", "e2el")}}
+            out.append(_summary_run(tmp_path / side / f"r{i}", values))
+        return out
+
+    runs("base", 1.0, [-0.05, 0.0, 0.05])
+    runs("current", 1.06, [0.05, -0.05, 0.0])
+    row = _by(simharness.compare([tmp_path / "base"], [tmp_path / "current"]), "p", "p99_tpot_ms")[("p", "p99_tpot_ms")]
+    assert row.change_pct > 5 and row.verdict == "noise", row
+    # alone, its own spread would call it significant
+    from simharness.compare import run_significance
+
+    assert run_significance([2.0 * (1 + e / 50) for e in (-0.05, 0, 0.05)],
+                            [2.12 * (1 + e / 50) for e in (0.05, -0.05, 0)]) < 1e-4
