@@ -430,40 +430,61 @@ def frontier_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    base: Annotated[Path, typer.Argument(help="baseline run directory or summary.json", metavar="BASE")],
-    current: Annotated[Path, typer.Argument(help="current run directory or summary.json", metavar="CURRENT")],
+    paths: Annotated[list[Path], typer.Argument(
+        help="BASE... CURRENT: baseline runs, then the current run; each a run directory, its summary.json, or a "
+        "folder of run directories (all its runs)", metavar="RUN")],
     threshold: Annotated[float, typer.Option("--threshold", help="relative change that counts as a regression",
                                              metavar="FRACTION")] = 0.05,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write verdicts + benchmark lists",
-                                                  metavar="FILE")] = None,
-    force: Annotated[bool, typer.Option("--force", help="compare runs of different scenarios")] = False,
+    alpha: Annotated[float, typer.Option("--alpha", help="significance level of the test over runs (several runs "
+                                         "a side; two-sided)", metavar="P")] = 0.02,
+    last: Annotated[int | None, typer.Option("--last", help="rolling baseline: the median of the N newest "
+                                             "baseline runs", metavar="N")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the verdicts as JSON (with "
+                                                  "benchmark lists)", metavar="FILE")] = None,
+    junit_out: Annotated[Path | None, typer.Option("--junit", help="also write JUnit XML (a test case per point "
+                                                   "and metric)", metavar="FILE")] = None,
+    markdown_out: Annotated[Path | None, typer.Option("--markdown", help="also write the Markdown summary (e.g. "
+                                                      "to $GITHUB_STEP_SUMMARY)", metavar="FILE")] = None,
+    force: Annotated[bool, typer.Option("--force", help="compare runs of different scenarios or devices")] = False,
     show_all: Annotated[bool, typer.Option("--all", help="list unchanged metrics too")] = False,
 ) -> None:
-    """Compare two runs point by point.
+    """Compare runs point by point: the current run against one baseline run, or against the median of several
+    (a rolling baseline; with several runs the run is the unit of the significance test, docs/baselines.md).
 
-    Exit status: 0 no regression and the same points; 1 a metric regressed; 2 bad input (or --json not writable);
-    3 no regression, but a point of one run is missing in the other (an unfinished run).
+    Exit status: 0 no regression and the same points; 1 a metric regressed; 2 bad input (or an output not
+    writable); 3 no regression, but a point of one side is missing in the other (an unfinished run).
     """
-    from simharness.compare import CompareError, compare, markdown, to_json
+    from simharness.compare import CompareError, compare_runs, load_runs, newest
+    from simharness.gate_report import EXIT, junit, markdown, to_json, verdict
 
+    if len(paths) < 2:
+        fail("compare: give at least one baseline and the current run (BASE... CURRENT)")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            rows = compare(base, current, threshold=threshold, force=force)
+            bases = newest(load_runs(paths[:-1]), last)
+            currents = load_runs(paths[-1:])
+            rows = compare_runs(bases, currents, threshold=threshold, alpha=alpha, force=force)
     except CompareError as e:
         fail(str(e))
     for warning in caught:
         err.print(f"[bold yellow]warning:[/] {warning.message}", highlight=False, soft_wrap=True)
-    if json_out is not None:
+    sides = f"base: {len(bases)} run(s)" + (" (median)" if len(bases) > 1 else "") + f", current: {len(currents)}"
+    context = f"{sides} run(s); threshold {threshold:.3g}" + (f", p < {alpha:.3g}" if len(bases) + len(currents) > 2
+                                                             else "")
+    text = markdown(rows, show_all=show_all, context=context)
+    for target, option, content in ((json_out, "--json", lambda: json.dumps(to_json(rows, context), indent=1)),
+                                    (junit_out, "--junit", lambda: junit(rows, context)),
+                                    (markdown_out, "--markdown", lambda: text)):
+        if target is None:
+            continue
         try:
-            json_out.write_text(json.dumps(to_json(rows), indent=1))
+            with target.open("a" if option == "--markdown" else "w") as f:
+                f.write(content())
         except OSError as e:
-            fail(f"--json {json_out}: cannot write ({e.strerror or e})")
-    typer.echo(markdown(rows, show_all=show_all))
-    if any(r.verdict == "regression" for r in rows):
-        raise typer.Exit(1)
-    if any(r.verdict.startswith("missing") for r in rows):
-        raise typer.Exit(3)
+            fail(f"{option} {target}: cannot write ({e.strerror or e})")
+    typer.echo(text)
+    raise typer.Exit(EXIT[verdict(rows)])
 
 
 @app.command("host-profile")

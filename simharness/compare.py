@@ -1,15 +1,16 @@
-"""Perf-regression gate: compare two runs point by point and give each metric a verdict.
+"""Perf-regression gate: compare runs point by point and give each metric a verdict.
 
 Sim-level points are deterministic, so any change beyond float noise is reported and a change
 beyond the threshold in the bad direction is a regression (LLMServingSim gates its simulated
-clock the same way). Runs with repeats (`repeats: N`, any level) compare the median over the repeats
-and call a change a regression only when it is beyond the threshold and significant over the repeats
-(`stats.significance`, p < 0.05): the repeat is the unit of evidence. Measured points (hil / real)
-without repeats compare per-request samples with a Mann-Whitney U test (p < 0.01) and the threshold
-together, as asv does; requests of one run are not independent, so a warning says that such a
-comparison cannot tell run-to-run noise from a change.
+clock the same way). Measured runs (hil / real) are judged with the run as the unit of evidence:
+with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of the last N runs) a
+change is a regression only when it is beyond the threshold and the runs' values differ
+(`run_significance`, pooled t-test on logs, p < alpha); with one run a side that has `repeats: N`
+the repeats are the units (`stats.significance`); with one plain run a side the per-request samples
+are (Mann-Whitney U, p < 0.01), and a warning says that this cannot tell run-to-run noise from a
+change. docs/baselines.md says which test and why, and how the threshold meets the noise.
 The acceptance rate is always compared: a collapse of acceptance is a regression even when latency
-looks fine (vLLM #37150).
+looks fine (vLLM #37150). The gate's outputs (Markdown, JSON, JUnit) are in `simharness.gate_report`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import yaml
 
 from simharness import stats
+from simharness.results import finished_points, point_dir, point_table
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")
@@ -41,22 +44,28 @@ METRICS: dict[str, tuple[bool | None, str]] = {
     "sync_wait_ms_per_step": (None, "ms"),
 }
 FLOAT_TOL = 1e-9
-P_VALUE = 0.01
+P_VALUE = 0.01  # one plain run a side: the Mann-Whitney test on per-request samples
+# several runs a side: two-sided, so a regression (a change in the bad direction) is a one-sided 1% test
+RUN_ALPHA = 0.02
 
 
 class CompareError(ValueError):
-    """Bad compare input (missing file, nothing in common, different scenarios)."""
+    """Bad compare input (missing file, nothing in common, runs that cannot be compared)."""
 
 
 @dataclass
 class Run:
-    """What compare needs of a run: its scenario name, level, summary rows, and raw samples."""
+    """What compare needs of a run: its scenario name, level, summary rows, raw samples and metadata."""
 
     path: Path
     scenario: str
     level: str  # "sim" (deterministic) or "hil"/"real" (measured)
     summary: pd.DataFrame
     run_dir: Path | None  # per-request samples live here (absent when given a bare summary.json)
+    meta: dict = field(default_factory=dict)
+    resolved: dict | None = None  # the run's scenario.yaml (every default spelled out), when there is one
+    unfinished: int = 0  # points of its sweep that never finished (a killed run)
+    tables: dict[str, pd.DataFrame] | None = None  # per-request samples, once loaded (`_Samples`)
 
 
 @dataclass
@@ -66,68 +75,138 @@ class Row:
     base: float
     current: float
     change_pct: float
-    # same | changed | improvement | regression | noise, or for a point one run lacks (metric ""): missing in base |
+    # same | changed | improvement | regression | noise, or for a point one side lacks (metric ""): missing in base |
     # missing in current
     verdict: str
     p_value: float | None = None
 
 
 def load_run(path: str | Path) -> Run:
-    """A run directory or its summary.json."""
+    """A run directory or its summary.json. A run directory without summary.json (a run killed before it
+    combined its points) is read from its finished points, and counts its unfinished ones."""
     path = Path(path)
     if not path.exists():
         raise CompareError(f"{path}: no such file or directory")
     run_dir = path if path.is_dir() else path.parent
     summary_path = path / "summary.json" if path.is_dir() else path
-    if not summary_path.is_file():
+    resolved = _read_yaml(run_dir / "scenario.yaml") if path.is_dir() else None
+    unfinished = 0
+    if summary_path.is_file():
+        rows = _read_json(summary_path)
+    elif path.is_dir() and (path / "points").is_dir() and resolved is not None:
+        rows, unfinished = _finished_rows(path, resolved)
+    else:
         raise CompareError(f"{path}: no summary.json (is it a run directory?)")
-    try:
-        rows = json.loads(summary_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CompareError(f"{summary_path}: not valid JSON ({e})") from None
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "point" in r for r in rows):
         raise CompareError(f"{summary_path}: not a simharness summary (a list of points)")
     points = [r["point"] for r in rows]
     if len(set(points)) != len(points):
         raise CompareError(f"{summary_path}: a point appears more than once")
     meta_path = run_dir / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CompareError(f"{meta_path}: not valid JSON ({e})") from None
+    meta = _read_json(meta_path) if meta_path.is_file() else {}
     if not isinstance(meta, dict):
         raise CompareError(f"{meta_path}: not a simharness meta.json (a mapping)")
     summary = pd.DataFrame(rows).set_index("point")
     level = str(summary["level"].iloc[0]) if "level" in summary else "sim"
-    has_samples = (run_dir / "requests.parquet").is_file()
-    return Run(path, meta.get("scenario", "?"), level, summary, run_dir if has_samples else None)
+    # a killed run's samples are in its points' tables
+    has_samples = (run_dir / "requests.parquet").is_file() or not summary_path.is_file()
+    return Run(path, meta.get("scenario", "?"), level, summary, run_dir if has_samples else None, meta, resolved,
+               unfinished)
 
 
-def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
-    """Verdicts for every common point and compared metric, and a `missing` row for each point that only one run
-    has. A run whose scenario is unknown (a bare summary.json with no meta.json beside it) is taken to be of the
-    other run's scenario."""
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CompareError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_yaml(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CompareError(f"{path}: not valid YAML ({e})") from None
+    return data if isinstance(data, dict) else None
+
+
+def _finished_rows(run_dir: Path, resolved: dict) -> tuple[list[dict], int]:
+    """The summary rows of a killed run's finished points, and how many of its sweep's points are missing."""
+    rows = [_read_json(point_dir(run_dir, i) / "summary.json") for i in sorted(finished_points(run_dir))]
+    sweep = resolved.get("sweep") or {}
+    expected = math.prod(len(v) for v in sweep.values() if isinstance(v, list)) * int(resolved.get("repeats", 1))
+    if not rows:
+        raise CompareError(f"{run_dir}: no point of the run finished (nothing to compare)")
+    return rows, max(expected - len(rows), 0)
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Each path's runs: a run directory or summary.json is one run; a directory of run directories (a scenario's
+    output folder, `results/<scenario>/`) is every run in it, oldest first."""
+    runs = []
+    for path in map(Path, paths):
+        if path.is_dir() and not _is_run(path):
+            inside = sorted(p for p in path.iterdir() if p.is_dir() and _is_run(p))
+            if not inside:
+                raise CompareError(f"{path}: no summary.json (is it a run directory, or a folder of them?)")
+            runs += sorted((load_run(p) for p in inside), key=_written_at)
+        else:
+            runs.append(load_run(path))
+    return runs
+
+
+def _is_run(path: Path) -> bool:
+    return (path / "summary.json").is_file() or (path / "points").is_dir()
+
+
+def _written_at(run: Run) -> str:
+    return str(run.meta.get("written_at") or run.path.name)
+
+
+def newest(runs: list[Run], last: int | None) -> list[Run]:
+    """The `last` most recently written of `runs` (all of them for None): a rolling baseline."""
+    if last is None:
+        return runs
+    if last < 1:
+        raise CompareError(f"--last: must be at least 1, got {last}")
+    return sorted(runs, key=_written_at)[-last:]
+
+
+def compare_runs(base: Run | list[Run], current: Run | list[Run], *, threshold: float = 0.05,
+                 alpha: float = RUN_ALPHA, force: bool = False) -> list[Row]:
+    """Verdicts for every common point and compared metric, and a `missing` row for each point that only one side
+    has. Either side may hold several runs (a rolling baseline, or the same tree run again): each point's value is
+    then the median over the side's runs, and with more than two runs in all the run is the unit of the test
+    (`run_significance`). A run whose scenario is unknown (a bare summary.json with no meta.json beside it) is
+    taken to be of the other runs' scenario."""
+    bases = base if isinstance(base, list) else [base]
+    currents = current if isinstance(current, list) else [current]
     if not math.isfinite(threshold) or threshold <= 0:
         raise CompareError(f"--threshold: must be a finite number > 0, got {threshold}")
-    if base.scenario != current.scenario and "?" not in (base.scenario, current.scenario) and not force:
-        raise CompareError(
-            f"different scenarios ({base.scenario!r} vs {current.scenario!r}); pass --force to compare anyway"
-        )
-    measured = base.level != "sim" or current.level != "sim"
-    repeats = _Repeats(base, current) if stats.REPEAT in base.summary or stats.REPEAT in current.summary else None
-    if repeats is not None:
-        base, current = repeats.medians  # a point's repeats are compared as one
-    common = [p for p in base.summary.index if p in current.summary.index]
+    if not 0 < alpha < 1:
+        raise CompareError(f"--alpha: must be between 0 and 1, got {alpha}")
+    check_comparable(bases, currents, force=force)
+    measured = bases[0].level != "sim"
+    if len(bases) + len(currents) > 2:
+        samples = _Runs(bases, currents, alpha)
+        base_run, current_run = samples.medians
+    elif stats.REPEAT in bases[0].summary or stats.REPEAT in currents[0].summary:
+        samples = _Repeats(bases[0], currents[0])
+        base_run, current_run = samples.medians  # a point's repeats are compared as one
+    else:
+        base_run, current_run = bases[0], currents[0]
+        samples = _Samples(base_run, current_run) if measured else None
+    common = [p for p in base_run.summary.index if p in current_run.summary.index]
     if not common:
         raise CompareError("the two runs have no sweep point in common")
-    samples = repeats or (_Samples(base, current) if measured else None)
     if measured and (samples is None or not samples.repeated):
         warnings.warn("measured runs with one sample per point: compare cannot tell run-to-run noise from a change "
-                      "(the runs' processes differ by more than their requests do); run both with `repeats: N`",
-                      stacklevel=2)
+                      "(the runs' processes differ by more than their requests do); compare several runs a side "
+                      "(`compare BASE... CURRENT...`), or run both with `repeats: N`", stacklevel=2)
     rows = []
     for point in common:
-        b, c = base.summary.loc[point], current.summary.loc[point]
+        b, c = base_run.summary.loc[point], current_run.summary.loc[point]
         for metric, (bigger_better, _) in METRICS.items():
             if metric not in b or metric not in c or pd.isna(b[metric]) or pd.isna(c[metric]):
                 continue
@@ -139,10 +218,44 @@ def compare_runs(base: Run, current: Run, *, threshold: float = 0.05, force: boo
     if not rows:
         raise CompareError("the two runs have no compared metric in common (see compare.METRICS)")
     nan = float("nan")
-    for lacking, other, name in ((current, base, "current"), (base, current, "base")):
+    for lacking, other, name in ((current_run, base_run, "current"), (base_run, current_run, "base")):
         gone = [p for p in other.summary.index if p not in lacking.summary.index]
         rows += [Row(p, "", nan, nan, nan, f"missing in {name}") for p in gone]
+    for side, runs in (("base", bases), ("current", currents)):
+        for run in runs:
+            if run.unfinished and not any(r.verdict == f"missing in {side}" for r in rows):
+                rows.append(Row(f"{run.unfinished} unfinished point(s) of {run.path}", "", nan, nan, nan,
+                                f"missing in {side}"))
     return rows
+
+
+def check_comparable(bases: list[Run], currents: list[Run], *, force: bool = False) -> None:
+    """Refuse runs that cannot be compared, in one message: a mix of levels; runs of different scenarios or devices
+    (unless `force`); baselines of one side that are not replicates of each other (another resolved scenario, or at
+    the deterministic sim level another source tree)."""
+    runs = bases + currents
+    levels = {r.level for r in runs}
+    if len(levels) > 1:
+        listing = "; ".join(f"{lv}: {', '.join(str(r.path) for r in runs if r.level == lv)}" for lv in sorted(levels))
+        raise CompareError(f"a mix of levels ({listing}); compare runs of one level")
+    for key, what in (("scenario", "scenarios"), ("device", "devices")):
+        seen = {str(r.meta.get(key)) for r in runs if r.meta.get(key) not in (None, "?")}
+        if len(seen) > 1 and not force:
+            raise CompareError(f"different {what} ({' vs '.join(sorted(map(repr, seen)))}); pass --force to "
+                               "compare anyway")
+    for side, group in (("base", bases), ("current", currents)):
+        if len(group) < 2:
+            continue
+        resolved = [r for r in group if r.resolved is not None]
+        if any(r.resolved != resolved[0].resolved for r in resolved):
+            odd = next(r for r in resolved if r.resolved != resolved[0].resolved)
+            raise CompareError(f"the {side} runs are not of one scenario: {odd.path} resolves its scenario "
+                               f"differently from {resolved[0].path}")
+        digests = {r.meta.get("source_digest") for r in group if r.meta.get("source_digest")}
+        if group[0].level == "sim" and len(digests) > 1:
+            raise CompareError(f"the {side} runs come from {len(digests)} different source trees (meta.json "
+                               "source_digest): a sim run is exact for its tree, so a median over trees means "
+                               "nothing; give the runs of one tree")
 
 
 def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row:
@@ -161,6 +274,97 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
             return Row(point, metric, base, cur, 100 * change, "noise", p_value)
     verdict = ("regression" if worse else "improvement") if beyond else "changed"
     return Row(point, metric, base, cur, 100 * change, verdict, p_value)
+
+
+class _Runs:
+    """Several runs a side: each run's value of a point is its median over its repeats (if any); a side's value is
+    the median over its runs (`medians`), and the runs' values are the samples of `run_significance`, whose spread
+    is at least the median spread of the compared metrics and of the metric's family (`floor`, `_family`)."""
+
+    repeated = True
+
+    def __init__(self, bases: list[Run], currents: list[Run], alpha: float):
+        self.alpha = alpha
+        self.values = [[_per_config(r) for r in side] for side in (bases, currents)]
+        self.medians = []
+        for side, values in zip((bases, currents), self.values, strict=True):
+            stacked = pd.concat(values, keys=range(len(values)), names=["run", "point"])
+            medians = stacked.groupby(level="point", sort=False).median()
+            self.medians.append(Run(side[0].path, side[0].scenario, side[0].level, medians, None, side[0].meta))
+        common = [p for p in self.medians[0].summary.index if p in self.medians[1].summary.index]
+        spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common
+                   for m, (better, _) in METRICS.items() if better is not None}
+        spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > 0}
+        overall = float(np.median(list(spreads.values()))) if spreads else 0.0
+        # a statistic's family (P99 of every latency at every point, ...) spreads alike: its median spread too
+        families: dict[str, list[float]] = {}
+        for (_, m), v in spreads.items():
+            families.setdefault(_family(m), []).append(v)
+        self.floor = {f: max(overall, float(np.median(v))) for f, v in families.items()}
+        self.overall = overall
+
+    def _samples(self, point: str, metric: str) -> list[np.ndarray]:
+        return [np.array([v.at[point, metric] for v in side if point in v.index and metric in v], dtype=np.float64)
+                for side in self.values]
+
+    def p_value(self, point: str, metric: str) -> float | None:
+        return run_significance(*self._samples(point, metric),
+                                min_variance=self.floor.get(_family(metric), self.overall))
+
+
+def _family(metric: str) -> str:
+    """The statistic a latency metric is (mean, median, p90, p99); any other metric is a family of its own."""
+    return metric.split("_")[0] if metric.endswith("_ms") and metric.count("_") == 2 else metric
+
+
+def _per_config(run: Run) -> pd.DataFrame:
+    """A run's metrics by configuration: the median over its repeats, or its summary as it is."""
+    summary = run.summary.reset_index()
+    numeric = [m for m in METRICS if m in summary]
+    values = summary[numeric].apply(pd.to_numeric, errors="coerce")
+    if stats.REPEAT not in summary:
+        return values.set_index(summary["point"])
+    return values.groupby(stats.config_ids(summary), sort=False).median()
+
+
+def _logs(base: np.ndarray, current: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The finite values of each side, as logarithms when all are positive."""
+    a = np.asarray(base, dtype=np.float64)
+    b = np.asarray(current, dtype=np.float64)
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if len(a) and len(b) and (a > 0).all() and (b > 0).all():
+        return np.log(a), np.log(b)
+    return a, b
+
+
+def _pooled_log_variance(base: np.ndarray, current: np.ndarray) -> float:
+    """The variance within sides, pooled over both (NaN with fewer than three values in all or a side empty)."""
+    a, b = _logs(base, current)
+    if len(a) == 0 or len(b) == 0 or len(a) + len(b) < 3:
+        return math.nan
+    return float((((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum()) / (len(a) + len(b) - 2))
+
+
+def run_significance(base: np.ndarray, current: np.ndarray, *, min_variance: float = 0.0) -> float:
+    """Two-sided p-value that runs of two sides differ in location, a run being one value: Student's t-test with
+    the variance pooled over both sides, on the logarithms (on the values themselves when one is not positive).
+    Pooled, because the runs of one tree on one machine spread alike, and so one new run can be tested against a
+    history of several (n + m - 2 degrees of freedom; Welch's test leaves about one with two runs a side). The
+    variance is taken as at least `min_variance`: from a few runs a spread can come out small by chance, and would
+    then call noise significant. NaN with fewer than three finite runs in all or one side empty; 0 or 1 when no run
+    varies and no floor is given."""
+    a, b = _logs(base, current)
+    pooled = _pooled_log_variance(base, current)
+    if math.isnan(pooled):
+        return math.nan
+    pooled = max(pooled, min_variance)
+    diff = b.mean() - a.mean()
+    if pooled == 0:
+        return 0.0 if diff != 0 else 1.0
+    from scipy.stats import t  # scipy.stats takes seconds to import: only when needed
+
+    statistic = diff / math.sqrt(pooled * (1 / len(a) + 1 / len(b)))
+    return float(2 * t.sf(abs(statistic), len(a) + len(b) - 2))
 
 
 class _Repeats:
@@ -191,7 +395,10 @@ class _Samples:
     repeated = False
 
     def __init__(self, base: Run, current: Run):
-        self.tables = [self._load(r) for r in (base, current)]
+        for run in (base, current):
+            if run.tables is None and run.run_dir is not None:
+                run.tables = self._load(run)
+        self.tables = [base.tables, current.tables]
 
     COLUMNS = {
         "requests": ("point", "arrival_s", "first_token_s", "last_token_s", "output_tokens"),
@@ -200,17 +407,17 @@ class _Samples:
 
     @classmethod
     def _load(cls, run: Run) -> dict[str, pd.DataFrame] | None:
-        if run.run_dir is None:
-            return None
         tables = {}
         for name, columns in cls.COLUMNS.items():
             path = run.run_dir / f"{name}.parquet"
-            if not path.is_file():
+            if path.is_file():
+                df = _read_parquet(path)
+            elif not (run.run_dir / "summary.json").is_file():  # a killed run: its points' tables
+                df = _points_table(run, name)
+            else:
                 return None  # no samples: the threshold alone decides
-            try:
-                df = pd.read_parquet(path)
-            except Exception as e:  # any unreadable file is bad input
-                raise CompareError(f"{path}: cannot read ({e})") from None
+            if df is None:
+                return None
             missing = [c for c in columns if c not in df.columns]
             if missing:
                 raise CompareError(f"{path}: missing column(s) {', '.join(missing)}")
@@ -230,6 +437,24 @@ class _Samples:
         from scipy.stats import mannwhitneyu  # scipy.stats takes seconds to import: only when needed
 
         return float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as e:  # any unreadable file is bad input
+        raise CompareError(f"{path}: cannot read ({e})") from None
+
+
+def _points_table(run: Run, name: str) -> pd.DataFrame | None:
+    """Table `name` of a killed run, from its finished points' own files (`point` added from their summaries)."""
+    parts = []
+    for index, point in zip(run.summary["index"], run.summary.index, strict=True):
+        path = point_table(run.run_dir, int(index), name)
+        if path is None:
+            return None
+        parts.append(_read_parquet(path).assign(point=point))
+    return pd.concat(parts, ignore_index=True)
 
 
 def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> np.ndarray:
@@ -253,67 +478,10 @@ def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> 
     return gaps.groupby("request_id")["gap"].mean().to_numpy(dtype=float)
 
 
-def markdown(rows: list[Row], *, show_all: bool = False) -> str:
-    """A table fit for a pull-request comment: regressions first, then points missing from a run, improvements and
-    changes."""
-    order = {"regression": 0, "missing in current": 1, "missing in base": 1, "improvement": 2, "changed": 3,
-             "noise": 4, "same": 5}
-    shown = [r for r in rows if show_all or r.verdict not in ("same", "noise")]
-    shown.sort(key=lambda r: (order[r.verdict], r.point, r.metric))
-    count = {v: sum(r.verdict == v for r in rows) for v in ("regression", "improvement", "changed")}
-    missing = {side: sum(r.verdict == f"missing in {side}" for r in rows) for side in ("base", "current")}
-    compared = [r for r in rows if not r.verdict.startswith("missing")]
-    head = (f"**{count['regression']} regression(s), {count['improvement']} improvement(s), {count['changed']} "
-            f"changed**" + "".join(f", **{n} point(s) missing in {side}**" for side, n in missing.items() if n)
-            + f" over {len(compared)} metrics at {len({r.point for r in compared})} common points"
-            f" ({sum(r.verdict in ('same', 'noise') for r in rows)} unchanged or within noise)")
-    if any(r.p_value is not None for r in rows):
-        head += ("; a regression or improvement is beyond the threshold and significant (its p-value shown), noise "
-                 "is not significant")
-    if not shown:
-        return head + "\n"
-    lines = [head, "", "| point | metric | base | current | change % | verdict |", "|---|---|---:|---:|---:|---|"]
-    for r in shown:
-        if r.verdict.startswith("missing"):
-            here, gone = ("absent", "present") if r.verdict == "missing in base" else ("present", "absent")
-            lines.append(f"| {r.point} | (all) | {here} | {gone} | | ⚠️ {r.verdict} |")
-            continue
-        mark = {"regression": "❌ regression", "improvement": "✅ improvement"}.get(r.verdict, r.verdict)
-        if r.p_value is not None and math.isfinite(r.p_value):
-            mark += f" (p={r.p_value:.2g})"
-        lines.append(f"| {r.point} | {r.metric} | {r.base:.4g} | {r.current:.4g} | {r.change_pct:+.2f} | {mark} |")
-    return "\n".join(lines) + "\n"
-
-
-def to_json(rows: list[Row]) -> dict:
-    """Rows plus github-action-benchmark / Bencher lists of the current values (diagnostics, which
-    have no good direction, are in the rows only)."""
-    smaller, bigger = [], []
-    for r in rows:
-        if r.metric not in METRICS:  # a missing point's row
-            continue
-        bigger_better, unit = METRICS[r.metric]
-        if bigger_better is None:
-            continue
-        entry = {"name": f"{r.point} {r.metric}", "unit": unit, "value": _finite(r.current)}
-        (bigger if bigger_better else smaller).append(entry)
-    return {
-        "regressions": sum(r.verdict == "regression" for r in rows),
-        "improvements": sum(r.verdict == "improvement" for r in rows),
-        "changed": sum(r.verdict == "changed" for r in rows),
-        "missing_points": {side: [r.point for r in rows if r.verdict == f"missing in {side}"]
-                           for side in ("base", "current")},
-        "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in rows],
-        "customSmallerIsBetter": smaller,
-        "customBiggerIsBetter": bigger,
-    }
-
-
-def _finite(value):
-    """Strict JSON has no inf/NaN (a change from a zero base is infinite): write null instead."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def compare(base: str | Path, current: str | Path, *, threshold: float = 0.05, force: bool = False) -> list[Row]:
-    """Compare two run directories (or summary.json files); see `compare_runs`."""
-    return compare_runs(load_run(base), load_run(current), threshold=threshold, force=force)
+def compare(base: str | Path | list[str | Path], current: str | Path | list[str | Path], *, threshold: float = 0.05,
+            alpha: float = RUN_ALPHA, last: int | None = None, force: bool = False) -> list[Row]:
+    """Compare runs (directories, summary.json files or folders of run directories; a list on either side); the
+    baseline is the `last` newest of its runs. See `compare_runs`."""
+    bases = load_runs(base if isinstance(base, list) else [base])
+    currents = load_runs(current if isinstance(current, list) else [current])
+    return compare_runs(newest(bases, last), currents, threshold=threshold, alpha=alpha, force=force)

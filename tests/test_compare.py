@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 import simharness
 from simharness.cli import app
-from simharness.compare import METRICS, markdown, to_json
+from simharness.compare import METRICS
+from simharness.gate_report import markdown, to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "results" / "baselines" / "ci"
@@ -93,7 +94,7 @@ def test_unchanged_run_is_bit_identical_and_passes(runs):
     rows = simharness.compare(runs["base"], runs["unchanged"])
     assert rows and {r.verdict for r in rows} == {"same"}
     assert len({r.point for r in rows}) == 2
-    assert "**0 regression(s), 0 improvement(s), 0 changed**" in markdown(rows)
+    assert "**PASS: 0 regression(s), 0 improvement(s), 0 changed over" in markdown(rows)
 
 
 @pytest.mark.parametrize("name", list(PLANTED))
@@ -116,8 +117,9 @@ def test_planted_regression_is_caught(runs, name):
     worst = max(r.change_pct for r in tpot.values())
     assert worst > 5.0
     md = markdown(rows)
-    assert md.index("regression") < md.index("| point |")  # the count comes first
-    assert md.splitlines()[4].endswith("❌ regression |")  # regressions head the table
+    assert md.startswith("#### Regressions (")  # regressions first, then changes, then the verdict
+    assert md.splitlines()[4].endswith("❌ regression |")
+    assert md.index("#### Regressions") < md.index("#### Changes") < md.index("**FAIL: ")
 
 
 @pytest.mark.parametrize("name", list(FASTER))
@@ -163,7 +165,7 @@ def test_cli_exit_status_and_json(runs, tmp_path):
     assert {"customSmallerIsBetter", "customBiggerIsBetter", "rows"} <= set(data)
     code, stdout, stderr = done["unchanged"]
     assert code == 0, stderr
-    assert stdout.startswith("**0 regression(s), 0 improvement(s), 0 changed** over ") and "| point |" not in stdout
+    assert stdout.startswith("**PASS: 0 regression(s), 0 improvement(s), 0 changed over ") and "| point |" not in stdout
     code, stdout, stderr = done["missing"]
     assert code == 2 and "nope: no such file or directory" in stderr and "Traceback" not in stderr
 
@@ -171,7 +173,7 @@ def test_cli_exit_status_and_json(runs, tmp_path):
 def test_cli_unchanged_exits_zero(runs):
     r = _invoke(runs["base"], runs["unchanged"])
     assert r.exit_code == 0, r.output
-    assert r.stdout.startswith("**0 regression(s), 0 improvement(s), 0 changed**") and "| point |" not in r.stdout
+    assert r.stdout.startswith("**PASS: 0 regression(s), 0 improvement(s), 0 changed") and "| point |" not in r.stdout
 
 
 def test_cli_improvement_exits_zero(runs):
@@ -219,7 +221,7 @@ def test_no_common_points(runs, tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "no summary.json (is it a run directory?)"),
+        (None, "no summary.json (is it a run directory"),
         ("{not json", "not valid JSON"),
         ("[]", "not a simharness summary"),
         ("[1, 2]", "not a simharness summary"),
@@ -289,11 +291,13 @@ def test_cli_on_committed_runs_prints_a_readable_table(tmp_path):
     r = _invoke(BASELINE, slower)
     assert r.exit_code == 1, r.output
     lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith("**1 regression(s), 0 improvement(s), 0 changed**")
+    assert lines[0] == "#### Regressions (1)"
     assert lines[2] == "| point | metric | base | current | change % | verdict |"
     assert lines[4].startswith(f"| {rows[-1]['point']} | p99_tpot_ms |")
     assert lines[4].endswith("| +10.00 | ❌ regression |")
-    assert len(lines) == 5
+    assert lines[6].startswith("**FAIL: 1 regression(s), 0 improvement(s), 0 changed over")
+    assert lines[6].endswith("; base: 1 run(s), current: 1 run(s); threshold 0.05**")
+    assert len(lines) == 7
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,8 +423,8 @@ def test_missing_points_are_listed_and_fail(runs, tmp_path):
     (partial / "summary.json").write_text(json.dumps(rows[:1]))  # an interrupted run: one point of two
     r = _invoke(runs["base"], partial)
     assert r.exit_code == 3, r.output
-    head = r.stdout.splitlines()[0]
-    assert head.startswith("**0 regression(s), 0 improvement(s), 0 changed**, **1 point(s) missing in current**")
+    assert "**INCOMPLETE: 0 regression(s), 0 improvement(s), 0 changed, 1 point(s) missing in current over" in r.stdout
+    assert r.stdout.index("#### Changes (1)") < r.stdout.index("**INCOMPLETE")
     assert f"| {rows[1]['point']} | (all) | present | absent | | ⚠️ missing in current |" in r.stdout
     r = _invoke(partial, runs["base"], "--json", tmp_path / "c.json")
     assert r.exit_code == 3 and "missing in base" in r.stdout
@@ -437,7 +441,7 @@ def test_headline_counts_changed_rows(tmp_path):
     a.write_text(json.dumps([{"point": "p", "gpu_busy_fraction": 0.5, "mean_tpot_ms": 1.0}]))
     b.write_text(json.dumps([{"point": "p", "gpu_busy_fraction": 0.6, "mean_tpot_ms": 1.0}]))
     r = _invoke(a, b)
-    assert r.exit_code == 0 and r.stdout.startswith("**0 regression(s), 0 improvement(s), 1 changed** over 2 metrics")
+    assert r.exit_code == 0 and "**PASS: 0 regression(s), 0 improvement(s), 1 changed over 2 metrics" in r.stdout
 
 
 def test_unwritable_json_exits_2(runs, tmp_path):
@@ -469,7 +473,7 @@ def test_repeats_regression_must_be_beyond_threshold_and_significant(tmp_path):
     assert {r.point for r in rows} == {"scheduler.depth=1", "scheduler.depth=2"}  # repeats compared as one
     row = _by(rows, "scheduler.depth=1", "mean_tpot_ms")[("scheduler.depth=1", "mean_tpot_ms")]
     assert row.verdict == "regression" and row.p_value < 0.05 and row.change_pct > 5, row
-    assert "(p=" in markdown(rows) and "significant" in markdown(rows)
+    assert "(p=" in markdown(rows)
     noise = simharness.compare(base, other)
     assert all(r.p_value is not None for r in noise if r.verdict not in ("same", "changed"))
     assert not any(r.verdict == "regression" for r in noise), markdown(noise, show_all=True)
@@ -484,3 +488,209 @@ def test_single_sample_measured_runs_warn(tmp_path):
         simharness.compare(base, cur)
     r = _invoke(base, cur)
     assert "warning:" in r.stderr and "repeats: N" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# a killed run (no summary.json) is unfinished: exit 3, not 2
+
+
+def _killed(run_dir: Path, dst: Path, keep: int) -> Path:
+    """A copy of a run as a kill leaves it: its points' directories (the first `keep`), no combined files."""
+    shutil.copytree(run_dir, dst)
+    for p in dst.iterdir():
+        if p.is_file() and p.name not in ("scenario.yaml", "meta.json"):
+            p.unlink()
+    for p in sorted((dst / "points").iterdir())[keep:]:
+        shutil.rmtree(p)
+    return dst
+
+
+def test_killed_run_is_unfinished_not_bad_input(runs, tmp_path):
+    killed = _killed(runs["base"], tmp_path / "killed", keep=1)
+    r = _invoke(runs["base"], killed)
+    assert r.exit_code == 3, r.output
+    assert "| scheduler.depth=2 | (all) | present | absent | | ⚠️ missing in current |" in r.stdout
+    assert "| scheduler.depth=1 |" not in r.stdout  # its finished point is the same
+    # against another killed run: the same point is missing on both sides, and the run is still unfinished
+    r = _invoke(killed, _killed(runs["extra_sync"], tmp_path / "killed2", keep=1))
+    assert r.exit_code == 1 and "1 unfinished point(s) of" in r.stdout  # a regression at depth 1 says 1 first
+    r = _invoke(killed, killed)
+    assert r.exit_code == 3 and "1 unfinished point(s) of" in r.stdout, r.output
+    assert not (killed / "summary.json").exists()  # compare reads, never writes
+
+
+def test_killed_measured_run_reads_its_points_samples(tmp_path):
+    base = fake_measured_run(tmp_path / "a", seed=1, n=30)
+    killed = tmp_path / "b"
+    fake_measured_run(killed, seed=2, n=30)
+    rows = json.loads((killed / "summary.json").read_text())
+    (killed / "scenario.yaml").write_text(yaml.safe_dump({"name": "measured", "sweep": {"concurrency": [4, 16]}}))
+    for index, row in enumerate(rows[:1]):  # the first point finished, the second did not
+        point = killed / "points" / f"{index:04d}"
+        point.mkdir(parents=True)
+        (point / "summary.json").write_text(json.dumps({**row, "index": index}))
+        for name in ("requests", "emissions"):
+            table = pd.read_parquet(killed / f"{name}.parquet")
+            table[table.point == row["point"]].drop(columns="point").to_parquet(point / f"{name}.parquet")
+    for name in ("summary.json", "requests.parquet", "emissions.parquet"):
+        (killed / name).unlink()
+    full = simharness.compare(base, fake_measured_run(tmp_path / "c", seed=2, n=30))
+    part = simharness.compare(base, killed)
+    assert [(r.point, r.metric, r.p_value) for r in part if r.point == "concurrency=4"] == \
+        [(r.point, r.metric, r.p_value) for r in full if r.point == "concurrency=4"]
+    assert [r.verdict for r in part if r.point == "concurrency=16"] == ["missing in current"]
+
+
+# ---------------------------------------------------------------------------------------------
+# several runs a side: a rolling baseline, the run as the unit
+
+
+def _summary_run(path: Path, values: dict[str, float], *, level: str = "hil", device: str = "H100",
+                 written: str = "2026-11-01T00:00:00", digest: str = "d1", scenario: str = "gate") -> Path:
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps([{"point": "p", "level": level, **values}]))
+    (path / "meta.json").write_text(json.dumps({"scenario": scenario, "device": device, "written_at": written,
+                                                "source_digest": digest}))
+    return path
+
+
+def test_rolling_baseline_is_the_median_of_the_last_n(tmp_path):
+    history = tmp_path / "history"
+    for day, tpot in enumerate([9.0, 1.0, 1.2, 1.1, 5.0]):  # the oldest run is an outlier the window leaves out
+        _summary_run(history / f"run{day}", {"mean_tpot_ms": tpot}, written=f"2026-11-0{day + 1}T00:00:00")
+    current = _summary_run(tmp_path / "current", {"mean_tpot_ms": 1.15})
+    rows = simharness.compare([history], current, last=4)
+    assert rows[0].base == pytest.approx(np.median([1.0, 1.2, 1.1, 5.0]))
+    assert simharness.compare([history], current)[0].base == pytest.approx(1.2)  # all five
+    assert simharness.compare([history], current, last=2)[0].base == pytest.approx(3.05)
+    # the CLI: a folder of runs, or runs named one by one, then --last
+    r = _invoke(history, current, "--last", "4")
+    assert r.exit_code == 0 and "base: 4 run(s) (median), current: 1 run(s)" in r.stdout, r.output
+    r = _invoke(*sorted(history.iterdir()), current, "--last", "0")
+    assert r.exit_code == 2 and "--last: must be at least 1" in r.stderr
+
+
+def test_runs_are_the_unit_of_the_test(tmp_path):
+    rng = np.random.default_rng(3)
+    base = [_summary_run(tmp_path / f"b{i}", {"mean_tpot_ms": 1.0 * rng.lognormal(0, 0.01)}) for i in range(3)]
+    slow = [_summary_run(tmp_path / "s" / f"c{i}", {"mean_tpot_ms": 1.1 * rng.lognormal(0, 0.01)}) for i in range(3)]
+    same = [_summary_run(tmp_path / "n" / f"c{i}", {"mean_tpot_ms": 1.0 * rng.lognormal(0, 0.01)}) for i in range(3)]
+    row = simharness.compare(base, [tmp_path / "s"])[0]
+    assert row.verdict == "regression" and row.p_value < 0.01
+    assert simharness.compare(base, [tmp_path / "n"])[0].verdict in ("same", "noise", "changed")
+    # a 10% shift within noise of 10% a run is not significant with three runs a side
+    noisy = [_summary_run(tmp_path / "x" / f"c{i}", {"mean_tpot_ms": v}) for i, v in enumerate([0.9, 1.3, 1.1])]
+    row = simharness.compare(base, [tmp_path / "x"])[0]
+    assert row.change_pct > 5 and row.verdict == "noise", row
+    assert len(slow) == len(same) == len(noisy) == 3
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"level": "sim"}, "a mix of levels (hil: "),
+    ({"device": "A100"}, "different devices ('A100' vs 'H100'); pass --force"),
+    ({"scenario": "other"}, "different scenarios ('gate' vs 'other'); pass --force"),
+])
+def test_runs_that_cannot_be_compared_exit_2(tmp_path, change, message):
+    a = _summary_run(tmp_path / "a", {"mean_tpot_ms": 1.0})
+    b = _summary_run(tmp_path / "b", {"mean_tpot_ms": 1.0})
+    odd = _summary_run(tmp_path / "odd", {"mean_tpot_ms": 1.0}, **change)
+    for args in ((a, b, odd), (a, odd, b)):  # in the baseline or as the current run
+        r = _invoke(*args)
+        assert r.exit_code == 2 and message in r.stderr and "Traceback" not in r.output, r.output
+        assert r.stderr.count("error:") == 1
+
+
+def test_sim_baselines_of_different_trees_exit_2(tmp_path):
+    a = _summary_run(tmp_path / "a", {"mean_tpot_ms": 1.0}, level="sim", digest="d1")
+    b = _summary_run(tmp_path / "b", {"mean_tpot_ms": 1.0}, level="sim", digest="d2")
+    c = _summary_run(tmp_path / "c", {"mean_tpot_ms": 1.0}, level="sim", digest="d3")
+    r = _invoke(a, b, c)
+    assert r.exit_code == 2 and "the base runs come from 2 different source trees" in r.stderr
+    assert _invoke(a, c).exit_code == 0  # one baseline of another tree: that is what a gate compares
+    # measured baselines of several trees are a dashboard's history: allowed
+    h = [_summary_run(tmp_path / f"h{i}", {"mean_tpot_ms": 1.0 + i / 100}, digest=f"t{i}") for i in range(3)]
+    assert _invoke(*h, _summary_run(tmp_path / "now", {"mean_tpot_ms": 1.0})).exit_code == 0
+
+
+def test_baselines_of_different_resolved_scenarios_exit_2(tmp_path):
+    a = _summary_run(tmp_path / "a", {"mean_tpot_ms": 1.0})
+    b = _summary_run(tmp_path / "b", {"mean_tpot_ms": 1.0})
+    (a / "scenario.yaml").write_text("name: gate\nseed: 0\n")
+    (b / "scenario.yaml").write_text("name: gate\nseed: 1\n")
+    r = _invoke(a, b, _summary_run(tmp_path / "c", {"mean_tpot_ms": 1.0}))
+    assert r.exit_code == 2 and "the base runs are not of one scenario" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the outputs: Markdown, JSON and JUnit say the same
+
+
+def test_markdown_json_and_junit_agree(runs, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    js, xml, md = tmp_path / "c.json", tmp_path / "c.xml", tmp_path / "summary.md"
+    md.write_text("earlier step\n")  # a job summary is appended to, never replaced
+    r = _invoke(runs["base"], runs["slow_prep"], "--json", js, "--junit", xml, "--markdown", md)
+    assert r.exit_code == 1, r.output
+    data = json.loads(js.read_text())
+    assert md.read_text() == "earlier step\n" + r.stdout.rstrip("\n") + "\n"
+    assert data["verdict"] == "fail" and f"**{data['verdict_line']}**" in r.stdout
+    assert data["verdict_line"].startswith(f"FAIL: {data['regressions']} regression(s)")
+    md_regressions = [line for line in r.stdout.splitlines() if line.endswith("❌ regression |")]
+    assert [f"| {x['point']} | {x['metric']} |" for x in data["regression_rows"]] == \
+        [line[: line.index(" |", line.index(" | ") + 3) + 2] for line in md_regressions]
+    assert len(data["change_rows"]) == data["improvements"] + data["changed"]
+    suite = ET.parse(xml).getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert len(cases) == len(data["rows"]) == int(suite.get("tests"))
+    failed = [(c.get("classname"), c.get("name")) for c in cases if c.find("failure") is not None]
+    assert failed == [(x["point"], x["metric"]) for x in data["rows"] if x["verdict"] == "regression"]
+    assert int(suite.get("failures")) == data["regressions"] and suite.get("errors") == "0"
+    assert suite.find("properties/property").get("value") == data["verdict_line"]
+
+
+def test_junit_marks_missing_points_as_errors(runs, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    partial = _copy_run(runs["base"], tmp_path / "partial")
+    rows = json.loads((partial / "summary.json").read_text())
+    (partial / "summary.json").write_text(json.dumps(rows[:1]))
+    xml = tmp_path / "c.xml"
+    assert _invoke(runs["base"], partial, "--junit", xml).exit_code == 3
+    suite = ET.parse(xml).getroot().find("testsuite")
+    errors = [c for c in suite.findall("testcase") if c.find("error") is not None]
+    assert [(c.get("classname"), c.get("name")) for c in errors] == [(rows[1]["point"], "(all)")]
+    assert suite.get("errors") == "1" and suite.get("failures") == "0"
+
+
+def test_unwritable_junit_or_markdown_exits_2(runs, tmp_path):
+    for option in ("--junit", "--markdown"):
+        r = _invoke(runs["base"], runs["extra_sync"], option, tmp_path / "nodir" / "x")
+        assert r.exit_code == 2 and f"{option} " in r.stderr and "cannot write" in r.stderr, r.output
+
+
+def test_one_path_is_not_a_comparison(runs):
+    r = _invoke(runs["base"])
+    assert r.exit_code == 2 and "at least one baseline and the current run" in r.stderr
+
+
+def test_a_spread_small_by_chance_is_floored_by_its_family(tmp_path):
+    # P99 TPOT's three runs a side happen to agree within 0.1%, and moved 6%; the other P99s spread by 5% a run: the
+    # family's spread, not the chance one, decides, and 6% is noise. The means spread little and moved nothing.
+    def runs(side, shift, spreads):
+        out = []
+        for i, e in enumerate(spreads):
+            values = {"mean_tpot_ms": 1.0 + e / 10, "p99_tpot_ms": 2.0 * shift * (1 + e / 50),
+                      **{f"p99_{k}_ms": 3.0 * (1 + e) for k in ("ttft", "itl", "e2el")}}
+            out.append(_summary_run(tmp_path / side / f"r{i}", values))
+        return out
+
+    runs("base", 1.0, [-0.05, 0.0, 0.05])
+    runs("current", 1.06, [0.05, -0.05, 0.0])
+    row = _by(simharness.compare([tmp_path / "base"], [tmp_path / "current"]), "p", "p99_tpot_ms")[("p", "p99_tpot_ms")]
+    assert row.change_pct > 5 and row.verdict == "noise", row
+    # alone, its own spread would call it significant
+    from simharness.compare import run_significance
+
+    assert run_significance([2.0 * (1 + e / 50) for e in (-0.05, 0, 0.05)],
+                            [2.12 * (1 + e / 50) for e in (0.05, -0.05, 0)]) < 1e-4

@@ -1,0 +1,444 @@
+"""Gate power: how often `simharness compare` fails an unchanged tree (A/A pairs: false alarms) and how often it
+catches changes of known size injected into the tree, by runs per side (1, 2, 3, 5); docs/baselines.md "Gate power".
+
+    python3 benchmarks/gate_power.py --levels sim --out results/gate                 # sim, this CPU (exact)
+    python3 benchmarks/gate_power.py --levels hil real --budget-s 450 --out $OUT/gate  # the GPU machine, one call
+    python3 benchmarks/gate_power.py --levels hil --scenario scenarios/hil-cpu.yaml --budget-s 120 \\
+        --seed-set engine.model=tiny --seed-set engine.device=cpu --seed-set workload.num_requests=6 --out /tmp/g
+    python3 benchmarks/gate_power.py --analyse /tmp/g --out /tmp/g                  # the tables again, from the pool
+
+Every run is a process of its own (`--worker`), as a CI job's runs are. A measured level builds a pool: process p
+runs each arm once, in an order shuffled by p, until the time budget is spent. A trial of n runs a side draws 2n
+distinct processes and compares the base arm's runs of n of them with the current arm's runs of the other n; its
+rates are over `--trials` such draws (all of them when there are fewer). With P processes, n is at most P / 2, and
+trials reuse runs, so a rate from a small pool is coarser than its trial count says (the tables give P). The sim is
+deterministic: one run per arm, and the verdict is the same for any n (n copies of a run are compared as n runs).
+
+Arms: the baseline A; the decode device step 1/2/5/10% slower; one extra host sync per step (`metadata_item`); a
+per-step host allocation (500 GC-tracked objects, with a 500,000-object heap on every arm); the scheduler's host phase
+10% slower; acceptance collapsed to a tenth; and each seed change reversed (base: the seed scenario after the change,
+current: before it). Knobs of the scenario inject what they can; the rest is injected in the worker process
+(`inject`): at sim the device costs scale exactly and the replay tables keep one accepted draft count in ten; at hil
+the measured device phases are scaled in virtual time; at real a spin kernel after each decode step adds the fraction
+of the running mean device time; at hil and real 9 in 10 of the GPU proposer's drafts are corrupted.
+
+Writes OUT/<level>.csv (one row per comparison, n and trial: gate verdict), OUT/power-<level>.csv (rates) and
+OUT/power.md (the tables, machine and pool sizes); the pool of runs stays under OUT/pool (small files only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from simharness.compare import METRICS, compare_runs, load_run  # noqa: E402
+from simharness.gate_report import verdict  # noqa: E402
+from simharness.scenario import load_scenario, parse_sets  # noqa: E402
+from simharness.seeds import SEEDS, seed_scenario_path  # noqa: E402
+
+RUNS_PER_SIDE = (1, 2, 3, 5)
+BACKENDS = {"sim": "model", "hil": "torch", "real": "real"}
+HEAP = {"engine.gc.heap_objects": 500_000}  # every arm: the heap a per-step allocation makes the collector walk
+# measured levels: one point (a value for each field hil.yaml and hil-cpu.yaml sweep), the GPU proposer (the one
+# `inject` corrupts)
+MEASURED = {"engine.speculation.proposer": "ngram_gpu", "scheduler.depth": 2, "scheduler.policy": "optimistic"}
+KEEP = ("summary.json", "meta.json", "scenario.yaml", "requests.parquet", "emissions.parquet")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: scenario overrides and what `inject` changes in the worker; `change` says it for the tables."""
+
+    name: str
+    change: str
+    overrides: dict
+    inject: tuple[str, float] | None = None  # ("device", factor) | ("acceptance", kept fraction)
+    seed: str | None = None  # a seed's scenario instead of the gate's
+
+
+def arms(level: str, sc_path: Path, seeds: list[str]) -> dict[str, Arm]:
+    base = quiet_load(sc_path, {**HEAP, **({} if level == "sim" else MEASURED)})
+    h = base.engine.host_costs
+    out = [Arm("A", "none (A/A)", {})]
+    for pct in (1, 2, 5, 10) if level == "sim" else (2, 5, 10):
+        out.append(Arm(f"device+{pct}%", f"decode device step {pct}% slower", _device(base, 1 + pct / 100) if level
+                       == "sim" else {}, None if level == "sim" else ("device", 1 + pct / 100)))
+    out += [
+        Arm("extra-sync", "one extra host sync per step", {"scheduler.sync_points.add": ["metadata_item"]}),
+        Arm("host-alloc", "500 GC-tracked objects allocated per step", {"engine.gc.allocations_per_step": 500}),
+        Arm("schedule+10%", "scheduler host phase 10% slower",
+            {"engine.host_costs.schedule_us": h.schedule_us * 1.1,
+             "engine.host_costs.schedule_per_req_us": h.schedule_per_req_us * 1.1}),
+        Arm("acceptance/10", "acceptance collapsed to a tenth", {}, ("acceptance", 0.1)),
+    ]
+    for pr in seeds:
+        values = quiet_load(seed_scenario_path(pr), {}).sweep[SEEDS[pr].field]
+        for side, value in (("after", values[-1]), ("before", values[0])):
+            out.append(Arm(f"seed-{pr}:{side}", f"#{pr} reversed ({SEEDS[pr].title})", {SEEDS[pr].field: value},
+                           seed=pr))
+    return {a.name: a for a in out}
+
+
+def quiet_load(path: Path, overrides: dict):
+    """The scenario, without the note that an override replaces a swept field (here it always does, on purpose)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_scenario(path, overrides)
+
+
+def _device(sc, factor: float) -> dict:
+    """Sim: every device cost `factor` slower (rooflines' efficiencies down, fixed costs up): exact."""
+    g = sc.engine.gpu_costs
+    scaled = ("step_overhead_us", "sampler_overhead_us", "ngram_gpu_us", "ngram_gpu_per_token_ns", "correction_us")
+    return {"engine.gpu_costs.mem_efficiency": g.mem_efficiency / factor,
+            "engine.gpu_costs.compute_efficiency": g.compute_efficiency / factor,
+            **{f"engine.gpu_costs.{k}": getattr(g, k) * factor for k in scaled}}
+
+
+# comparisons: (name, base arm, current arm, change)
+def comparisons(arm_set: dict[str, Arm]) -> list[tuple[str, str, str, str]]:
+    out = [("A/A", "A", "A", arm_set["A"].change)]
+    for a in arm_set.values():
+        if a.seed is None and a.name != "A":
+            out.append((a.name, "A", a.name, a.change))
+        elif a.name.endswith(":before"):
+            out.append((f"seed-{a.seed} reversed", f"seed-{a.seed}:after", a.name, a.change))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the worker
+
+
+@contextlib.contextmanager
+def inject(kind: str | None, value: float, level: str):
+    """Changes no scenario field can make, in this process only, undone on leaving."""
+    undo = []
+
+    def patch(owner, name, new):
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    if kind == "acceptance" and level == "sim":
+        from simharness import acceptance
+
+        build = acceptance.build_replay
+
+        def collapsed(*args, **kwargs):
+            t = build(*args, **kwargs)  # keep one entry in ten's accepted count, none of the rest
+            keep = np.arange(len(t.accepted)) % round(1 / value) == 0
+            return acceptance.ReplayAcceptance(t.offset, t.valid, np.where(keep, t.accepted, 0))
+
+        patch(acceptance, "build_replay", collapsed)
+    elif kind == "acceptance":
+        import torch
+
+        from simharness.engine import decode
+
+        propose = decode.propose_ngram
+
+        def corrupted(history, lengths, **kwargs):
+            drafts, valid = propose(history, lengths, **kwargs)  # flip the low bit of 9 in 10 drafts: wrong tokens
+            flip = (torch.rand(drafts.shape, device=drafts.device) >= value) & (drafts >= 0)
+            return torch.where(flip, drafts ^ 1, drafts), valid
+
+        patch(decode, "propose_ngram", corrupted)
+    elif kind == "device":
+        from simharness.engine.torch_backend import TorchBackend
+        from simharness.records import DEVICE_PHASE_COLUMNS
+
+        run = TorchBackend.run
+        if level == "hil":  # virtual time: the measured device phases, `value` times longer
+
+            def slower(self, step):
+                device_s, readback_s = run(self, step)
+                for column in DEVICE_PHASE_COLUMNS:
+                    setattr(step, column, getattr(step, column) * value)
+                if step.parts_s is not None:
+                    step.parts_s = tuple(s * value for s in step.parts_s)
+                return device_s * value, readback_s
+
+            patch(TorchBackend, "run", slower)
+        else:  # wall clock: the device really spends the extra time, after each decode step
+            patch(TorchBackend, "run", _spin_after_steps(TorchBackend, run, value - 1))
+    try:
+        yield
+    finally:
+        for owner, name, old in reversed(undo):
+            setattr(owner, name, old)
+
+
+def _spin_after_steps(backend_cls, run, fraction: float):
+    """Real level: after each decode step's kernels, `fraction` of the running mean device time of the steps read
+    back so far: a `torch.cuda._sleep` on the stream (cycles per second measured once), or on a CPU, where the step
+    runs inside the call, a spin of the host."""
+    import torch
+
+    from simharness.engine.decode import DecodeLoop
+    from simharness.realloop import spin
+
+    cycles_per_s = 0.0
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
+    mean = {"s": 0.0, "n": 0}
+    step = DecodeLoop.step
+
+    def stepped(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        extra_s = fraction * mean["s"]
+        if extra_s and self.device.type == "cuda":
+            torch.cuda._sleep(int(extra_s * cycles_per_s))
+        elif extra_s:
+            spin(extra_s)
+        return result
+
+    def measured(self, s):
+        device_s, readback_s = run(self, s)
+        mean["n"] += 1
+        mean["s"] += (device_s - mean["s"]) / mean["n"]
+        return device_s, readback_s
+
+    DecodeLoop.step = stepped  # undone with the backend's run: see `worker`
+    return measured
+
+
+def worker(pool: Path, level: str, process: int) -> None:
+    """Run every arm of the plan once, in an order shuffled by `process`, each into pool/<level>/<arm>/p<process>."""
+    from simharness import results
+    from simharness.engine.decode import DecodeLoop
+    from simharness.runner import execute
+    from simharness.scenario import sweep_points
+
+    plan = json.loads((pool / "plan.json").read_text())
+    arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
+    order = list(arm_set)
+    random.Random(process).shuffle(order)
+    step = DecodeLoop.step
+    for name in order:
+        arm = arm_set[name]
+        path = seed_scenario_path(arm.seed) if arm.seed else ROOT / plan["scenario"]
+        sets = parse_sets(plan["seed_sets"] if arm.seed else plan["sets"])
+        extra = {} if arm.seed else {**HEAP, **({} if level == "sim" else MEASURED)}
+        sc = quiet_load(path, {**extra, **sets, **arm.overrides, "engine.backend": BACKENDS[level]})
+        out = pool / level / _slug(name) / f"p{process:02d}"
+        t = time.perf_counter()
+        try:
+            with inject(*(arm.inject or (None, 0.0)), level), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                run_dir = execute(sc, sweep_points(sc), out, retries=0)
+        except Exception:  # one arm's failure must not cost the pool the others
+            traceback.print_exc()
+            print(f"{level} p{process} {name}: FAILED", flush=True)
+            continue
+        finally:
+            DecodeLoop.step = step
+        results.combine(run_dir)  # no report: the gate reads the summary and the samples
+        for p in run_dir.iterdir():
+            if p.name not in KEEP:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        print(f"{level} p{process} {name}: {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def _slug(name: str) -> str:
+    return name.replace("%", "pct").replace("/", "_").replace(":", "_").replace("+", "plus")
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+
+
+def build_pool(pool: Path, level: str, budget_s: float, max_processes: int) -> None:
+    """Start worker processes one after another while the next is expected to end within the budget (the sim's
+    budget is 0: exactly `max_processes`); a worker's failure ends the level's pool, not the others'."""
+    start, longest = time.perf_counter(), 0.0
+    for process in range(max_processes):
+        left = budget_s - (time.perf_counter() - start)
+        if budget_s and (left <= 0 or left < longest):
+            break
+        t = time.perf_counter()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(pool.resolve()), level, str(process)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        longest = max(longest, time.perf_counter() - t)
+        (pool / level / f"p{process:02d}.log").write_text(done.stdout + done.stderr)
+        print(f"{level}: process {process} took {time.perf_counter() - t:.0f} s", flush=True)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            print(f"gate_power: worker {process} at {level} failed (log in {pool / level})", file=sys.stderr)
+            break
+
+
+def load_pool(pool: Path, level: str, arm_set: dict[str, Arm]) -> dict[str, dict[int, object]]:
+    """arm -> process -> its run (loaded once: trials reuse them)."""
+    out = {}
+    for name in arm_set:
+        runs = {}
+        for p in sorted((pool / level / _slug(name)).glob("p*")):
+            run_dir = next((d for d in p.glob("*/*") if (d / "summary.json").is_file()), None)
+            if run_dir is not None:
+                runs[int(p.name[1:])] = load_run(run_dir)
+        out[name] = runs
+    return out
+
+
+def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: int, count: int, seed: int = 0):
+    """Up to `count` draws of n base-arm runs and n current-arm runs from 2n distinct processes (all of them when
+    there are fewer); yields (base runs, current runs)."""
+    procs = sorted(set(pool_runs[base]) & set(pool_runs[current]))
+    if len(procs) < 2 * n:
+        return
+    rng = random.Random(seed)
+    splits = set()
+    total = len(list(itertools.combinations(procs, 2 * n))) * len(list(itertools.combinations(range(2 * n), n)))
+    while len(splits) < min(count, total):
+        chosen = rng.sample(procs, 2 * n)
+        splits.add((tuple(sorted(chosen[:n])), tuple(sorted(chosen[n:]))))
+    for b, c in sorted(splits):
+        yield [pool_runs[base][p] for p in b], [pool_runs[current][p] for p in c]
+
+
+def analyse(pool: Path, level: str, count: int, threshold: float) -> pd.DataFrame:
+    plan = json.loads((pool / "plan.json").read_text())
+    arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
+    pool_runs = load_pool(pool, level, arm_set)
+    rows = []
+    for name, base, current, change in comparisons(arm_set):
+        for n in RUNS_PER_SIDE if level != "sim" else (1,):
+            for i, (b, c) in enumerate(trials(pool_runs, base, current, n, count)):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    result = compare_runs(b, c, threshold=threshold)
+                flagged = sorted({r.metric for r in result if r.verdict == "regression"})
+                changed = sum(r.verdict not in ("same", "noise") for r in result)
+                worse = [r.change_pct * (-1 if METRICS[r.metric][0] else 1) for r in result
+                         if r.metric in METRICS and METRICS[r.metric][0] is not None and np.isfinite(r.change_pct)]
+                rows.append({"level": level, "comparison": name, "change": change, "n": n, "trial": i,
+                             "processes": len(pool_runs[current]), "verdict": verdict(result),
+                             "rows_changed": changed, "worst_pct": max(worse, default=0.0),
+                             "regressed": " ".join(flagged)})
+    if not rows:
+        raise SystemExit(f"gate_power: {level}: no trial: the pool ({pool / level}) has fewer than two processes "
+                         "with runs of the compared arms")
+    return pd.DataFrame(rows)
+
+
+def rates(trial_rows: pd.DataFrame) -> pd.DataFrame:
+    g = trial_rows.groupby(["level", "comparison", "change", "n"], sort=False)
+    return g.agg(trials=("trial", "size"), processes=("processes", "first"),
+                 fail_rate=("verdict", lambda v: float((v == "fail").mean())),
+                 flagged_rate=("rows_changed", lambda v: float((v > 0).mean())),
+                 worst_pct=("worst_pct", "median")).reset_index()
+
+
+def table(power: pd.DataFrame, level: str) -> str:
+    """Markdown: a row per comparison, a column per n: the gate's fail rate (false alarms for A/A, detection for the
+    others), then the smallest device slowdown detected in >= 95% of trials."""
+    p = power[power.level == level]
+    ns = sorted(p.n.unique())
+    exact = level == "sim"  # also: flagged (any metric listed as changed), and the largest change for the worse
+    lines = ["| comparison | change | " + " | ".join(f"n={n}" for n in ns) + (" | flagged | worst metric |" if exact
+                                                                             else " |"),
+             "|---|---|" + "---:|" * (len(ns) + 2 * exact)]
+    for (name, change), group in p.groupby(["comparison", "change"], sort=False):
+        cells = []
+        for n in ns:
+            row = group[group.n == n]
+            cells.append(f"{row.fail_rate.iloc[0]:.1%} ({row.trials.iloc[0]})" if len(row) else "n/a")
+        if exact:
+            cells += [f"{group.flagged_rate.iloc[0]:.0%}", f"{group.worst_pct.iloc[0]:+.2f}%"]
+        lines.append(f"| {name} | {change} | " + " | ".join(cells) + " |")
+    device = p[p.comparison.str.startswith("device+")]
+    smallest = []
+    for n in ns:
+        hit = device[(device.n == n) & (device.fail_rate >= 0.95)]
+        sizes = sorted(float(c.split("+")[1].rstrip("%")) for c in hit.comparison)
+        smallest.append(f"{sizes[0]:g}%" if sizes else "> 10% or n/a")
+    lines.append("| smallest device slowdown failed in >= 95% | | " + " | ".join(smallest) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=3, metavar=("POOL", "LEVEL", "PROCESS"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help="where the pool, the CSVs and power.md go")
+    ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(BACKENDS))
+    ap.add_argument("--scenario", type=Path, help="the gate's scenario (default: scenarios/ci.yaml at sim, "
+                    "scenarios/gate-gpu.yaml at hil/real)")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the gate's scenario")
+    ap.add_argument("--seeds", nargs="*", default=list(SEEDS), choices=list(SEEDS))
+    ap.add_argument("--seed-set", action="append", default=[], metavar="PATH=VALUE",
+                    help="override every seed scenario (e.g. workload.num_requests=32)")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="measured levels: wall time for all pools")
+    ap.add_argument("--max-processes", type=int, default=10, help="measured levels: at most this many per level")
+    ap.add_argument("--trials", type=int, default=200, help="draws of runs per comparison and n (0: build the pool "
+                    "only, analyse it later with --analyse)")
+    ap.add_argument("--threshold", type=float, default=0.05, help="the gate's threshold (compare --threshold)")
+    ap.add_argument("--analyse", type=Path, metavar="POOL_OUT", help="run nothing: the tables of OUT/pool")
+    args = ap.parse_args()
+    if args.worker:
+        pool, level, process = args.worker
+        worker(Path(pool), level, int(process))
+        return
+    if args.out is None:
+        ap.error("--out is required")
+    pool = (args.analyse or args.out) / "pool"
+    if args.analyse is None:
+        default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
+        scenario = (args.scenario or ROOT / default).resolve()
+        if scenario.is_relative_to(ROOT):  # the pool is analysed on another machine too
+            scenario = scenario.relative_to(ROOT)
+        pool.mkdir(parents=True, exist_ok=True)
+        (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set,
+                                                    "seeds": args.seeds, "seed_sets": args.seed_set}, indent=1))
+        start = time.perf_counter()
+        measured = [lv for lv in args.levels if lv != "sim"]
+        for level in args.levels:
+            (pool / level).mkdir(exist_ok=True)
+            if level == "sim":
+                build_pool(pool, level, 0.0, 2)  # A/A needs two processes; every other arm is exact in one
+            else:
+                left = args.budget_s - (time.perf_counter() - start)
+                build_pool(pool, level, left / len(measured), args.max_processes)
+                measured = measured[1:]
+    if args.trials == 0:
+        return
+    levels = [lv for lv in BACKENDS if (pool / lv).is_dir()]
+    trial_rows = pd.concat([analyse(pool, lv, args.trials, args.threshold) for lv in levels])
+    args.out.mkdir(parents=True, exist_ok=True)
+    power = rates(trial_rows)
+    text = [f"# Gate power ({platform.node()}, {time.strftime('%Y-%m-%d')})", "",
+            f"Fail rate of `compare --threshold {args.threshold:g}` (exit 1) per comparison and runs per side n "
+            "(trials in brackets); A/A is the false-alarm rate. `benchmarks/gate_power.py`; docs/baselines.md "
+            "\"Gate power\".", ""]
+    for level in levels:
+        trial_rows[trial_rows.level == level].to_csv(args.out / f"{level}.csv", index=False)
+        power[power.level == level].to_csv(args.out / f"power-{level}.csv", index=False)
+        device = json.loads(next((pool / level).glob("*/p*/*/*/meta.json")).read_text()).get("device")
+        text += [f"## {level} ({device}; pool: {power[power.level == level].processes.max()} processes)", "",
+                 table(power, level), ""]
+    (args.out / "power.md").write_text("\n".join(text))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
