@@ -75,11 +75,15 @@ def fail(message: str) -> None:
 def notes() -> Iterator[None]:
     """Print what the scenario's validation or the run notes (an override replacing a sweep, fields a level
     ignores) as one `note:` line each, and any other warning as one `warning:` line, without Python's source
-    line; printed when the block ends, however it ends."""
+    line; printed when the block ends, however it ends, except on bad input, whose one message says it all."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ScenarioNote)
         try:
             yield
+        except (ScenarioError, typer.Exit) as e:
+            if isinstance(e, ScenarioError) or e.exit_code == 2:
+                caught.clear()
+            raise
         finally:
             for note in caught:
                 kind = "note" if issubclass(note.category, ScenarioNote) else "warning"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from pydantic import BaseModel
 
 from simharness.jit import njit
 from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_config
@@ -95,12 +96,10 @@ def profile_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndar
     return out
 
 
-def prior_coefficients(gpu: str) -> np.ndarray:
-    """The roofline as a profile: the datasheet's rates and the scenario defaults' efficiencies
-    (`scenario.GpuCosts`), so that a term the profile's grid cannot separate stays where the roofline puts it."""
-    from simharness.scenario import GpuCosts
-
-    g, spec = GpuCosts(), gpu_spec(gpu)
+def prior_coefficients(gpu: str, g: BaseModel) -> np.ndarray:
+    """The roofline as a profile: the datasheet's rates and the efficiencies of `g` (the scenario defaults'
+    `scenario.GpuCosts`), so that a term the profile's grid cannot separate stays where the roofline puts it."""
+    spec = gpu_spec(gpu)
     coef = np.zeros(len(TERMS))
     coef[FIXED] = (g.step_overhead_us + g.sampler_overhead_us) * 1e-6
     coef[S_PER_BYTE], coef[S_PER_FLOP] = 1 / (spec.mem_bandwidth_gbs * 1e9), 1 / (spec.bf16_tflops * 1e12)
@@ -154,6 +153,9 @@ def resolve(engine) -> Profile | None:
     if path is None or (engine.profile == "auto" and not path.is_file()):
         return None
     profile = load_profile(path)
+    unknown = sorted(set(profile.host_costs) - set(type(engine.host_costs).model_fields))
+    if unknown:
+        raise ProfileError(f"{path}: field host_costs.{unknown[0]}: not a host cost")
     if profile.gpu.lower() != engine.gpu.lower():
         raise ProfileError(f"{path}: field gpu: measured on {profile.gpu!r}, the scenario models {engine.gpu!r} "
                            "(engine.gpu)")
@@ -232,11 +234,6 @@ def _load(path: str, mtime: int) -> Profile:
         raise ProfileError(f"{path}: field {field}: malformed ({type(e).__name__}: {e})") from None
     if coef[EXPONENT] < 1:
         raise ProfileError(f"{path}: field device_step.overlap_exponent: {coef[EXPONENT]} is below 1")
-    from simharness.scenario import HostCosts
-
-    unknown = sorted(set(host) - set(HostCosts.model_fields))
-    if unknown:
-        raise ProfileError(f"{path}: field host_costs.{unknown[0]}: not a host cost")
     try:
         model_config(model)
     except ValueError:

@@ -37,7 +37,7 @@ from simharness.profile import (
     profile_times,
     shape_sizes,
 )
-from simharness.scenario import ScenarioError
+from simharness.scenario import GpuCosts, ScenarioError
 
 PRIOR_WEIGHT = 0.01  # a term one prior width off the roofline costs as much as a 1% error on one step
 ROBUST_SCALE = 0.05  # relative errors beyond this count linearly, not squared (soft-L1)
@@ -169,7 +169,7 @@ def kfold_errors(x, window, launch, depth, sizes, prior, start, folds: int = FOL
 def fit_profile(data: FitData) -> dict:
     """The profile (a YAML-ready mapping) from a measured grid's steps (calibration.load_fit_data)."""
     try:
-        prior = prior_coefficients(data.gpu)
+        prior = prior_coefficients(data.gpu, GpuCosts())
     except ValueError:
         raise ScenarioError(f"device {data.device!r}: field gpu: a profile needs a catalogue GPU's datasheet "
                             "(H100, H200, A100, L40S)") from None

@@ -19,16 +19,14 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from simharness.checkpoint_files import check_checkpoint
 from simharness.costfile import CalibrationError, check_match, load_calibration
+from simharness.errors import ScenarioError
 from simharness.hostprofile import PROFILE_FIELDS, HostProfileError, load_host_profile
 from simharness.hostprofile import host_costs as profile_host_costs
 from simharness.models import checkpoint_dir, gpu_spec, model_config
 from simharness.profile import ProfileError
 from simharness.profile import resolve as resolve_profile
-
-
-class ScenarioError(ValueError):
-    """Bad scenario input; the message names the field and the problem."""
 
 
 class ScenarioNote(UserWarning):
@@ -343,8 +341,6 @@ class Engine(Strict):
         model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
         checkpoint = checkpoint_dir(v)
         if checkpoint is not None and info.data.get("backend") in ("torch", "real"):  # the levels that load it
-            from simharness.engine.checkpoint import check_checkpoint  # torch, which these levels import anyway
-
             check_checkpoint(checkpoint)
         return v
 

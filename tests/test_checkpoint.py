@@ -411,7 +411,7 @@ def test_corrupt_or_truncated_safetensors_is_bad_input_up_front(damage, message,
 
 
 def test_checkpoint_check_passes_a_good_checkpoint(qwen2_dir: Path) -> None:
-    from simharness.engine.checkpoint import check_checkpoint, read_header
+    from simharness.checkpoint_files import check_checkpoint, read_header
 
     (shard,) = qwen2_dir.glob("*.safetensors")
     assert read_header(shard)["model.embed_tokens.weight"] == [VOCAB, QWEN2.dim]

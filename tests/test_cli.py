@@ -413,7 +413,7 @@ def test_bench_kernels_says_what_it_measures(tmp_path, monkeypatch):
     assert [line.split("] ")[1] for line in lines[1:]] == [
         *(f"n-gram proposer: batch {b}, width {w}" for b in (16, 64) for w in (2048, 8192)),
         *(f"rejection sampler: {d}, batch {b}" for d in ("float32", "bfloat16") for b in (16, 64)),
-        "verify step: tiny, batches 1, 8"], lines
+        "verify step: tiny, batches 1, 8", "decode step: tiny, batches 1, 8"], lines
     assert all(re.fullmatch(r"\[\d+:\d\d\] .+", line) for line in lines)
 
 

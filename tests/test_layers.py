@@ -9,22 +9,25 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
     # the scenario, model catalogue, leaf utilities (the host gauge, the host profiles, the GC watch among them)
-    ["jit", "models", "costfile", "hostprofile", "scenario", "tokenizer", "kernels", "hostspeed", "gcwatch"],
+    ["errors", "jit", "models", "checkpoint_files", "costfile", "hostprofile", "profile", "scenario", "tokenizer",
+     "kernels", "hostspeed", "gcwatch"],
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",
-     "kernels.gate"],
+     "kernels.gate", "kernels.clock"],
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument"],  # what a step records
     ["engine", "engine.model", "engine.model_triton", "engine.checkpoint", "engine.timing", "engine.decode",
-     "engine.backend", "engine.mirror", "engine.slots", "engine.host_work", "engine.torch_backend"],
+     "engine.step_graph", "engine.backend", "engine.mirror", "engine.slots", "engine.host_work",
+     "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
-    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare"],  # outputs
+    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
+     "frontier"],  # outputs
     ["executors"],  # where points run: this process, local workers, a Ray cluster
-    ["runner", "fidelity", "calibration"],  # drivers
+    ["runner", "fidelity", "calibration", "profile_fit", "profile_grid"],  # drivers
     ["seeds"],  # the seed changes, run through the driver
     ["cli", "__main__", "__init__"],  # interfaces
 ]

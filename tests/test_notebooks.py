@@ -151,7 +151,7 @@ def test_sync_points_shows_what_each_sync_costs(python3_kernel):
                    "swap: remove valid-draft sync, + .item()"):
         assert (change(second).abs() < 0.02).all(), (second, change(second))
     before_schedule = change("+ a sync before schedule")
-    assert (before_schedule > change("+ .item() in metadata build") + 0.05).all(), before_schedule
+    assert (before_schedule > change("+ .item() in metadata build") + 0.02).all(), before_schedule
     gc = pd.DataFrame(facts["gc"])
     relative = {}
     for depth, part in gc.groupby("scheduler.depth"):

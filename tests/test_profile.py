@@ -31,7 +31,7 @@ from simharness.profile import (
 )
 from simharness.profile_fit import FITTED, fit_device
 from simharness.runner import run, without_ignored
-from simharness.scenario import load_scenario, scenario_from_dict
+from simharness.scenario import GpuCosts, load_scenario, scenario_from_dict
 
 SIZES = shape_sizes(model_config("llama-3.2-1b"))
 TAILS = {1: 40e-6, 2: 60e-6, 3: 50e-6}
@@ -39,7 +39,7 @@ TAILS = {1: 40e-6, 2: 60e-6, 3: 50e-6}
 
 def truth() -> np.ndarray:
     """Known physical costs, away from the roofline prior in every fitted term."""
-    coef = prior_coefficients("H100")
+    coef = prior_coefficients("H100", GpuCosts())
     coef[FIXED], coef[PER_FORWARD], coef[PROPOSER], coef[EXPONENT] = 300e-6, 80e-6, 0.2e-9, 6.0
     coef[MEMORY], coef[COMPUTE], coef[SAMPLER], coef[RANDOM] = 1 / 0.7, 1 / 0.5, 1 / 0.6, 0.3
     return coef
@@ -72,7 +72,7 @@ def test_fit_recovers_known_physical_costs_within_1_percent():
     coef = truth()
     x = design(rng, 3000, 256, 8, 4096)
     window, launch, depth = measured(rng, x, coef)
-    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100"))
+    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100", GpuCosts()))
     for term in FITTED:
         assert fit.coef[term] == pytest.approx(coef[term], rel=0.01), TERMS[term]
     for d, tail in TAILS.items():
@@ -87,7 +87,7 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
     coef = truth()
     x = design(rng, 3000, 64, 4, 1024)
     window, launch, depth = measured(rng, x, coef)
-    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100"))
+    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100", GpuCosts()))
     far = design(rng, 1000, 256, 8, 4096)
     far = far[(far[:, 0] > 128) | (far[:, 1] > 5 * far[:, 0]) | (far[:, 2] > 2048 * far[:, 0])]
     expected = profile_times(coef, SIZES, far)

@@ -13,7 +13,7 @@ the new length, masked by causality and overwritten by the next step.
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from simharness.engine.model import Transformer, steer_logits
-from simharness.engine.step_graph import StepGraphs
+from simharness.engine.step_graph import Staging, StepGraphs
 from simharness.instrument import phase
 from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram
@@ -58,24 +58,6 @@ class StepOutput:
     phase_s: tuple[float, ...]  # per PHASES
     parts_s: tuple[float, ...]  # per part: the verify's inputs, its forward, then PHASES[1:]
     packed: np.ndarray  # [B, k+4]: the four above side by side (they are its views), for one compiled call
-
-
-@dataclass
-class _Staging:
-    """One readback ring entry: where a step's results land in pinned host memory, and its marks.
-
-    Eager: `device` holds the packed results [max_slots, k+4], `host` their pinned copy, `events` a CUDA event per
-    part boundary (MARKS), then one after the copy. Step graphs (`engine.step_graph`): `host` is the flat copy of
-    the graphs' output (MARKS device timestamps, then the packed rows), `inputs` the pinned block of the step's
-    inputs, and two events span the step."""
-
-    device: Tensor | None
-    host: Tensor
-    inputs: Tensor | None = None
-    events: list = field(default_factory=list)
-    times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
-    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when a graph's launch returned
-    step_id: int = -1
 
 
 class DecodeLoop:
@@ -138,14 +120,14 @@ class DecodeLoop:
             model.capture_graphs(k + 1)
         self._ring = [self._new_staging() for _ in range(max_in_flight)]
 
-    def _new_staging(self) -> _Staging:
+    def _new_staging(self) -> Staging:
         if self.graphs is not None:
             return self.graphs.new_staging()
         packed = torch.zeros(self.max_slots, self.k + 4, dtype=torch.int64, device=self.device)
         if not self.cuda:  # on the CPU the packed results already are host memory
-            return _Staging(device=packed, host=packed)
+            return Staging(device=packed, host=packed)
         host = torch.zeros_like(packed, device="cpu").pin_memory()
-        return _Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(MARKS + 1)])
+        return Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(MARKS + 1)])
 
     def _to_device(self, ids: Sequence[int] | np.ndarray | Tensor) -> Tensor:
         """Token ids as a 1-D int64 device tensor; host data goes through pinned memory so that no
@@ -249,7 +231,7 @@ class DecodeLoop:
         self._step_id += 1
         return StepResult(batch, staging.step_id, ring_index)
 
-    def _eager_step(self, staging: _Staging, slots, lengths, drafts) -> int:
+    def _eager_step(self, staging: Staging, slots, lengths, drafts) -> int:
         """The step's ops enqueued one by one; a mark (event and host time) at each part boundary."""
         staging.times, staging.graph_launched = [], None
         self._mark(staging)
@@ -334,7 +316,7 @@ class DecodeLoop:
         if self.device_proposer:
             packed[:batch, k + 3] = new_valid
 
-    def _mark(self, staging: _Staging) -> None:
+    def _mark(self, staging: Staging) -> None:
         """The next part boundary: a device event on CUDA, and the host's time (on CUDA, when the part's enqueue
         ended)."""
         if self.cuda:
@@ -378,7 +360,7 @@ class DecodeLoop:
         tokens, emitted, drafts, valid = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3]
         return StepOutput(tokens, emitted, drafts, valid, phase_s, parts_s, packed)
 
-    def _staging(self, result: StepResult) -> _Staging:
+    def _staging(self, result: StepResult) -> Staging:
         staging = self._ring[result.ring_index]
         if staging.step_id != result.step_id:
             raise RuntimeError(f"step {result.step_id} was overwritten: read back within {len(self._ring)} steps")

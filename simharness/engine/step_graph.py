@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,11 +29,43 @@ from torch import Tensor
 
 from simharness.kernels import NO_DRAFT
 
-if TYPE_CHECKING:
-    from simharness.engine.decode import DecodeLoop, _Staging
+
+class DecodeSource(Protocol):
+    """What the step graphs read of their decode loop (`engine.decode.DecodeLoop`), which owns them: its shape,
+    state and the step's device work (`decode`), which they capture."""
+
+    k: int
+    model: Any  # engine.model.Transformer: batch_buckets, pad_slot, capture, verify_logits
+    device: torch.device
+    cuda: bool
+    lengths: Tensor
+    device_proposer: bool
+
+    def decode(self, slots: Tensor, lengths: Tensor, drafts: Tensor | None, seed: int | Tensor, steered: bool,
+               packed: Tensor, verify: Callable[[Tensor, Tensor, Tensor], Tensor], mark: Callable[[], None]) -> None:
+        ...
+
 
 # The seed of the captures' warm-up run (a replay takes each step's own from its inputs).
 WARMUP_SEED = 1 << 62 | 1
+
+
+@dataclass
+class Staging:
+    """One readback ring entry: where a step's results land in pinned host memory, and its marks.
+
+    Eager: `device` holds the packed results [max_slots, k+4], `host` their pinned copy, `events` a CUDA event per
+    part boundary (MARKS), then one after the copy. Step graphs (`engine.step_graph`): `host` is the flat copy of
+    the graphs' output (MARKS device timestamps, then the packed rows), `inputs` the pinned block of the step's
+    inputs, and two events span the step."""
+
+    device: Tensor | None
+    host: Tensor
+    inputs: Tensor | None = None
+    events: list = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
+    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when a graph's launch returned
+    step_id: int = -1
 
 
 @dataclass
@@ -45,7 +78,7 @@ class StepGraphs:
     """The step graphs of one decode loop, captured up front (capture synchronises), largest bucket first, in the
     model's graph pool: their intermediate tensors are dead between replays, so they share its memory."""
 
-    def __init__(self, loop: DecodeLoop, stamps: int):
+    def __init__(self, loop: DecodeSource, stamps: int):
         # A weak reference: no cycle, so a dropped loop is freed at once, not by the cyclic collector in the middle of
         # a later capture (freeing its graphs and events there would invalidate that capture).
         self.loop, self.stamps, self.k = weakref.proxy(loop), stamps, loop.k
@@ -96,17 +129,15 @@ class StepGraphs:
         else:
             self.output[index] = time.perf_counter_ns()
 
-    def new_staging(self) -> _Staging:
+    def new_staging(self) -> Staging:
         """A readback ring entry: pinned blocks for a step's inputs and for the copy of the graphs' output."""
-        from simharness.engine.decode import _Staging
-
         cuda = self.loop.cuda
         host = torch.zeros(self.output.shape, dtype=torch.int64, pin_memory=cuda)
         inputs = torch.zeros(self._input_size(self.sizes[-1]), dtype=torch.int64, pin_memory=cuda)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []  # the step's span
-        return _Staging(None, host, inputs, events=events)
+        return Staging(None, host, inputs, events=events)
 
-    def launch(self, staging: _Staging, slots, lengths, drafts, seed: int, steered: bool) -> int:
+    def launch(self, staging: Staging, slots, lengths, drafts, seed: int, steered: bool) -> int:
         """Stage a step's inputs, replay its graph, copy its output to `staging`; returns the batch size. Host values
         go in the one copy of the input block; device tensors are copied into the static buffer after it."""
         t0 = time.perf_counter()
@@ -148,7 +179,7 @@ class StepGraphs:
         staging.graph_launched = launched if step.graph is not None else None
         return batch
 
-    def unpack(self, staging: _Staging, batch: int) -> tuple[tuple[float, ...], np.ndarray]:
+    def unpack(self, staging: Staging, batch: int) -> tuple[tuple[float, ...], np.ndarray]:
         """A finished step's part times in seconds (from its device timestamps) and packed rows [B, k+4], copied
         out of pinned memory. On CUDA the first part also takes what the step's span (events around its input
         copy, graph and output copy) holds beyond the stamped parts: the two copies and the graph's start."""
