@@ -255,6 +255,17 @@ def fidelity_cmd(
         raise typer.Exit(1)
 
 
+def print_fit_quality(what: str, quality: dict[str, dict]) -> None:
+    """A fit's k-fold relative error per phase (calibrate, profile)."""
+    table = Table(title=f"k-fold relative error on steps the fit did not see ({what})", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for column in ("phase", "steps", "median", "P90"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, q in quality.items():
+        table.add_row(phase, str(q["steps"]), f"{q['median_rel_error']:.1%}", f"{q['p90_rel_error']:.1%}")
+    out.print(table)
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     run_dirs: Annotated[list[Path], typer.Argument(help="hil or real run directories (fidelity runs too)",
@@ -290,13 +301,7 @@ def calibrate_cmd(
         calibration = write_calibration(fitted, out_path)
     except ScenarioError as e:
         fail(str(e))
-    table = Table(title=f"k-fold relative error on steps the fit did not see ({data.level}, {data.device}, "
-                  f"{data.model})", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("phase", "steps", "median", "P90"):
-        table.add_column(column, justify="left" if column == "phase" else "right")
-    for phase, q in fitted["quality"].items():
-        table.add_row(phase, str(q["steps"]), f"{q['median_rel_error']:.1%}", f"{q['p90_rel_error']:.1%}")
-    out.print(table)
+    print_fit_quality(f"{data.level}, {data.device}, {data.model}", fitted["quality"])
     if fitted["kept_from_scenario"]:
         out.print(f"not measured, kept from the scenario: {', '.join(fitted['kept_from_scenario'])}")
     out.print(f"calibration: {escape(str(calibration))}", highlight=False, soft_wrap=True)
@@ -341,13 +346,7 @@ def profile_cmd(
     except ScenarioError as e:
         fail(str(e))
     p = result.profile
-    table = Table(title=f"k-fold relative error on steps the fit did not see ({p['level']}, {p['device']}, "
-                  f"{p['model']})", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("phase", "steps", "median", "P90"):
-        table.add_column(column, justify="left" if column == "phase" else "right")
-    for phase, q in p["quality"].items():
-        table.add_row(phase, str(q["steps"]), f"{q['median_rel_error']:.1%}", f"{q['p90_rel_error']:.1%}")
-    out.print(table)
+    print_fit_quality(f"{p['level']}, {p['device']}, {p['model']}", p["quality"])
     out.print("efficiency against the datasheet: " + ", ".join(f"{k} {v:.2f}" for k, v in p["efficiency"].items()))
     out.print(f"grid run: {', '.join(map(str, result.run_dirs))}")
     out.print(f"profile: {result.path}")
