@@ -304,7 +304,8 @@ class Engine(Strict):
         "model", description="model: the sim level; torch: hil (virtual time, measured steps); real: wall clock"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the decode loop runs")
-    cuda_graphs: bool = Field(True, description="torch backend on CUDA: replay the verify forward as CUDA graphs")
+    cuda_graphs: bool = Field(True, description="hil/real on CUDA: replay each decode step whole (verify, sampling, "
+                              "commit, proposal, the copy back) and each prefill chunk as CUDA graphs")
     calibration: str | None = Field(
         None, description="sim level: a calibration file (`simharness calibrate`) fitted on this gpu and model; its "
         "device step times and measured host phases replace the roofline and those host_costs"
