@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from simharness.engine.backend import Backend
+from simharness.backend import Backend
 from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
 from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from simharness import results
-from simharness.engine.backend import model_backend
+from simharness.model_backend import model_backend
 from simharness.executors import Event, Executor, LocalPool, make_executor, ray_stopped
 from simharness.gcwatch import GC_COLUMNS
 from simharness.metrics import compute_metrics

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import simharness
-from simharness.engine.backend import model_backend
+from simharness.model_backend import model_backend
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.measured import build_model, run_level
 from simharness.modes import resolve_mode
