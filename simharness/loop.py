@@ -17,12 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from simharness.backend import Backend, StepTiming
 from simharness.core import EngineCore
 from simharness.costmodel import CostModel
 from simharness.modes import OUTPUT_READBACK, Mode
-from simharness.records import Step
+from simharness.records import LAST_TOKEN_S, Records, Step
 from simharness.scenario import SyncPoint
+from simharness.workload import Requests
 
 
 class Clock(Protocol):
@@ -97,8 +100,17 @@ def ran(step: Step, timing: StepTiming) -> None:
 class EngineLoop:
     """The phase sequence of one point's engine, over a clock."""
 
-    def __init__(self, core: EngineCore, clock: Clock, mode: Mode, cost: CostModel, backend: Backend, n: int):
-        self.core, self.clock, self.mode, self.cost, self.backend, self.n = core, clock, mode, cost, backend, n
+    def __init__(self, core: EngineCore, clock: Clock, mode: Mode, cost: CostModel, backend: Backend,
+                 requests: Requests):
+        self.core, self.clock, self.mode, self.cost, self.backend = core, clock, mode, cost, backend
+        self.requests, self.n = requests, len(requests.prompt_len)
+
+    def result(self) -> tuple[Records, float]:
+        """Once run: the records, with their requests table, and the run's duration (until the last token)."""
+        r, records = self.requests, self.core.records
+        kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
+        records.requests = records.requests_frame(kind, r.prompt_len, r.output_len)
+        return records, float(np.nanmax(records.request_times[LAST_TOKEN_S]))
 
     def run(self):
         """Until every request finished: fill the batch queue before consuming any output, else settle the oldest

@@ -26,7 +26,7 @@ from simharness.core import EngineCore
 from simharness.costmodel import CostModel
 from simharness.loop import EngineLoop, ran
 from simharness.modes import Mode
-from simharness.records import ARRIVAL_S, LAST_TOKEN_S, Records, Step
+from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
 
@@ -74,7 +74,7 @@ class Simulation:
         self.arrived = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
         self.gpu_free_at: float | None = None  # the end of the latest step started on the GPU
-        self.loop = EngineLoop(self.core, self, mode, self.cost, backend, self.n)
+        self.loop = EngineLoop(self.core, self, mode, self.cost, backend, requests)
 
     # ---------------------------------------------------------------- clients
 
@@ -240,10 +240,7 @@ class Simulation:
         env.process(self.gpu_stream())
         loop = env.process(self.loop.run())
         env.run(until=loop)
-        r = self.req
-        kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
-        self.records.requests = self.records.requests_frame(kind, r.prompt_len, r.output_len)
-        return self.records, float(np.nanmax(self.records.request_times[LAST_TOKEN_S]))
+        return self.loop.result()
 
 
 def _ready(step: Step) -> float:

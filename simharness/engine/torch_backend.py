@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from simharness.backend import Enqueue, StepTiming
 from simharness.engine.decode import DecodeLoop, StepResult
 from simharness.engine.host_work import SYNC_OPS, Allocations
 from simharness.engine.mirror import HostMirror
@@ -27,6 +28,7 @@ from simharness.engine.model import Transformer
 from simharness.engine.slots import Slots
 from simharness.engine.timing import DeviceClock, PartTiming, decode_enqueue
 from simharness.instrument import SyncRecorder, phase
+from simharness.ledger import HostLedger
 from simharness.modes import Mode
 from simharness.policy import COMPLETES, EMITTED
 from simharness.records import Step
@@ -65,9 +67,11 @@ class _Launch:
 
 
 class TorchBackend:
-    """Runs each launched step on the real decode loop; durations and outcomes are measured. `gate` (CUDA,
-    hil) holds the device in front of each part of a launch until it is enqueued, so that its device time
-    excludes launch gaps."""
+    """Runs each launched step on the real decode loop; durations and outcomes are measured. The caller says the
+    level: `gate` is hil's, where each measurement is taken alone (on CUDA the device is held in front of each part
+    of a launch until it is enqueued, so that its device time excludes launch gaps, and settled before a sync's
+    operation); without it, the real level's, where each step's device start and end are timestamped on the host's
+    clock."""
 
     def __init__(self, sc: Scenario, requests: Requests, model: Transformer, mode: Mode, *, gate: bool,
                  steer: bool = True):
@@ -101,25 +105,16 @@ class TorchBackend:
         self.host = HostMirror(requests, positions, mode.k, valid_from_mirror=self.loop.invalid == "fill")
         self.launches: dict[int, _Launch] = {}
         self.n_launched = self.n_read = 0
+        self.hil = gate
         self.timing = PartTiming(gate) if self.cuda else None
-        self.clock: DeviceClock | None = None  # the real level's: device timestamps of each step (`start_clock`)
+        self.clock = None if gate else DeviceClock(self.cuda)  # the real level's device timestamps
         self.starved_steps = 0  # steps whose enqueue may have outlasted a gate: their device time may hold gaps
-        # Harness overhead per read-back step: wall time since `mark` (the last read-back) outside the engine's
-        # work (prep, launch, the readback wait and copy, the CPU proposer; the real level's modelled phases).
-        # `engine_s` is all engine host time so far, never reset (`realloop.RealLoop._work` reads it too).
-        self.engine_s = self.engine_at_mark = 0.0
-        self.mark = time.perf_counter()
+        # The engine's host time (every phase here; the real level adds its modelled phases): the harness's own
+        # time per read-back step is the wall time since the last read-back outside it.
+        self.ledger = HostLedger()
+        self.read_mark = self.ledger.mark()
         self.allocations = Allocations(sc.engine.gc.heap_objects, sc.engine.gc.allocations_per_step)
         self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
-
-    def start_clock(self, t0: float) -> None:
-        """Time each step's device work on the host's clock from `t0` on (the real level)."""
-        self.clock = DeviceClock(self.cuda, t0)
-
-    def engine_time(self, seconds: float) -> None:
-        """Count `seconds` of host time as the engine's work (the backend's phases, the real level's modelled ones),
-        not the harness's."""
-        self.engine_s += seconds
 
     # ---------------------------------------------------------------- host view
 
@@ -175,18 +170,18 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         t0 = time.perf_counter()
         with phase("prep"):
-            if self.clock is None and self.cuda:  # hil
+            if self.hil and self.cuda:
                 torch.cuda.synchronize()
             t_op = time.perf_counter()
             op(self.loop)
         self._leave(t0)
         return time.perf_counter() - t_op
 
-    def launch(self, step: Step) -> float:
+    def launch(self, step: Step) -> tuple[float, Enqueue]:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time (on the CPU,
         where the work runs inside the calls, the enqueue less that work, which is timed as the device phases).
-        On CUDA it also notes when each part was enqueued (`step.enqueue`), which the hil level's device timeline
-        overlaps with the device's work."""
+        On CUDA it also returns when each part was enqueued, which the hil level's device timeline overlaps with
+        the device's work."""
         launch = self.launches[step.step]
         timing = self.timing
         t0 = time.perf_counter()
@@ -218,13 +213,12 @@ class TorchBackend:
         self.n_launched += 1
         wall = time.perf_counter() - t0
         if timing is None:  # the CPU: the device work ran synchronously inside the launch
-            self.engine_time(wall)
-            return max(wall - launch.prefill_s - step_s, 0.0)
+            self.ledger.engine(wall)
+            return max(wall - launch.prefill_s - step_s, 0.0), None
         wall -= timing.host_s  # the timing's own host time is the harness's
-        self.engine_time(wall)
+        self.ledger.engine(wall)
         self.starved_steps += timing.starved
-        step.enqueue = launch.enqueue
-        return wall
+        return wall, launch.enqueue
 
     def _launch_prefills(self, launch: _Launch, t0: float) -> None:
         """Enqueue each prefill chunk (a last chunk also emits the first token and drafts); on CUDA each is timed
@@ -267,9 +261,8 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- the device step
 
-    def run(self, step: Step) -> tuple[float, float]:
-        """Wait for the real step, read it back, fill in its outcome and device columns; returns its device time
-        and the host time of the readback."""
+    def run(self, step: Step) -> StepTiming:
+        """Wait for the real step, read it back and fill in its outcome; returns its measured timing."""
         t0 = time.perf_counter()
         self.syncs.start_step(step.step)
         launch = self.launches.pop(step.step)
@@ -277,8 +270,7 @@ class TorchBackend:
             # The wait is the GPU's time (gates included), not the host's readback: it ends before t_read.
             self._wait(launch)
             t_read = time.perf_counter()
-            if launch.window:
-                step.gpu_start, step.gpu_end = (self.clock.seconds(m) for m in launch.window)
+            window = tuple(self.clock.seconds(m) for m in launch.window) if launch.window else None
             out = self.loop.readback(launch.result) if launch.result is not None else None
             first = launch.first_host.numpy().copy() if launch.first_host is not None else None
             marks = launch.events  # CUDA: each prefill chunk's start and end, then the step's end
@@ -298,17 +290,15 @@ class TorchBackend:
             self.host.read_back(b.table, out.packed)
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
-        step.set_device_phases((prefill_s, *decode_s))
-        if step.enqueue is not None:  # the device time of each enqueued part, in order
-            step.parts_s = (*chunks_s, *(out.parts_s if out is not None else ()))
         if first is not None:
             self.host.first_tokens(np.asarray(first_rids), first[0], first[1])
         self.n_read += 1
-        step.device_syncs = self.syncs.count(step.step)
-        now = time.perf_counter()
-        step.harness_s = (now - self.mark) - (self.engine_s - self.engine_at_mark)
-        self.mark, self.engine_at_mark = now, self.engine_s
-        return prefill_s + sum(decode_s), readback_s
+        harness_s = self.ledger.outside(self.read_mark)
+        self.read_mark = self.ledger.mark()
+        # the device time of each enqueued part, in order (read where the launch returned its enqueue)
+        parts_s = (*chunks_s, *(out.parts_s if out is not None else ()))
+        return StepTiming(prefill_s + sum(decode_s), readback_s, parts_s, window, (prefill_s, *decode_s),
+                          self.syncs.count(step.step), harness_s)
 
     def _wait(self, launch: _Launch) -> None:
         """Block until a launched step's device work is done."""
@@ -330,5 +320,5 @@ class TorchBackend:
     def _leave(self, t0: float) -> float:
         """Seconds since `t0`, counted as time inside the backend."""
         dt = time.perf_counter() - t0
-        self.engine_time(dt)
+        self.ledger.engine(dt)
         return dt
