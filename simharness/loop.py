@@ -9,7 +9,8 @@ proposer and record the step. `core.EngineCore` makes every decision; this loop 
 `EngineLoop.run` is one generator that asks a `Clock` for time and yields what the clock hands it: SimPy events in
 virtual time (`simulation.Simulation`, the sim and hil levels), nothing on the wall clock (`realloop.RealLoop`, the
 real level). The host's time `t` is threaded through the phases: a virtual clock lets it run ahead of the clock and
-yields only where the host must observe something; the wall clock reads it.
+yields only where the host must observe something; on the wall clock every call that takes time returns the time it
+ended, and `Clock.host` reads it anew after the loop's own work where that takes time (settling requests).
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ class Clock(Protocol):
         """The clock's time (the host's at the top of each loop iteration)."""
         ...
 
-    def host(self, t: float, spent: float = 0.0) -> float:
-        """The host's time after `spent` seconds of work that began at `t` and has run (a backend's phase)."""
+    def host(self, t: float) -> float:
+        """The host's time, `t` as the loop accounts it (read anew after the loop's own work)."""
+        ...
+
+    def ran(self, t: float, seconds: float) -> float:
+        """The host's time after `seconds` of work that began at `t` and has run (a backend's phase)."""
         ...
 
     def work(self, t: float, seconds: float) -> float:
@@ -85,8 +90,8 @@ class Clock(Protocol):
         """Nothing is in flight or can be scheduled: wait for a request."""
         ...
 
-    def finished(self, rids: Sequence[int], t: float) -> None:
-        """Requests `rids` completed at host time `t`."""
+    def finished(self, rids: Sequence[int]) -> None:
+        """Requests `rids` completed now."""
         ...
 
 
@@ -118,26 +123,27 @@ class EngineLoop:
         core, clock, n = self.core, self.clock, self.n
         sched, in_flight, depth = core.sched, core.in_flight, self.mode.depth
         gc = core.gc.probability > 0
+        admit, scheduled, now = clock.admit, clock.scheduled, clock.now
         while sched.n_finished < n:
-            clock.admit()
+            admit()
             launched = False
             if len(in_flight) < depth:
                 gc_pause = core.gc_pause() if gc else 0.0
                 if gc_pause:
                     yield clock.pause(gc_pause)
                 step = core.schedule(gc_pause)
-                clock.scheduled()
+                scheduled()
                 if step is not None:
-                    host = yield from self.schedule_prep_launch(step, clock.now())
+                    host = yield from self.schedule_prep_launch(step, now())
                     launched = True
                 elif in_flight:
                     # nothing to schedule: the scheduler call still costs the host its base time
-                    yield clock.reach(clock.work(clock.now(), self.cost.schedule(0)))
+                    yield clock.reach(clock.work(now(), self.cost.schedule(0)))
             if launched and len(in_flight) < depth:
                 yield clock.reach(host)  # schedule the next step once this launch is done
                 continue
             if in_flight:
-                yield from self.settle(in_flight.popleft(), host if launched else clock.now())
+                yield from self.settle(in_flight.popleft(), host if launched else now())
             elif sched.n_finished < n:
                 idle = clock.idle()
                 if idle is not None:
@@ -149,23 +155,23 @@ class EngineLoop:
         syncs = core.syncs_of(step)
         if syncs["schedule"]:
             t = yield from self.syncs(step, "schedule", t)
-        step.schedule_start = t = clock.host(t)
+        step.schedule_start = t
         step.schedule_end = t = clock.work(t, self.cost.schedule(b.size))
         # syncs placed in prep run before prep's own work: trimming below relies on them
         if syncs["prep"]:
             t = yield from self.syncs(step, "prep", t)
-        step.prep_start = t = clock.host(t)
+        step.prep_start = t
         if core.trims_async and b.n_prefill < b.size:
             truth = clock.truth_at(t)
             if truth is not None:
                 yield truth
             core.trim(step)
-        step.prep_end = t = clock.host(t, backend.prep(step))
+        step.prep_end = t = clock.ran(t, backend.prep(step))
         if syncs["launch"]:
             t = yield from self.syncs(step, "launch", t)
-        step.launch_start = t = clock.host(t)
+        step.launch_start = t
         seconds, step.enqueue = backend.launch(step)
-        step.launch_end = t = clock.host(t, seconds)
+        step.launch_end = t = clock.ran(t, seconds)
         core.launched(step)
         clock.launched(step, t)
         return t
@@ -180,7 +186,7 @@ class EngineLoop:
             yield newest
         sp: SyncPoint
         for sp in core.syncs_of(step)[ph]:
-            start = t = clock.host(t)
+            start = t
             # the backend's real operation behind the point, if any (at hil timed alone: its wait stays modelled)
             op_s = self.backend.sync_op(step, sp.name)
             t = clock.synced(t, core.sync_target(sp), op_s)
@@ -190,7 +196,7 @@ class EngineLoop:
     def settle(self, step: Step, t: float):
         """From host time `t`, wait for the oldest step's output, then update requests, emit tokens and draft."""
         core, clock = self.core, self.clock
-        start = t = clock.host(t)
+        start = t
         done = clock.wait(step)
         if done is not None:
             yield done
@@ -199,14 +205,14 @@ class EngineLoop:
         core.record_sync(step, OUTPUT_READBACK, "update", "oldest_in_flight", start, t)
         if core.syncs_of(step)["update"]:
             t = yield from self.syncs(step, "update", t)
-        step.update_start = t = clock.host(t)
+        step.update_start = t
         t = clock.work(t, self.cost.update(step.batch.size))
         yield clock.reach(t)
         finished = core.settle(step)
         step.update_end = step.propose_start = step.propose_end = t = clock.host(t)
         if self.mode.ngram_cpu and self.mode.k:
-            t = clock.host(t, self.backend.propose(core.to_propose(step)))
+            t = clock.ran(t, self.backend.propose(core.to_propose(step)))
             yield clock.reach(t)
             step.propose_end = t
         core.records.add_step(step, step.update_end)  # its tokens reached the clients at update_end
-        clock.finished(finished, clock.host(t))
+        clock.finished(finished)

@@ -63,7 +63,10 @@ class RealLoop:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def host(self, t: float, spent: float = 0.0) -> float:
+    def host(self, t: float) -> float:
+        return self.now()
+
+    def ran(self, t: float, seconds: float) -> float:
         return self.now()
 
     def work(self, t: float, seconds: float) -> float:
@@ -138,8 +141,9 @@ class RealLoop:
             self._arrive(self.next_id, t)
             self.next_id += 1
 
-    def finished(self, rids: np.ndarray, t: float) -> None:
-        """Requests completed at time `t`: a closed-loop user sends its next one, a capped slot frees."""
+    def finished(self, rids: np.ndarray) -> None:
+        """Requests completed now: a closed-loop user sends its next one, a capped slot frees."""
+        t = self.now()
         for _ in range(len(rids)):
             if self.sc.workload.arrival == "closed":
                 if self.next_id < self.n:
