@@ -45,33 +45,26 @@ class Backend(Protocol):
 
     def valid_drafts(self) -> np.ndarray:
         """Valid drafts the proposer holds now, per request id, as the host may read them at a sync."""
-        ...
 
     def prep(self, step: Step) -> float:
         """Build the step's inputs; returns the host time it took."""
-        ...
 
     def launch(self, step: Step) -> tuple[float, Enqueue]:
         """Enqueue the step on the device; returns the host time it took and when each part was enqueued."""
-        ...
 
     def run(self, step: Step) -> StepTiming:
         """The step on the device: fill its batch table's outcome rows; returns its timing."""
-        ...
 
     def propose(self, rids: np.ndarray) -> float:
         """The CPU n-gram proposer drafts for these requests (after their step was settled); returns its host time."""
-        ...
 
     def sync_op(self, step: Step, name: str) -> float | None:
         """For `step`, run the device operation that makes sync point `name` block, where this backend has one
         (it then blocks until the device is done with everything launched); returns the operation's own host
         seconds, or None where the backend has none."""
-        ...
 
     def release(self, rids: np.ndarray) -> None:
         """The host saw these requests finish: free what they held."""
-        ...
 
 
 @runtime_checkable

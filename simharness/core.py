@@ -109,11 +109,10 @@ class EngineCore:
         step that a k schedule gives k = 0."""
         return self.undrafted_syncs if self.mode.k_schedule and not step.batch.k else self.phase_syncs
 
-    def newest_sync_target(self, ph: str, step: Step) -> Step | None:
-        """The newest step any sync point of phase `ph` of `step` waits for: the GPU runs steps in launch order, so
-        the others have ended once it has."""
-        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight"
-                                                           for sp in self.syncs_of(step)[ph])):
+    def newest_sync_target(self, ph: str, points: list[SyncPoint]) -> Step | None:
+        """The newest step any of a step's sync points `points` of phase `ph` waits for: the GPU runs steps in launch
+        order, so the others have ended once it has."""
+        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight" for sp in points)):
             return self.in_flight[0]
         return self.last_launched
 

@@ -35,67 +35,52 @@ class Clock(Protocol):
 
     def now(self) -> float:
         """The clock's time (the host's at the top of each loop iteration)."""
-        ...
 
     def host(self, t: float) -> float:
         """The host's time, `t` as the loop accounts it (read anew after the loop's own work)."""
-        ...
 
     def ran(self, t: float, seconds: float) -> float:
         """The host's time after `seconds` of work that began at `t` and has run (a backend's phase)."""
-        ...
 
     def work(self, t: float, seconds: float) -> float:
         """Modelled engine work of `seconds` from `t` (what the harness does not reproduce); returns its end."""
-        ...
 
     def reach(self, t: float) -> Any:
         """Let the clock reach host time `t`."""
-        ...
 
     def pause(self, seconds: float) -> Any:
         """A stall of the host thread (a GC pause)."""
-        ...
 
     def wait(self, step: Step | None) -> Any:
         """Wait for `step` to end on the device (None: nothing to wait for)."""
-        ...
 
     def truth_at(self, t: float) -> Any:
         """Wait until the device truth the host reads at `t` (to trim) can no longer change before `t`."""
-        ...
 
     def synced(self, t: float, target: Step | None, op_s: float | None) -> float:
         """Block from `t` on a sync point that waits for `target` (None: nothing launched yet); `op_s` is the host
         seconds of the backend's own operation for it (None: it has none). Returns when the sync ends."""
-        ...
 
     def read(self, step: Step, t: float) -> float:
         """Read back the oldest step's output (its device work ended); returns when the readback ends."""
-        ...
 
     def launched(self, step: Step, t: float) -> None:
         """`step` was enqueued on the device by host time `t`."""
-        ...
 
     def admit(self) -> None:
         """Take in the requests that arrived by now (top of each loop iteration)."""
-        ...
 
     def scheduled(self) -> None:
         """The scheduler decided: requests sent on a completion may reach the engine now."""
-        ...
 
     def idle(self) -> Any:
         """Nothing is in flight or can be scheduled: wait for a request."""
-        ...
 
     def finished(self, rids: Sequence[int]) -> None:
         """Requests `rids` completed now."""
-        ...
 
 
-def ran(step: Step, timing: StepTiming) -> None:
+def record_measured(step: Step, timing: StepTiming) -> None:
     """What a measured backend's run of `step` measured, onto the step (a modelled step has none of it)."""
     step.set_device_phases(timing.phases_s)
     step.device_syncs = timing.device_syncs
@@ -154,12 +139,12 @@ class EngineLoop:
         core, clock, backend, b = self.core, self.clock, self.backend, step.batch
         syncs = core.syncs_of(step)
         if syncs["schedule"]:
-            t = yield from self.syncs(step, "schedule", t)
+            t = yield from self.syncs(step, "schedule", syncs["schedule"], t)
         step.schedule_start = t
         step.schedule_end = t = clock.work(t, self.cost.schedule(b.size))
         # syncs placed in prep run before prep's own work: trimming below relies on them
         if syncs["prep"]:
-            t = yield from self.syncs(step, "prep", t)
+            t = yield from self.syncs(step, "prep", syncs["prep"], t)
         step.prep_start = t
         if core.trims_async and b.n_prefill < b.size:
             truth = clock.truth_at(t)
@@ -168,7 +153,7 @@ class EngineLoop:
             core.trim(step)
         step.prep_end = t = clock.ran(t, backend.prep(step))
         if syncs["launch"]:
-            t = yield from self.syncs(step, "launch", t)
+            t = yield from self.syncs(step, "launch", syncs["launch"], t)
         step.launch_start = t
         seconds, step.enqueue = backend.launch(step)
         step.launch_end = t = clock.ran(t, seconds)
@@ -176,16 +161,15 @@ class EngineLoop:
         clock.launched(step, t)
         return t
 
-    def syncs(self, step: Step, ph: str, t: float):
-        """Block the host, from time `t` on, on each sync point of phase `ph` in turn; record the waits and return
-        the time the last one ends. The GPU runs steps in launch order, so a virtual clock waits at most once, for
-        the newest step the points wait for (`EngineCore.newest_sync_target`)."""
+    def syncs(self, step: Step, ph: str, points: list[SyncPoint], t: float):
+        """Block the host, from time `t` on, on each of the step's sync points `points` of phase `ph` in turn; record
+        the waits and return the time the last one ends. The GPU runs steps in launch order, so a virtual clock waits
+        at most once, for the newest step the points wait for (`EngineCore.newest_sync_target`)."""
         core, clock = self.core, self.clock
-        newest = clock.wait(core.newest_sync_target(ph, step))
+        newest = clock.wait(core.newest_sync_target(ph, points))
         if newest is not None:
             yield newest
-        sp: SyncPoint
-        for sp in core.syncs_of(step)[ph]:
+        for sp in points:
             start = t
             # the backend's real operation behind the point, if any (at hil timed alone: its wait stays modelled)
             op_s = self.backend.sync_op(step, sp.name)
@@ -203,8 +187,9 @@ class EngineLoop:
         # the readback and the update are one event (a sync point between them is computed ahead, `syncs`)
         t = clock.read(step, t)
         core.record_sync(step, OUTPUT_READBACK, "update", "oldest_in_flight", start, t)
-        if core.syncs_of(step)["update"]:
-            t = yield from self.syncs(step, "update", t)
+        points = core.syncs_of(step)["update"]
+        if points:
+            t = yield from self.syncs(step, "update", points, t)
         step.update_start = t
         t = clock.work(t, self.cost.update(step.batch.size))
         yield clock.reach(t)

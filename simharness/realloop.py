@@ -21,7 +21,7 @@ import numpy as np
 from simharness.backend import MeasuredBackend
 from simharness.core import EngineCore
 from simharness.costmodel import CostModel
-from simharness.loop import EngineLoop, ran
+from simharness.loop import EngineLoop, record_measured
 from simharness.modes import Mode
 from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario
@@ -115,7 +115,7 @@ class RealLoop:
     def _read(self, step: Step) -> None:
         """Wait for one step, read it back (its outcome and device timestamps), mark it read (`done`)."""
         timing = self.backend.run(step)
-        ran(step, timing)
+        record_measured(step, timing)
         step.gpu_start, step.gpu_end = timing.window[0] - self.t0, timing.window[1] - self.t0
         step.bubble_s = 0.0 if self.last_gpu_end is None else max(step.gpu_start - self.last_gpu_end, 0.0)
         self.last_gpu_end = step.gpu_end

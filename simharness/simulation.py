@@ -25,7 +25,7 @@ import simpy
 from simharness.backend import Backend
 from simharness.core import EngineCore
 from simharness.costmodel import CostModel
-from simharness.loop import EngineLoop, ran
+from simharness.loop import EngineLoop, record_measured
 from simharness.modes import Mode
 from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario
@@ -141,7 +141,7 @@ class Simulation:
         timing = self.backend.run(step)
         step.readback_s = timing.readback_s
         if timing.phases_s is not None:
-            ran(step, timing)
+            record_measured(step, timing)
         step.gpu_start = start
         step.bubble_s = 0.0 if self.gpu_free_at is None else start - self.gpu_free_at
         if step.enqueue is None:
