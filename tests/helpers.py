@@ -115,3 +115,11 @@ def simulate(sc: Scenario, requests: Requests) -> tuple[Records, float]:
     """One point at the sim level: its mode resolved, the model backend, virtual time."""
     mode = resolve_mode(sc)
     return Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
+
+
+def emitted(backend, rid: int) -> np.ndarray:
+    """The tokens request `rid` emitted at a measured level (its first `output_len` generated tokens), as the
+    backend's host mirror holds them."""
+    host = backend.host
+    p = host.prompt_len[rid]
+    return host.history[rid, p : p + host.output_len[rid]]

@@ -103,10 +103,6 @@ class TorchBackend:
         """Valid drafts per request id as the host last read them (0 for finished ones); a view to read, not keep."""
         return self.host.next_valid
 
-    def output_tokens(self, rid: int) -> np.ndarray:
-        """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
-        return self.host.output_tokens(rid)
-
     # ---------------------------------------------------------------- engine-loop phases (measured)
 
     def prep(self, step: Step) -> float:
