@@ -195,13 +195,13 @@ def test_hil_run_emits_plain_greedy_tokens_in_every_mode(checkpoint, tmp_path, m
     data["sweep"] = {"scheduler.depth": [1, 2], "scheduler.policy": ["wait", "optimistic"],
                      "engine.speculation.proposer": ["ngram_cpu", "ngram_gpu"],
                      "engine.speculation.invalid_slots": ["trim", "fill"]}  # fmt: skip
-    emitted: dict[str, list[np.ndarray]] = {}
+    by_mode: dict[str, list[np.ndarray]] = {}
     run_level = measured.run_level
 
     def recording(sc, requests, mode, model):
         records, duration, backend = run_level(sc, requests, mode, model)
         # the point's own run comes after its warm-up's, and replaces it
-        emitted[f"{sc.scheduler.depth}-{sc.scheduler.policy}-{sc.engine.speculation.proposer}-"
+        by_mode[f"{sc.scheduler.depth}-{sc.scheduler.policy}-{sc.engine.speculation.proposer}-"
                 f"{sc.engine.speculation.invalid_slots}"] = [emitted(backend, r).copy() for r in range(5)]
         return records, duration, backend
 
@@ -214,8 +214,8 @@ def test_hil_run_emits_plain_greedy_tokens_in_every_mode(checkpoint, tmp_path, m
     model = load_checkpoint(path, max_slots=1, max_len=128, device="cpu")
     expected = [greedy(model, [p], n, k=0)[0][0] for p, n in zip(requests.prompt_tokens, requests.output_len,
                                                                  strict=True)]  # fmt: skip
-    assert sorted(emitted) == sorted("-".join(map(str, m)) for m in MODES)
-    for mode, outputs in emitted.items():
+    assert sorted(by_mode) == sorted("-".join(map(str, m)) for m in MODES)
+    for mode, outputs in by_mode.items():
         for rid, tokens in enumerate(outputs):
             assert tokens.tolist() == expected[rid], f"{arch} {mode} request {rid}"
     assert (result.summary["acceptance_rate"] > 0).all()
