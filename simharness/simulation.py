@@ -118,7 +118,7 @@ class Simulation:
 
         The engine queues a step when it computes its launch, ahead of the clock (`EngineLoop.schedule_prep_launch`):
         the step starts no earlier than its `launch_end` nor before the GPU is free. Most steps never reach this
-        process: the engine starts them itself when that is safe (`_launch`)."""
+        process: the engine starts them itself when that is safe (`launched`)."""
         env, stream = self.env, self.stream
         while True:
             if not stream:
@@ -191,12 +191,6 @@ class Simulation:
     def read(self, step: Step, t: float) -> float:
         return max(t, self.env.now) + step.readback_s
 
-    def launched(self, step: Step, t: float) -> None:
-        """The launch is queued now and takes effect at launch_end: the GPU does not start the step earlier, and
-        only the engine reads the in-flight queue. So the host need not wake at launch_end."""
-        step.done = Wake(self.env)
-        self._launch(step, t)
-
     def admit(self) -> None:
         pass  # clients are processes of their own
 
@@ -211,8 +205,9 @@ class Simulation:
         for rid in rids.tolist():
             self.done_events.pop(rid).succeed()
 
-    def _launch(self, step: Step, t: float) -> None:
-        """Hand `step` to the GPU at time `t` (the clock may be behind).
+    def launched(self, step: Step, t: float) -> None:
+        """Hand `step` to the GPU at time `t`, its launch's end (the clock may be behind): the GPU does not start the
+        step earlier, and only the engine reads the in-flight queue, so the host need not wake then.
 
         The engine starts the step itself, ahead of the clock, when nothing could read the device truth between
         now and the step's start: the step's end is then known, its `done` fires then, and the GPU process is not
@@ -221,6 +216,7 @@ class Simulation:
         GPU) or if the engine never trims. Otherwise the step is queued for the GPU process, woken at the step's
         earliest start if it is waiting. A hardware backend's step then runs, and is read back, right here. A step
         whose enqueue the backend reports may start before t (at its first part, `_ready`)."""
+        step.done = Wake(self.env)
         start = self._earliest_start(_ready(step))
         if not self.stream and (start <= t or not self.mode.trim):
             self._start(step, start)
