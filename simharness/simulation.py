@@ -8,7 +8,7 @@ finished in step N but already sits in step N+1 costs wasted verify slots.
 
 Speed: the loop computes its host phases ahead of the clock and yields only where it must observe something (a
 GPU step's end, the time tokens reach clients); this clock also starts a step on the GPU itself when nothing can
-read the device truth before the step's start (`_launch`), and a started step's end is scheduled, not waited for.
+read the device truth before the step's start (`launched`), and a started step's end is scheduled, not waited for.
 That leaves about three SimPy events per step, and each of these shortcuts gives the same records, to the bit, as
 one event per phase would.
 """
