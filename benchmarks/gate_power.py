@@ -162,18 +162,15 @@ def inject(kind: str | None, value: float, level: str):
         patch(decode, "propose_ngram", corrupted)
     elif kind == "device":
         from simharness.engine.torch_backend import TorchBackend
-        from simharness.records import DEVICE_PHASE_COLUMNS
 
         run = TorchBackend.run
         if level == "hil":  # virtual time: the measured device phases, `value` times longer
 
             def slower(self, step):
-                device_s, readback_s = run(self, step)
-                for column in DEVICE_PHASE_COLUMNS:
-                    setattr(step, column, getattr(step, column) * value)
-                if step.parts_s is not None:
-                    step.parts_s = tuple(s * value for s in step.parts_s)
-                return device_s * value, readback_s
+                timing = run(self, step)
+                return timing._replace(device_s=timing.device_s * value,
+                                       phases_s=tuple(s * value for s in timing.phases_s),
+                                       parts_s=tuple(s * value for s in timing.parts_s))
 
             patch(TorchBackend, "run", slower)
         else:  # wall clock: the device really spends the extra time, after each decode step
@@ -215,10 +212,10 @@ def _spin_after_steps(backend_cls, run, fraction: float):
         return result
 
     def measured(self, s):
-        device_s, readback_s = run(self, s)
+        timing = run(self, s)
         mean["n"] += 1
-        mean["s"] += (device_s - mean["s"]) / mean["n"]
-        return device_s, readback_s
+        mean["s"] += (timing.device_s - mean["s"]) / mean["n"]
+        return timing
 
     DecodeLoop.step = stepped  # undone with the backend's run: see `worker`
     return measured

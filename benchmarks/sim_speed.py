@@ -15,7 +15,7 @@ import time
 
 import simpy
 
-from simharness.engine.backend import model_backend
+from simharness.model_backend import model_backend
 from simharness.modes import resolve_mode
 from simharness.scenario import scenario_from_dict
 from simharness.simulation import Simulation

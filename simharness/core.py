@@ -11,19 +11,16 @@ comes from.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import nullcontext
 
 import numpy as np
 
-from simharness.engine.backend import Backend
+from simharness.backend import Backend
 from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
 from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
 from simharness.records import Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 from simharness.workload import Requests
-
-_NO_RANGE = nullcontext()  # stands for an NVTX range where nothing is measured (entering it is free)
 
 
 class EngineCore:
@@ -63,8 +60,7 @@ class EngineCore:
         self.trims_async = mode.trim and mode.depth > 1
         # NVTX ranges (and sync attribution) only where something is measured
         self.measured = backend.measured
-        self.schedule_range = phase("schedule") if self.measured else _NO_RANGE
-        self.update_range = phase("update") if self.measured else _NO_RANGE
+        self.schedule_range, self.update_range = phase("schedule"), phase("update")
 
     # ---------------------------------------------------------------- decisions
 
@@ -78,9 +74,15 @@ class EngineCore:
         return 0.0
 
     def schedule(self, gc_pause: float) -> Step | None:
-        """The next step's batch, or None when nothing can be scheduled."""
-        with self.schedule_range:
-            batch = self.sched.schedule(self._k(), self._held())
+        """The next step's batch, or None when nothing can be scheduled. Its k: the point's, or what its k schedule
+        gives the batch the step can hold."""
+        mode = self.mode
+        k = scheduled_k(mode.k_schedule, self.sched.batch_size()) if mode.k_schedule else mode.k
+        if not self.measured:  # no range to enter (the sim level's hot path)
+            batch = self.sched.schedule(k, self._held())
+        else:
+            with self.schedule_range:
+                batch = self.sched.schedule(k, self._held())
         if not batch.size:
             return None
         step = Step(self.n_steps, batch, gc_pause_s=gc_pause)
@@ -88,12 +90,6 @@ class EngineCore:
             step.measured = self.measured
         self.n_steps += 1
         return step
-
-    def _k(self) -> int:
-        """The next step's k: the point's, or what its k schedule gives the batch the step can hold."""
-        if not self.mode.k_schedule:
-            return self.mode.k
-        return scheduled_k(self.mode.k_schedule, self.sched.batch_size())
 
     def _held(self) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
@@ -113,11 +109,10 @@ class EngineCore:
         step that a k schedule gives k = 0."""
         return self.undrafted_syncs if self.mode.k_schedule and not step.batch.k else self.phase_syncs
 
-    def newest_sync_target(self, ph: str, step: Step) -> Step | None:
-        """The newest step any sync point of phase `ph` of `step` waits for: the GPU runs steps in launch order, so
-        the others have ended once it has."""
-        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight"
-                                                           for sp in self.syncs_of(step)[ph])):
+    def newest_sync_target(self, ph: str, points: list[SyncPoint]) -> Step | None:
+        """The newest step any of a step's sync points `points` of phase `ph` waits for: the GPU runs steps in launch
+        order, so the others have ended once it has."""
+        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight" for sp in points)):
             return self.in_flight[0]
         return self.last_launched
 
@@ -138,8 +133,11 @@ class EngineCore:
 
     def settle(self, step: Step) -> np.ndarray:
         """Process the oldest step's output (`update_from_output`); returns the ids that finished now."""
-        with self.update_range:
+        if not self.measured:
             done = self.sched.settle(step.batch)
+        else:
+            with self.update_range:
+                done = self.sched.settle(step.batch)
         self.backend.release(done)
         return done
 

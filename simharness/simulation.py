@@ -1,36 +1,33 @@
-"""The SimPy model: clients, the engine loop (host thread) and the GPU stream, in virtual time.
+"""The virtual clock: the engine loop (`loop.EngineLoop`), its clients and the GPU stream as SimPy processes.
 
-Engine loop with queue depth D (vLLM `EngineCore.step_with_batch_queue`; D = 1 is `step`):
-fill the queue first (schedule, syncs, prep, launch) while fewer than D steps are in flight and
-something can be scheduled; otherwise pop the oldest step, wait for its output (the by-design
-readback), settle it (`update_from_output`: tokens reach clients now) and, with the CPU n-gram
-proposer, draft on the host. The GPU stream runs launched steps FIFO.
+The sim level runs it over the modelled backend, the hil level over the real decode loop (each step's measured
+device time then advances virtual time). The GPU stream runs launched steps FIFO. Two views of every request are
+kept, as in vLLM: the host's (`policy.BatchScheduler`, optimistic under async) and the device's truth (the
+backend's: committed tokens, prefill progress), which advances when a step starts on the GPU. A request that
+finished in step N but already sits in step N+1 costs wasted verify slots.
 
-Two views of every request are kept, as in vLLM: the host's (`policy.BatchScheduler`, optimistic
-under async) and the device's truth here (committed tokens, prefill progress), which advances when
-a step starts on the GPU. A request that finished in step N but already sits in step N+1 costs
-wasted verify slots.
-
-Speed: the engine computes its host phases ahead of the clock and yields only where it must observe
-something (a GPU step's end, the time tokens reach clients); it also starts a step on the GPU itself
-when nothing can read the device truth before the step's start (`_launch`), and a started step's end
-is scheduled, not waited for. That leaves about three SimPy events per step, and each of these
-shortcuts gives the same records, to the bit, as one event per phase would.
+Speed: the loop computes its host phases ahead of the clock and yields only where it must observe something (a
+GPU step's end, the time tokens reach clients); this clock also starts a step on the GPU itself when nothing can
+read the device truth before the step's start (`launched`), and a started step's end is scheduled, not waited for.
+That leaves about three SimPy events per step, and each of these shortcuts gives the same records, to the bit, as
+one event per phase would.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 
 import numpy as np
 import simpy
 
+from simharness.backend import Backend
 from simharness.core import EngineCore
 from simharness.costmodel import CostModel
-from simharness.engine.backend import Backend, model_backend
-from simharness.modes import OUTPUT_READBACK, Mode, resolve_mode
-from simharness.records import ARRIVAL_S, LAST_TOKEN_S, Records, Step
+from simharness.loop import EngineLoop, record_measured
+from simharness.modes import Mode
+from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
 
@@ -58,8 +55,8 @@ class Wake(simpy.Event):
 
 
 class Simulation:
-    """One sweep point in virtual time (the sim and hil levels). `run()` returns the records and the run's
-    duration."""
+    """One sweep point in virtual time (the sim and hil levels): the engine loop's clock. `run()` returns the
+    records and the run's duration."""
 
     def __init__(self, sc: Scenario, requests: Requests, mode: Mode, backend: Backend):
         self.sc = sc
@@ -75,9 +72,10 @@ class Simulation:
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
         self.gpu_idle: Wake | None = None  # set while the GPU waits for a launch
-        self.work = self.env.event()  # fires when a request arrives while the engine is idle
+        self.arrived = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
         self.gpu_free_at: float | None = None  # the end of the latest step started on the GPU
+        self.loop = EngineLoop(self.core, self, mode, self.cost, backend, requests)
 
     # ---------------------------------------------------------------- clients
 
@@ -85,8 +83,8 @@ class Simulation:
         self.records.request_times[ARRIVAL_S, rid] = self.env.now
         self.core.sched.arrive(rid)
         ev = self.done_events[rid] = self.env.event()
-        if not self.work.triggered:
-            self.work.succeed()
+        if not self.arrived.triggered:
+            self.arrived.succeed()
         return ev
 
     def closed_client(self, next_id: list[int]):
@@ -118,9 +116,9 @@ class Simulation:
     def gpu_stream(self):
         """Runs queued steps in order; a step's outcome is decided by the device truth when it starts.
 
-        The engine queues a step when it computes its launch, ahead of the clock (`_schedule_prep_launch`):
+        The engine queues a step when it computes its launch, ahead of the clock (`EngineLoop.schedule_prep_launch`):
         the step starts no earlier than its `launch_end` nor before the GPU is free. Most steps never reach this
-        process: the engine starts them itself when that is safe (`_launch`)."""
+        process: the engine starts them itself when that is safe (`launched`)."""
         env, stream = self.env, self.stream
         while True:
             if not stream:
@@ -129,7 +127,7 @@ class Simulation:
             step = stream[0]
             start = self._earliest_start(_ready(step))
             if start > env.now:
-                yield self._until(start)
+                yield self.reach(start)
             stream.popleft()
             self._start(step, env.now)
 
@@ -140,102 +138,76 @@ class Simulation:
     def _start(self, step: Step, start: float) -> None:
         """Start `step` on the GPU at time `start`: the device truth moves on now. Its end is then known, so its
         `done` is set to fire then (one SimPy event per step; the GPU waits for the next launch meanwhile)."""
-        duration, step.readback_s = self.backend.run(step)
+        timing = self.backend.run(step)
+        step.readback_s = timing.readback_s
+        if timing.phases_s is not None:
+            record_measured(step, timing)
         step.gpu_start = start
         step.bubble_s = 0.0 if self.gpu_free_at is None else start - self.gpu_free_at
-        end = start + duration if step.enqueue is None else _overlapped_end(step, start)
+        if step.enqueue is None:
+            end = start + timing.device_s
+        else:
+            step.parts_s = timing.parts_s
+            end = _overlapped_end(step, start)
         step.gpu_end = self.gpu_free_at = end
         step.done.at(end)
 
-    # ---------------------------------------------------------------- engine loop
+    # ---------------------------------------------------------------- the engine loop's clock
 
-    def _until(self, t: float) -> simpy.Timeout:
+    def now(self) -> float:
+        return self.env.now
+
+    def host(self, t: float) -> float:
+        return t
+
+    # the host's time is the loop's own account: work, modelled or measured, adds its seconds to it (a builtin: the
+    # hot path's cheapest call)
+    ran = work = staticmethod(operator.add)
+
+    def reach(self, t: float) -> simpy.Timeout:
         """A timeout that ends exactly at time `t`, the sum of several host phases."""
         return self.env.timeout(_delay(self.env.now, t))
 
-    def _syncs(self, step: Step, ph: str, t: float):
-        """Block the host, from time `t` on, on the GPU event of each sync point of phase `ph` in turn; record the
-        waits and return the time the last one ends.
+    def pause(self, seconds: float) -> simpy.Timeout:
+        return self.env.timeout(seconds)
 
-        The host's time runs ahead of the clock: it yields at most once, for the newest step the points wait
-        for (`EngineCore.newest_sync_target`). Each sync then starts at t or when its step ended on the GPU,
-        whichever is later. Only the engine launches, so what a sync waits for cannot change meanwhile."""
-        core = self.core
-        newest = core.newest_sync_target(ph, step)
-        if newest is not None and newest.gpu_end > self.env.now:
-            yield newest.done
-        for sp in core.syncs_of(step)[ph]:
-            # hil: the real operation, if any, timed alone (its wait stays modelled) is the sync's own cost
-            op_s = self.backend.sync_op(step, sp.name)
-            start = t
-            target = core.sync_target(sp)
-            if target is not None and target.gpu_end > t:
-                t = target.gpu_end
-            t += self.sync_s if op_s is None else op_s
-            core.record_sync(step, sp.name, sp.phase, sp.waits_for, start, t)
-        return t
+    def wait(self, step: Step | None) -> simpy.Event | None:
+        """The step's end, unless it is past (launched steps only: their end is known or will be)."""
+        return step.done if step is not None and step.gpu_end > self.env.now else None
 
-    def engine_loop(self):
-        env, cost, core = self.env, self.cost, self.core
-        sched, in_flight, depth = core.sched, core.in_flight, self.mode.depth
-        gc = core.gc.probability > 0
-        while sched.n_finished < self.n:
-            launched = False
-            if len(in_flight) < depth:  # fill the batch queue before consuming any output
-                gc_pause = core.gc_pause() if gc else 0.0
-                if gc_pause:
-                    yield env.timeout(gc_pause)
-                step = core.schedule(gc_pause)
-                if step is not None:
-                    step.done = Wake(env)
-                    host = yield from self._schedule_prep_launch(step)
-                    launched = True
-                elif in_flight:
-                    # nothing to schedule: the scheduler call still costs the host its base time
-                    yield env.timeout(cost.schedule(0))
-            if launched and len(in_flight) < depth:
-                yield self._until(host)  # schedule the next step once this launch is done
-                continue
-            if in_flight:
-                yield from self._settle(in_flight.popleft(), host if launched else env.now)
-            elif sched.n_finished < self.n:
-                self.work = env.event()
-                if not sched.has_waiting():
-                    yield self.work
+    def truth_at(self, t: float) -> simpy.Timeout | None:
+        """A launched step the GPU has not started may start before `t`: the host really waits until then (with
+        none, the truth cannot change until the next launch)."""
+        return self.reach(t) if self.stream and t > self.env.now else None
 
-    def _schedule_prep_launch(self, step: Step):
-        """The host phases from scheduling to launch, computed ahead of the clock (`_syncs`); returns the time
-        the launch ends. The engine yields only to wait for the GPU or to read the device truth on time."""
-        env, core, b = self.env, self.core, step.batch
-        syncs = core.syncs_of(step)
-        t = env.now
-        if syncs["schedule"]:
-            t = yield from self._syncs(step, "schedule", t)
-        step.schedule_start = t
-        step.schedule_end = t = t + self.cost.schedule(b.size)
-        # syncs placed in prep run before prep's own work: trimming below relies on them
-        if syncs["prep"]:
-            t = yield from self._syncs(step, "prep", t)
-        step.prep_start = t
-        if core.trims_async and b.n_prefill < b.size:
-            # Prep reads the device truth at prep_start: a launched step the GPU has not started may start
-            # before then, so the host really waits there (with none, the truth cannot change until launch).
-            if self.stream and t > env.now:
-                yield self._until(t)
-            core.trim(step)
-        step.prep_end = t = t + self.backend.prep(step)
-        if syncs["launch"]:
-            t = yield from self._syncs(step, "launch", t)
-        step.launch_start = t
-        step.launch_end = t = t + self.backend.launch(step)
-        # The launch is queued now and takes effect at launch_end: the GPU does not start the step earlier, and
-        # only the engine reads the in-flight queue. So the host need not wake at launch_end.
-        core.launched(step)
-        self._launch(step, t)
-        return t
+    def synced(self, t: float, target: Step | None, op_s: float | None) -> float:
+        """The host's time runs ahead of the clock: the sync starts at `t` or when its step ended on the GPU, whichever
+        is later (the loop waited for the newest step it may wait for), and costs a sync's own host time, or the
+        backend's operation's (hil). Only the engine launches, so what a sync waits for cannot change meanwhile."""
+        if target is not None and target.gpu_end > t:
+            t = target.gpu_end
+        return t + (self.sync_s if op_s is None else op_s)
 
-    def _launch(self, step: Step, t: float) -> None:
-        """Hand `step` to the GPU at time `t` (the clock may be behind).
+    def read(self, step: Step, t: float) -> float:
+        return max(t, self.env.now) + step.readback_s
+
+    def admit(self) -> None:
+        pass  # clients are processes of their own
+
+    def scheduled(self) -> None:
+        pass
+
+    def idle(self) -> simpy.Event | None:
+        self.arrived = self.env.event()
+        return None if self.core.sched.has_waiting() else self.arrived
+
+    def finished(self, rids: np.ndarray) -> None:
+        for rid in rids.tolist():
+            self.done_events.pop(rid).succeed()
+
+    def launched(self, step: Step, t: float) -> None:
+        """Hand `step` to the GPU at time `t`, its launch's end (the clock may be behind): the GPU does not start the
+        step earlier, and only the engine reads the in-flight queue, so the host need not wake then.
 
         The engine starts the step itself, ahead of the clock, when nothing could read the device truth between
         now and the step's start: the step's end is then known, its `done` fires then, and the GPU process is not
@@ -244,6 +216,7 @@ class Simulation:
         GPU) or if the engine never trims. Otherwise the step is queued for the GPU process, woken at the step's
         earliest start if it is waiting. A hardware backend's step then runs, and is read back, right here. A step
         whose enqueue the backend reports may start before t (at its first part, `_ready`)."""
+        step.done = Wake(self.env)
         start = self._earliest_start(_ready(step))
         if not self.stream and (start <= t or not self.mode.trim):
             self._start(step, start)
@@ -251,30 +224,6 @@ class Simulation:
         self.stream.append(step)
         if self.gpu_idle is not None and not self.gpu_idle.triggered:
             self.gpu_idle.at(start)
-
-    def _settle(self, step: Step, start: float):
-        """From host time `start` (at or ahead of the clock), wait for the oldest step's output, then update
-        requests and emit tokens."""
-        env, core = self.env, self.core
-        t = start
-        if step.gpu_end > env.now:
-            yield step.done
-            t = max(t, env.now)
-        # the readback and the update are one event (a sync point between them is computed ahead, `_syncs`)
-        sync_end = t + step.readback_s
-        core.record_sync(step, OUTPUT_READBACK, "update", "oldest_in_flight", start, sync_end)
-        step.update_start = (yield from self._syncs(step, "update", sync_end)) if core.syncs_of(step)["update"] \
-            else sync_end
-        now = step.update_end = step.update_start + self.cost.update(step.batch.size)
-        yield self._until(now)
-        done = core.settle(step)
-        step.propose_start = step.propose_end = now
-        if self.mode.ngram_cpu and self.mode.k:
-            yield env.timeout(self.backend.propose(core.to_propose(step)))
-            step.propose_end = env.now
-        self.records.add_step(step, now)  # its tokens reached the clients at `now`
-        for rid in done.tolist():
-            self.done_events.pop(rid).succeed()
 
     # ---------------------------------------------------------------- run
 
@@ -287,12 +236,9 @@ class Simulation:
         else:
             env.process(self.open_clients())
         env.process(self.gpu_stream())
-        loop = env.process(self.engine_loop())
+        loop = env.process(self.loop.run())
         env.run(until=loop)
-        r = self.req
-        kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
-        self.records.requests = self.records.requests_frame(kind, r.prompt_len, r.output_len)
-        return self.records, float(np.nanmax(self.records.request_times[LAST_TOKEN_S]))
+        return self.loop.result()
 
 
 def _ready(step: Step) -> float:
@@ -312,8 +258,3 @@ def _overlapped_end(step: Step, start: float) -> float:
         end = max(part_start + device_s, t0 + enqueued)
     return end
 
-
-def simulate(sc: Scenario, requests: Requests) -> tuple[Records, float]:
-    """One point at the sim level: its mode resolved, the cost-model backend, virtual time."""
-    mode = resolve_mode(sc)
-    return Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()

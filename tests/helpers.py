@@ -8,6 +8,11 @@ import pytest
 import torch
 from scipy import stats
 
+from simharness.model_backend import model_backend
+from simharness.modes import resolve_mode
+from simharness.records import Records
+from simharness.scenario import Scenario
+from simharness.simulation import Simulation
 from simharness.workload import Requests
 
 # A small replayed-text sweep (four points) that the runner's and the executors' tests run.
@@ -104,3 +109,17 @@ def finish(loop, result):
     """Wait for a launched decode step, then read it back (DecodeLoop's one sync, then its copy)."""
     loop.wait(result)
     return loop.readback(result)
+
+
+def simulate(sc: Scenario, requests: Requests) -> tuple[Records, float]:
+    """One point at the sim level: its mode resolved, the model backend, virtual time."""
+    mode = resolve_mode(sc)
+    return Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
+
+
+def emitted(backend, rid: int) -> np.ndarray:
+    """The tokens request `rid` emitted at a measured level (its first `output_len` generated tokens), as the
+    backend's host mirror holds them."""
+    host = backend.host
+    p = host.prompt_len[rid]
+    return host.history[rid, p : p + host.output_len[rid]]

@@ -6,7 +6,7 @@ import numpy as np
 
 from simharness.acceptance import SurvivalAcceptance
 from simharness.costmodel import CostModel, gpu_seconds
-from simharness.engine.backend import ModelBackend
+from simharness.model_backend import ModelBackend
 from simharness.policy import (
     ACCEPTED,
     BATCH_ROWS,
@@ -88,11 +88,11 @@ def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     model = backend([5, 7], [50, 50])
     sizes, rates = model.cost.sizes, model.cost.rates
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
-    assert model.run(step([0], prefill=5))[0] == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0)
+    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0)
     model.run(step([1], prefill=7))
     # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
     decode = step([0, 1], slots=2)
-    seconds, readback = model.run(decode)
+    timing = model.run(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
-    assert seconds == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0)
-    assert readback == model.cost.sync()
+    assert timing.device_s == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0)
+    assert timing.readback_s == model.cost.sync() and timing.phases_s is None

@@ -19,7 +19,7 @@ import pytest
 import tokenizers
 import torch
 import yaml
-from helpers import single_thread
+from helpers import emitted, single_thread
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
@@ -150,8 +150,8 @@ def greedy(model: Transformer, prompt_list: list[np.ndarray], n_new: int, k: int
     accepted = 0
     while short := [i for i, t in enumerate(tokens) if len(t) < n_new]:
         out = loop.readback(loop.step(torch.tensor(short)))
-        for i, row, emitted in zip(short, out.tokens, out.num_emitted, strict=True):
-            tokens[i] += row[:emitted].tolist()
+        for i, row, n_emitted in zip(short, out.tokens, out.num_emitted, strict=True):
+            tokens[i] += row[:n_emitted].tolist()
         accepted += int(out.num_emitted.sum()) - len(short)
     return [t[:n_new] for t in tokens], accepted
 
@@ -195,14 +195,14 @@ def test_hil_run_emits_plain_greedy_tokens_in_every_mode(checkpoint, tmp_path, m
     data["sweep"] = {"scheduler.depth": [1, 2], "scheduler.policy": ["wait", "optimistic"],
                      "engine.speculation.proposer": ["ngram_cpu", "ngram_gpu"],
                      "engine.speculation.invalid_slots": ["trim", "fill"]}  # fmt: skip
-    emitted: dict[str, list[np.ndarray]] = {}
+    by_mode: dict[str, list[np.ndarray]] = {}
     run_level = measured.run_level
 
     def recording(sc, requests, mode, model):
         records, duration, backend = run_level(sc, requests, mode, model)
         # the point's own run comes after its warm-up's, and replaces it
-        emitted[f"{sc.scheduler.depth}-{sc.scheduler.policy}-{sc.engine.speculation.proposer}-"
-                f"{sc.engine.speculation.invalid_slots}"] = [backend.output_tokens(r).copy() for r in range(5)]
+        by_mode[f"{sc.scheduler.depth}-{sc.scheduler.policy}-{sc.engine.speculation.proposer}-"
+                f"{sc.engine.speculation.invalid_slots}"] = [emitted(backend, r).copy() for r in range(5)]
         return records, duration, backend
 
     monkeypatch.setattr(measured, "run_level", recording)
@@ -214,8 +214,8 @@ def test_hil_run_emits_plain_greedy_tokens_in_every_mode(checkpoint, tmp_path, m
     model = load_checkpoint(path, max_slots=1, max_len=128, device="cpu")
     expected = [greedy(model, [p], n, k=0)[0][0] for p, n in zip(requests.prompt_tokens, requests.output_len,
                                                                  strict=True)]  # fmt: skip
-    assert sorted(emitted) == sorted("-".join(map(str, m)) for m in MODES)
-    for mode, outputs in emitted.items():
+    assert sorted(by_mode) == sorted("-".join(map(str, m)) for m in MODES)
+    for mode, outputs in by_mode.items():
         for rid, tokens in enumerate(outputs):
             assert tokens.tolist() == expected[rid], f"{arch} {mode} request {rid}"
     assert (result.summary["acceptance_rate"] > 0).all()
@@ -231,7 +231,7 @@ def test_steered_hil_run_replays_the_reference_in_the_checkpoints_tokens(qwen2_d
 
     def recording(sc, requests, mode, model):
         records, duration, backend = run_level(sc, requests, mode, model)
-        outputs[:] = [backend.output_tokens(r).copy() for r in range(len(requests.prompt_len))]  # the last run's
+        outputs[:] = [emitted(backend, r).copy() for r in range(len(requests.prompt_len))]  # the last run's
         return records, duration, backend
 
     monkeypatch.setattr(measured, "run_level", recording)

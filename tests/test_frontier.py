@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from helpers import simulate
 from typer.testing import CliRunner
 
 import simharness
@@ -18,7 +19,6 @@ from simharness.models import gpu_spec, model_config
 from simharness.policy import scheduled_k
 from simharness.results import new_run_dir
 from simharness.scenario import GpuCosts, ScenarioError, scenario_from_dict
-from simharness.simulation import simulate
 from simharness.stats import bootstrap_ci
 from simharness.workload import build_requests
 

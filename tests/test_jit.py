@@ -9,12 +9,15 @@ from pathlib import Path
 from simharness.jit import PACKAGE, STAMP, drop_stale, sources_digest
 
 RUN_POINT = """
+from simharness.model_backend import model_backend
+from simharness.modes import resolve_mode
 from simharness.scenario import scenario_from_dict
-from simharness.simulation import simulate
+from simharness.simulation import Simulation
 from simharness.workload import build_requests
 sc = scenario_from_dict({"name": "jit", "workload": {"num_requests": 8, "concurrency": 4}})
 requests = build_requests(sc.workload, sc.seed)
-print(simulate(sc, requests)[1])
+mode = resolve_mode(sc)
+print(Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()[1])
 """
 
 
@@ -34,12 +37,12 @@ def test_drop_stale_keeps_a_matching_cache_and_empties_another(tmp_path: Path) -
 
 def test_digest_covers_every_source_file() -> None:
     assert len(sources_digest()) == 64
-    assert (PACKAGE / "engine" / "backend.py").is_file()  # subpackages are under PACKAGE too (rglob)
+    assert (PACKAGE / "engine" / "decode.py").is_file()  # subpackages are under PACKAGE too (rglob)
 
 
 def test_an_edit_to_an_inlined_function_reaches_the_cached_callers(tmp_path: Path) -> None:
     """The model backend's compiled step inlines the roofline of costmodel.py: doubling the roofline there must
-    double the run's GPU time although backend.py, whose cache holds the step, did not change."""
+    double the run's GPU time although model_backend.py, whose cache holds the step, did not change."""
     shutil.copytree(PACKAGE, tmp_path / "simharness", ignore=shutil.ignore_patterns("__pycache__"))
 
     def duration() -> float:

@@ -5,10 +5,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import emitted
 from test_hil import MODES, N_REQUESTS, hil_scenario, model, plain_greedy, requests, run_hil  # noqa: F401
 
 import simharness
 from simharness.engine.torch_backend import TorchBackend
+from simharness.ledger import HostLedger
 from simharness.modes import resolve_mode
 from simharness.realloop import RealLoop
 from simharness.records import DEVICE_PHASE_COLUMNS, STEP_COLUMNS
@@ -31,7 +33,7 @@ def test_real_emits_the_tokens_of_plain_greedy_and_of_hil(depth, policy, propose
     backend, records, _ = run_real(sc, requests, model)
     hil, hil_records = run_hil(hil_scenario(depth, policy, proposer, invalid), requests, model)
     for rid, expected in enumerate(plain_greedy):
-        np.testing.assert_array_equal(backend.output_tokens(rid), expected, err_msg=f"request {rid}")
+        np.testing.assert_array_equal(emitted(backend, rid), expected, err_msg=f"request {rid}")
     steps = records.steps_frame()
     assert steps["emitted"].sum() == requests.output_len.sum()
     assert steps["accepted"].sum() > 0
@@ -128,14 +130,15 @@ def test_real_level_through_the_public_api(tmp_path):
     assert real.steps["gpu_verify_s"].notna().all()
 
 
-class _EngineClock:
-    """Stands in for the backend's engine-time account in `RealLoop._work`."""
+class _Ledger(HostLedger):
+    """A ledger that also lists each engine time counted (the modelled work `RealLoop.work` spins)."""
 
     def __init__(self):
-        self.engine_s, self.spun = 0.0, []
+        super().__init__()
+        self.spun: list[float] = []
 
-    def engine_time(self, seconds: float) -> None:
-        self.engine_s += seconds
+    def engine(self, seconds: float) -> None:
+        super().engine(seconds)
         self.spun.append(seconds)
 
 
@@ -145,20 +148,20 @@ def test_modelled_host_work_absorbs_the_loops_own_time():
     import time
 
     loop = RealLoop.__new__(RealLoop)
-    loop.backend = _EngineClock()
-    loop._mark_own()
-    loop.own_from -= 0.2  # the loop's own work began 200 ms ago ...
-    loop.backend.engine_time(0.15)  # ... and 150 ms of it were the engine's: 50 ms are the loop's own
-    loop.backend.spun.clear()
-    loop._work(0.1)
-    assert 0.03 < loop.backend.spun[0] <= 0.05 + 1e-9
-    loop.own_from = time.perf_counter() - 0.2  # 200 ms of the loop's own time: more than the 100 ms modelled
-    loop._work(0.1)
-    assert loop.backend.spun[1] == 0.0
-    before = loop.own_from
-    loop._work(0.0)  # no modelled work: nothing spun, the loop's own time keeps counting
-    assert len(loop.backend.spun) == 2 and loop.own_from == before
-    loop.own_from = time.perf_counter() - 0.05  # 50 ms of the loop's own time ...
-    loop._pause(0.02)  # ... which a modelled GC pause does not absorb: it is spun whole, as the engine's time
-    loop._work(0.1)  # the next modelled work still absorbs the 50 ms (the pause was engine time, not the loop's)
-    assert loop.backend.spun[2] == 0.02 and 0.03 < loop.backend.spun[3] <= 0.05 + 1e-9
+    loop.t0, ledger = time.perf_counter(), _Ledger()
+    loop.ledger, spun = ledger, ledger.spun
+    loop.own = (time.perf_counter() - 0.2, ledger.engine_s)  # the loop's own work began 200 ms ago ...
+    ledger.engine(0.15)  # ... and 150 ms of it were the engine's: 50 ms are the loop's own
+    spun.clear()
+    loop.work(0.0, 0.1)
+    assert 0.03 < spun[0] <= 0.05 + 1e-9
+    loop.own = (time.perf_counter() - 0.2, ledger.engine_s)  # 200 ms of the loop's own time: more than modelled
+    loop.work(0.0, 0.1)
+    assert spun[1] == 0.0
+    before = loop.own
+    loop.work(0.0, 0.0)  # no modelled work: nothing spun, the loop's own time keeps counting
+    assert len(spun) == 2 and loop.own == before
+    loop.own = (time.perf_counter() - 0.05, ledger.engine_s)  # 50 ms of the loop's own time ...
+    loop.pause(0.02)  # ... which a modelled GC pause does not absorb: it is spun whole, as the engine's time
+    loop.work(0.0, 0.1)  # the next modelled work still absorbs the 50 ms (the pause was engine time, not the loop's)
+    assert spun[2] == 0.02 and 0.03 < spun[3] <= 0.05 + 1e-9

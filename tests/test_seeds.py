@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import simharness
-from simharness.engine.backend import model_backend
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.measured import build_model, run_level
+from simharness.model_backend import model_backend
 from simharness.modes import resolve_mode
 from simharness.scenario import ScenarioError, load_scenario, scenario_from_dict
 from simharness.seeds import SEEDS, seed_scenario_path

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from simharness.engine.backend import model_backend
+from simharness.model_backend import model_backend
 from simharness.modes import resolve_mode
 from simharness.scenario import ScenarioError, scenario_from_dict
 from simharness.simulation import Simulation

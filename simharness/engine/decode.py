@@ -11,8 +11,7 @@ last committed token is fed at position n-1 together with the k drafts. Rejected
 the new length, masked by causality and overwritten by the next step.
 """
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from simharness.engine.model import Transformer, steer_logits
+from simharness.engine.eager_step import EagerSteps
+from simharness.engine.model import Transformer
 from simharness.engine.step_graph import Staging, StepGraphs
-from simharness.instrument import phase
 from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram
 from simharness.kernels.rejection import rejection_sample
@@ -32,8 +31,6 @@ PHASES = DEVICE_PHASES[1:]  # the decode step's device phases, in order (a step'
 # Part boundaries of a decode step: its start, the verify's forward, then the end of each of PHASES.
 MARKS = len(PHASES) + 2
 FORWARD = 1  # the verify forward's part, after its inputs'
-# Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
-STEER_MARGIN = 30.0
 # Steps that may be launched and not yet read back: async queue depth (<= 3 in vLLM) plus one.
 READBACK_RING = 4
 
@@ -108,8 +105,8 @@ class DecodeLoop:
         self.drafts = longs(rows, k, fill=NO_DRAFT)  # proposed for the next step
         self.num_valid = torch.zeros(rows, dtype=torch.int32, device=device)
         self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
-        self._positions = torch.arange(k + 1, device=device)
-        self._all_drafts = torch.full((rows,), k, dtype=torch.int32, device=device)
+        self.positions = torch.arange(k + 1, device=device)
+        self.all_drafts = torch.full((rows,), k, dtype=torch.int32, device=device)
         self._no_drafts = (longs(1, 0), torch.zeros(1, dtype=torch.int32, device=device))
         self._steered: set[int] = set()  # host mirror of reference_lens > 0: skip steering when empty
         self._step_id = 0
@@ -118,18 +115,10 @@ class DecodeLoop:
             self.graphs = StepGraphs(self, stamps=MARKS)
         elif model.cuda_graphs:
             model.capture_graphs(k + 1)
-        self._ring = [self._new_staging() for _ in range(max_in_flight)]
+        self.steps = self.graphs if self.graphs is not None else EagerSteps(self, MARKS)
+        self._ring = [self.steps.new_staging() for _ in range(max_in_flight)]
 
-    def _new_staging(self) -> Staging:
-        if self.graphs is not None:
-            return self.graphs.new_staging()
-        packed = torch.zeros(self.max_slots, self.k + 4, dtype=torch.int64, device=self.device)
-        if not self.cuda:  # on the CPU the packed results already are host memory
-            return Staging(device=packed, host=packed)
-        host = torch.zeros_like(packed, device="cpu").pin_memory()
-        return Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(MARKS + 1)])
-
-    def _to_device(self, ids: Sequence[int] | np.ndarray | Tensor) -> Tensor:
+    def to_device(self, ids: Sequence[int] | np.ndarray | Tensor) -> Tensor:
         """Token ids as a 1-D int64 device tensor; host data goes through pinned memory so that no
         pageable copy stalls the host on work already queued."""
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
@@ -155,7 +144,7 @@ class DecodeLoop:
         position) and propose the first drafts. `temperature` None keeps the slot's (0 unless its caller set
         `temperature[slot]`; `remove_request` resets it). No host sync: returns the first token as a device tensor
         [1] for the caller to read at its next sync."""
-        prompt = self._to_device(prompt_ids)
+        prompt = self.to_device(prompt_ids)
         n_prompt = prompt.shape[0]
         if n_prompt + 1 + self.k > self.max_len:
             raise ValueError(f"prompt of {n_prompt} tokens leaves no room for a step in max_len {self.max_len}")
@@ -170,7 +159,7 @@ class DecodeLoop:
             self.reference_lens[slot].fill_(0)
             self._steered.discard(slot)
         else:
-            reference = self._to_device(reference_ids)[: self.max_len]
+            reference = self.to_device(reference_ids)[: self.max_len]
             first = reference[:1]
             self.reference[slot, : reference.shape[0]] = reference
             self.reference_lens[slot].fill_(reference.shape[0])
@@ -189,7 +178,7 @@ class DecodeLoop:
 
     def prefill_chunk(self, slot: int, chunk_ids: Sequence[int] | Tensor, start: int) -> None:
         """Write the K/V of prompt tokens start..start+len-1 of `slot` (a chunked prefill's earlier chunks)."""
-        self.model.prefill(slot, self._to_device(chunk_ids), start=start)
+        self.model.prefill(slot, self.to_device(chunk_ids), start=start)
 
     def remove_request(self, slot: int) -> None:
         """Free a slot; its cache rows are simply overwritten by the next request's prefill."""
@@ -222,106 +211,10 @@ class DecodeLoop:
             raise ValueError("the host's drafts are needed without a device proposer, and taken only then")
         ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
-        if self.graphs is not None:
-            seed = self.seed_of(self._step_id)
-            batch = self.graphs.launch(staging, slots, lengths, drafts, seed, bool(self._steered))
-        else:
-            batch = self._eager_step(staging, slots, lengths, drafts)
+        batch = self.steps.launch(staging, slots, lengths, drafts, self.seed_of(self._step_id), bool(self._steered))
         staging.step_id = self._step_id
         self._step_id += 1
         return StepResult(batch, staging.step_id, ring_index)
-
-    def _eager_step(self, staging: Staging, slots, lengths, drafts) -> int:
-        """The step's ops enqueued one by one; a mark (event and host time) at each part boundary."""
-        staging.times, staging.graph_launched = [], None
-        self._mark(staging)
-        slots = self._to_device(slots)
-        lengths = self.lengths[slots] if lengths is None else self._to_device(lengths)
-        if drafts is not None:
-            drafts = self._to_device(drafts).view(-1, self.k)
-
-        def verify(tokens: Tensor, slots: Tensor, start: Tensor) -> Tensor:
-            logits = self.model.verify(tokens, slots, start)
-            if self.model.cuda_graphs:  # verify returns as soon as the graph's launch has
-                staging.graph_launched = time.perf_counter()
-            return logits
-
-        self.decode(slots, lengths, drafts, self.seed_of(self._step_id), bool(self._steered), staging.device,
-                    verify, lambda: self._mark(staging))  # fmt: skip
-        batch = slots.shape[0]
-        if self.cuda:
-            staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)
-            staging.events[MARKS].record()
-        return batch
-
-    def decode(
-        self, slots: Tensor, lengths: Tensor, drafts: Tensor | None, seed: int | Tensor, steered: bool,
-        packed: Tensor, verify: Callable[[Tensor, Tensor, Tensor], Tensor], mark: Callable[[], None],
-    ) -> None:  # fmt: skip
-        """The step's device work, shared by the eager step and the step graphs: from the slots' committed
-        `lengths` (and the host's `drafts`, else the device's), verify, sample with `seed`, commit and propose,
-        and write the packed results to `packed[:B]`. `verify` runs the model, `mark` ends each part."""
-        k, max_len = self.k, self.max_len
-        with phase("gpu_verify"):
-            start = lengths - 1
-            row_base = slots * max_len
-            last = torch.take(self.history, row_base + start)
-            if drafts is None:
-                drafts = self.drafts[slots]
-            if not self.device_proposer:
-                num_drafts = (drafts != NO_DRAFT).sum(dim=1, dtype=torch.int32)
-            elif self.invalid == "pad":
-                num_drafts = self.num_valid[slots]
-            else:
-                num_drafts = self._all_drafts[: slots.shape[0]]
-            # NO_DRAFT is no token id: the model sees the last token there, the sampler still sees it (rejected).
-            model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
-            mark()  # the forward's own part: a graph replay enqueued last is not spread out
-            logits = verify(torch.cat([last[:, None], model_drafts], dim=1), slots, start)
-            logits = logits.view(slots.shape[0], k + 1, -1)
-            if steered:
-                # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
-                ref_index = (lengths - self.prompt_lens[slots])[:, None] + self._positions
-                ref_tokens = torch.take(self.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
-                ref_tokens = torch.where(ref_index < self.reference_lens[slots][:, None], ref_tokens, NO_DRAFT)
-                steer_logits(logits, ref_tokens, STEER_MARGIN)
-            mark()
-
-        with phase("gpu_sample"):
-            output, num_emitted = rejection_sample(logits, drafts, num_drafts, self.temperature[slots], seed=seed)
-            mark()
-
-        with phase("gpu_commit"):
-            # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past
-            # the emitted tokens get their old values back.
-            index = row_base[:, None] + (lengths[:, None] + self._positions).clamp(max=max_len - 1)
-            keep = self._positions < num_emitted[:, None]
-            values = torch.where(keep, output, torch.take(self.history, index))
-            self.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
-            new_lengths = lengths + num_emitted
-            self.lengths.index_copy_(0, slots, new_lengths)
-            mark()
-
-        with phase("gpu_propose"):
-            if self.device_proposer:
-                new_drafts, new_valid = propose_ngram(self.history[slots], new_lengths, **self.propose_args)
-                self.drafts.index_copy_(0, slots, new_drafts)
-                self.num_valid.index_copy_(0, slots, new_valid)
-            mark()
-
-        batch = slots.shape[0]
-        packed[:batch, : k + 1] = output
-        packed[:batch, k + 1] = num_emitted
-        packed[:batch, k + 2] = num_drafts
-        if self.device_proposer:
-            packed[:batch, k + 3] = new_valid
-
-    def _mark(self, staging: Staging) -> None:
-        """The next part boundary: a device event on CUDA, and the host's time (on CUDA, when the part's enqueue
-        ended)."""
-        if self.cuda:
-            staging.events[len(staging.times)].record()
-        staging.times.append(time.perf_counter())
 
     def host_marks(self, result: StepResult) -> list[float]:
         """The host's perf_counter at the step's part boundaries (its start, then the end of each part; with step
@@ -345,16 +238,7 @@ class DecodeLoop:
         staging = self._staging(result)
         if self.cuda and not staging.events[-1].query():
             raise RuntimeError(f"step {result.step_id} read back before `wait` returned for it")
-        if self.graphs is not None:
-            parts_s, packed = self.graphs.unpack(staging, result.batch)
-        else:
-            if self.cuda:
-                marks = staging.events
-                parts_s = tuple(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(MARKS - 1))
-            else:
-                marks = staging.times
-                parts_s = tuple(marks[i + 1] - marks[i] for i in range(MARKS - 1))
-            packed = staging.host[: result.batch].numpy().copy()
+        parts_s, packed = self.steps.unpack(staging, result.batch)
         phase_s = (parts_s[0] + parts_s[1], *parts_s[2:])
         k = self.k
         tokens, emitted, drafts, valid = packed[:, : k + 1], packed[:, k + 1], packed[:, k + 2], packed[:, k + 3]

@@ -38,11 +38,6 @@ class HostMirror:
         """Each request's committed length in its cache row (prompt + committed output tokens)."""
         return self.prompt_len[rids] + self.committed[rids]
 
-    def output_tokens(self, rid: int) -> np.ndarray:
-        """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
-        p = self.prompt_len[rid]
-        return self.history[rid, p : p + self.output_len[rid]]
-
     def first_tokens(self, rids: np.ndarray, tokens: np.ndarray, valid: np.ndarray) -> None:
         """Requests whose last prefill chunk was read back: their first token and the valid drafts it left."""
         self.history[rids, self.prompt_len[rids]] = tokens

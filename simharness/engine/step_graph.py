@@ -19,32 +19,14 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from simharness.engine.decode_step import DecodeState, decode_step
 from simharness.kernels import NO_DRAFT
-
-
-class DecodeSource(Protocol):
-    """What the step graphs read of their decode loop (`engine.decode.DecodeLoop`), which owns them: its shape,
-    state and the step's device work (`decode`), which they capture."""
-
-    k: int
-    model: Any  # engine.model.Transformer: batch_buckets, pad_slot, capture, verify_logits
-    device: torch.device
-    cuda: bool
-    lengths: Tensor
-    device_proposer: bool
-
-    def decode(self, slots: Tensor, lengths: Tensor, drafts: Tensor | None, seed: int | Tensor, steered: bool,
-               packed: Tensor, verify: Callable[[Tensor, Tensor, Tensor], Tensor], mark: Callable[[], None]) -> None:
-        ...
-
 
 # The seed of the captures' warm-up run (a replay takes each step's own from its inputs).
 WARMUP_SEED = 1 << 62 | 1
@@ -78,7 +60,7 @@ class StepGraphs:
     """The step graphs of one decode loop, captured up front (capture synchronises), largest bucket first, in the
     model's graph pool: their intermediate tensors are dead between replays, so they share its memory."""
 
-    def __init__(self, loop: DecodeSource, stamps: int):
+    def __init__(self, loop: DecodeState, stamps: int):
         # A weak reference: no cycle, so a dropped loop is freed at once, not by the cyclic collector in the middle of
         # a later capture (freeing its graphs and events there would invalidate that capture).
         self.loop, self.stamps, self.k = weakref.proxy(loop), stamps, loop.k
@@ -118,7 +100,7 @@ class StepGraphs:
         drafts = inputs[2 * size : size * (2 + k)].view(size, k) if host_drafts else None
         marks = iter(range(1, self.stamps))
         packed = self.output[self.stamps :].view(-1, self.width)
-        loop.decode(slots, lengths, drafts, inputs[size * (2 + k) :], steered, packed, loop.model.verify_logits,
+        decode_step(loop, slots, lengths, drafts, inputs[size * (2 + k) :], steered, packed, loop.model.verify_logits,
                     lambda: self._stamp(next(marks)))  # fmt: skip
 
     def _stamp(self, index: int) -> None:

@@ -85,18 +85,18 @@ def record(events: list) -> None:
 
 
 class DeviceClock:
-    """Device timestamps on the host's clock, in seconds since `t0` (the real level): CUDA events timed from a
+    """Device timestamps on the host's clock (`time.perf_counter` seconds; the real level): CUDA events timed from a
     reference event recorded, on an idle device, when the clock started; on the CPU, where the work runs
     inside the host's calls, the host's own clock."""
 
-    def __init__(self, cuda: bool, t0: float):
-        self.cuda, self.t0 = cuda, t0
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
         if cuda:
             torch.cuda.synchronize()
             self.reference = torch.cuda.Event(enable_timing=True)
             self.reference.record()
             self.reference.synchronize()
-            self.reference_s = time.perf_counter() - t0
+            self.reference_s = time.perf_counter()
 
     def mark(self):
         """A mark at this point of the stream (an event recorded on it), or of the host on the CPU."""
@@ -109,5 +109,5 @@ class DeviceClock:
     def seconds(self, mark) -> float:
         """When the device passed `mark` (it must have: wait for it first)."""
         if not self.cuda:
-            return mark - self.t0
+            return mark
         return self.reference_s + self.reference.elapsed_time(mark) / 1e3

@@ -15,18 +15,20 @@ each read-back step, as vLLM's engine does from its outputs; it is what the host
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from simharness.engine.decode import DecodeLoop, StepResult
+from simharness.backend import Enqueue, StepTiming
+from simharness.engine.decode import DecodeLoop
 from simharness.engine.host_work import SYNC_OPS, Allocations
+from simharness.engine.launch import Launch
 from simharness.engine.mirror import HostMirror
 from simharness.engine.model import Transformer
 from simharness.engine.slots import Slots
-from simharness.engine.timing import DeviceClock, PartTiming, decode_enqueue
+from simharness.engine.timing import DeviceClock, PartTiming
 from simharness.instrument import SyncRecorder, phase
+from simharness.ledger import HostLedger
 from simharness.modes import Mode
 from simharness.policy import COMPLETES, EMITTED
 from simharness.records import Step
@@ -45,29 +47,12 @@ def capacity(sc: Scenario, requests: Requests, mode: Mode) -> tuple[int, int]:
     return slots, longest + (mode.depth + 1) * (mode.k + 1) + 1
 
 
-@dataclass
-class _Launch:
-    """What `prep` built for a step and what `launch` enqueued."""
-
-    decode_rids: np.ndarray
-    slots: np.ndarray | None = None
-    lengths: np.ndarray | None = None
-    drafts: np.ndarray | None = None
-    prefills: list[tuple[int, int, bool, torch.Tensor]] = field(default_factory=list)  # rid, start, last chunk, ids
-    result: StepResult | None = None
-    first_rids: list[int] = field(default_factory=list)
-    first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
-    first_host: torch.Tensor | None = None
-    events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
-    enqueue: list[tuple[float, float]] = field(default_factory=list)  # CUDA: see `Step.enqueue`
-    window: list = field(default_factory=list)  # with a device clock: marks before and after the step's work
-    prefill_s: float = 0.0  # CPU: measured on the host
-
-
 class TorchBackend:
-    """Runs each launched step on the real decode loop; durations and outcomes are measured. `gate` (CUDA,
-    hil) holds the device in front of each part of a launch until it is enqueued, so that its device time
-    excludes launch gaps."""
+    """Runs each launched step on the real decode loop; durations and outcomes are measured. The caller says the
+    level: `gate` is hil's, where each measurement is taken alone (on CUDA the device is held in front of each part
+    of a launch until it is enqueued, so that its device time excludes launch gaps, and settled before a sync's
+    operation); without it, the real level's, where each step's device start and end are timestamped on the host's
+    clock."""
 
     def __init__(self, sc: Scenario, requests: Requests, model: Transformer, mode: Mode, *, gate: bool,
                  steer: bool = True):
@@ -75,7 +60,6 @@ class TorchBackend:
         self.req = requests
         self.mode = mode
         self.k = mode.k
-        self.steer = steer
         self.measured = "prep,launch,gpu,readback" + (",propose" if mode.ngram_cpu else "")
         # synchronizing CUDA operations in the backend's calls; the level records inside `with backend.syncs:`
         self.syncs = SyncRecorder()
@@ -91,6 +75,7 @@ class TorchBackend:
             device_proposer=not mode.ngram_cpu,
             max_in_flight=mode.depth + 1,
         )
+        self.references = requests.output_tokens if steer else None  # what a first token is steered to
         self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
         n = len(requests.prompt_len)
         slots, positions = capacity(sc, requests, mode)
@@ -99,37 +84,24 @@ class TorchBackend:
                              f"needs ({slots} x {positions})")
         self.slots = Slots(n, model.max_slots)
         self.host = HostMirror(requests, positions, mode.k, valid_from_mirror=self.loop.invalid == "fill")
-        self.launches: dict[int, _Launch] = {}
+        self.launches: dict[int, Launch] = {}
         self.n_launched = self.n_read = 0
+        self.hil = gate
         self.timing = PartTiming(gate) if self.cuda else None
-        self.clock: DeviceClock | None = None  # the real level's: device timestamps of each step (`start_clock`)
+        self.clock = None if gate else DeviceClock(self.cuda)  # the real level's device timestamps
         self.starved_steps = 0  # steps whose enqueue may have outlasted a gate: their device time may hold gaps
-        # Harness overhead per read-back step: wall time since `mark` (the last read-back) outside the engine's
-        # work (prep, launch, the readback wait and copy, the CPU proposer; the real level's modelled phases).
-        # `engine_s` is all engine host time so far, never reset (`realloop.RealLoop._work` reads it too).
-        self.engine_s = self.engine_at_mark = 0.0
-        self.mark = time.perf_counter()
+        # The engine's host time (every phase here; the real level adds its modelled phases): the harness's own
+        # time per read-back step is the wall time since the last read-back outside it.
+        self.ledger = HostLedger()
+        self.read_mark = self.ledger.mark()
         self.allocations = Allocations(sc.engine.gc.heap_objects, sc.engine.gc.allocations_per_step)
         self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
-
-    def start_clock(self, t0: float) -> None:
-        """Time each step's device work on the host's clock from `t0` on (the real level)."""
-        self.clock = DeviceClock(self.cuda, t0)
-
-    def engine_time(self, seconds: float) -> None:
-        """Count `seconds` of host time as the engine's work (the backend's phases, the real level's modelled ones),
-        not the harness's."""
-        self.engine_s += seconds
 
     # ---------------------------------------------------------------- host view
 
     def valid_drafts(self) -> np.ndarray:
         """Valid drafts per request id as the host last read them (0 for finished ones); a view to read, not keep."""
         return self.host.next_valid
-
-    def output_tokens(self, rid: int) -> np.ndarray:
-        """The tokens request `rid` emitted (its first `output_len` generated tokens)."""
-        return self.host.output_tokens(rid)
 
     # ---------------------------------------------------------------- engine-loop phases (measured)
 
@@ -139,7 +111,7 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         with phase("prep"):
             b = step.batch
-            launch = _Launch(decode_rids=b.req[b.decode])
+            launch = Launch(decode_rids=b.req[b.decode])
             for i in np.flatnonzero(b.prefill):
                 rid = int(b.req[i])
                 if self.slots.take(rid):  # its first chunk
@@ -175,18 +147,18 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         t0 = time.perf_counter()
         with phase("prep"):
-            if self.clock is None and self.cuda:  # hil
+            if self.hil and self.cuda:
                 torch.cuda.synchronize()
             t_op = time.perf_counter()
             op(self.loop)
         self._leave(t0)
         return time.perf_counter() - t_op
 
-    def launch(self, step: Step) -> float:
+    def launch(self, step: Step) -> tuple[float, Enqueue]:
         """Enqueue the step's prefills and decode step on the device; returns the host's enqueue time (on the CPU,
         where the work runs inside the calls, the enqueue less that work, which is timed as the device phases).
-        On CUDA it also notes when each part was enqueued (`step.enqueue`), which the hil level's device timeline
-        overlaps with the device's work."""
+        On CUDA it also returns when each part was enqueued, which the hil level's device timeline overlaps with
+        the device's work."""
         launch = self.launches[step.step]
         timing = self.timing
         t0 = time.perf_counter()
@@ -197,62 +169,19 @@ class TorchBackend:
             launch.window = [self.clock.mark()]  # before the step's first kernel
         with phase("launch"):
             with phase("gpu_prefill"):
-                self._launch_prefills(launch, t0)
-            step_s = 0.0
-            if len(launch.decode_rids):
-                if timing is not None:
-                    timing.before(None)
-                t = time.perf_counter()
-                launch.result = self.loop.step(launch.slots, lengths=launch.lengths, drafts=launch.drafts)
-                step_s = time.perf_counter() - t
-                if timing is not None:
-                    timing.after(step_s)
-                    launch.enqueue += decode_enqueue(self.loop, launch.result, t0 + timing.host_s)
-            if launch.first_device is not None:
-                host = torch.empty(launch.first_device.shape, dtype=torch.int64, pin_memory=self.cuda)
-                launch.first_host = host.copy_(launch.first_device, non_blocking=self.cuda)
-            if launch.events:
-                timing.mark(launch.events)  # after the first tokens' copy: what the readback waits for
+                launch.enqueue_prefills(self.loop, self.slots.of, self.references, timing, t0)
+            step_s = launch.enqueue_decode(self.loop, timing, t0)
             if self.clock is not None:
                 launch.window.append(self.clock.mark())  # after its last
         self.n_launched += 1
         wall = time.perf_counter() - t0
         if timing is None:  # the CPU: the device work ran synchronously inside the launch
-            self.engine_time(wall)
-            return max(wall - launch.prefill_s - step_s, 0.0)
+            self.ledger.engine(wall)
+            return max(wall - launch.prefill_s - step_s, 0.0), None
         wall -= timing.host_s  # the timing's own host time is the harness's
-        self.engine_time(wall)
+        self.ledger.engine(wall)
         self.starved_steps += timing.starved
-        step.enqueue = launch.enqueue
-        return wall
-
-    def _launch_prefills(self, launch: _Launch, t0: float) -> None:
-        """Enqueue each prefill chunk (a last chunk also emits the first token and drafts); on CUDA each is timed
-        by its own start and end events, and its enqueue noted relative to the launch's start `t0`."""
-        timing = self.timing
-        firsts, valid = [], []
-        for rid, start, last, ids in launch.prefills:
-            if timing is not None:
-                timing.before(launch.events)
-            t = time.perf_counter()
-            slot = int(self.slots.of[rid])
-            if not last:
-                self.loop.prefill_chunk(slot, ids, start)
-            else:
-                reference = self.req.output_tokens[rid] if self.steer else None
-                firsts.append(self.loop.add_request(slot, ids, reference, cached=start))
-                valid.append(self.loop.num_valid[slot : slot + 1].to(torch.int64))
-                launch.first_rids.append(rid)
-            enqueue = time.perf_counter() - t
-            if timing is None:
-                launch.prefill_s += enqueue  # on the CPU the work ran inside the call
-            else:
-                timing.after(enqueue)
-                begin = t - t0 - timing.host_s
-                launch.enqueue.append((begin, begin + enqueue))
-                timing.mark(launch.events)  # the chunk's end on the device
-        if firsts:
-            launch.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
+        return wall, launch.enqueue
 
     def propose(self, rids: np.ndarray) -> float:
         """The CPU n-gram proposer over each request's committed tokens (after its step was settled)."""
@@ -267,24 +196,16 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- the device step
 
-    def run(self, step: Step) -> tuple[float, float]:
-        """Wait for the real step, read it back, fill in its outcome and device columns; returns its device time
-        and the host time of the readback."""
+    def run(self, step: Step) -> StepTiming:
+        """Wait for the real step, read it back and fill in its outcome; returns its measured timing."""
         t0 = time.perf_counter()
         self.syncs.start_step(step.step)
         launch = self.launches.pop(step.step)
         with phase("readback"):
             # The wait is the GPU's time (gates included), not the host's readback: it ends before t_read.
-            self._wait(launch)
+            launch.wait(self.loop)
             t_read = time.perf_counter()
-            if launch.window:
-                step.gpu_start, step.gpu_end = (self.clock.seconds(m) for m in launch.window)
-            out = self.loop.readback(launch.result) if launch.result is not None else None
-            first = launch.first_host.numpy().copy() if launch.first_host is not None else None
-            marks = launch.events  # CUDA: each prefill chunk's start and end, then the step's end
-            chunks_s = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(0, len(marks) - 1, 2)]
-            prefill_s = launch.prefill_s + sum(chunks_s)
-            first_rids = launch.first_rids
+            read = launch.read(self.loop, self.clock)
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
             # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
             del launch
@@ -292,32 +213,21 @@ class TorchBackend:
         # The host's mirror and the step's outcome are the harness's own work: one compiled pass over the batch
         # writes the outcome into its table (a few dozen small array operations would cost more than the step's
         # own host phases on a slow host).
-        b = step.batch
+        b, out = step.batch, read.out
         decode_s = out.phase_s if out is not None else (0.0,) * 4
         if out is not None:
             self.host.read_back(b.table, out.packed)
         else:
             b.table[EMITTED] = b.table[COMPLETES]  # prefills only: a last chunk emits the request's first token
-        step.set_device_phases((prefill_s, *decode_s))
-        if step.enqueue is not None:  # the device time of each enqueued part, in order
-            step.parts_s = (*chunks_s, *(out.parts_s if out is not None else ()))
-        if first is not None:
-            self.host.first_tokens(np.asarray(first_rids), first[0], first[1])
+        if read.first is not None:
+            self.host.first_tokens(np.asarray(read.first_rids), read.first[0], read.first[1])
         self.n_read += 1
-        step.device_syncs = self.syncs.count(step.step)
-        now = time.perf_counter()
-        step.harness_s = (now - self.mark) - (self.engine_s - self.engine_at_mark)
-        self.mark, self.engine_at_mark = now, self.engine_s
-        return prefill_s + sum(decode_s), readback_s
-
-    def _wait(self, launch: _Launch) -> None:
-        """Block until a launched step's device work is done."""
-        if launch.window and self.cuda:
-            launch.window[-1].synchronize()  # after everything the step enqueued
-        elif launch.events:
-            launch.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
-        elif launch.result is not None:
-            self.loop.wait(launch.result)
+        harness_s = self.ledger.outside(self.read_mark)
+        self.read_mark = self.ledger.mark()
+        # the device time of each enqueued part, in order (read where the launch returned its enqueue)
+        parts_s = (*read.chunks_s, *(out.parts_s if out is not None else ()))
+        return StepTiming(read.prefill_s + sum(decode_s), readback_s, parts_s, read.window,
+                          (read.prefill_s, *decode_s), self.syncs.count(step.step), harness_s)
 
     # ---------------------------------------------------------------- helpers
 
@@ -330,5 +240,5 @@ class TorchBackend:
     def _leave(self, t0: float) -> float:
         """Seconds since `t0`, counted as time inside the backend."""
         dt = time.perf_counter() - t0
-        self.engine_time(dt)
+        self.ledger.engine(dt)
         return dt

@@ -1,20 +1,15 @@
-"""Engine backends: what executes a launched step and decides its outcome, behind one interface.
+"""The sim level's backend (`backend.Backend`): step outcomes from the acceptance model, durations from the cost model.
 
-The engine loop (every level) talks to a `Backend` only; it never asks which one it drives. A backend owns
-the device-side truth of every request (prompt tokens in the KV cache, committed output tokens) and answers
-how many valid drafts the proposer holds for a request now (read by the host only at a sync), what a step
-does (tokens emitted, drafts accepted, wasted slots) and how long each of its phases takes. `ModelBackend`
-here answers from the acceptance and cost models (the sim level); `engine.torch_backend.TorchBackend` runs
-the real decode loop and measures (the hil and real levels).
+It keeps the device-side truth of every request (prompt tokens in the KV cache, committed output tokens, the valid
+drafts the proposer holds) and advances it one step at a time in compiled code (`_run_step`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 
 from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance
+from simharness.backend import Enqueue, StepTiming
 from simharness.costmodel import CostModel, fitted_seconds, gpu_seconds
 from simharness.jit import njit
 from simharness.modes import Mode
@@ -41,44 +36,6 @@ PROMPT, PREFILLED, CONTEXT, END, HELD = range(5)
 # Uniform draws of the acceptance stream taken at a time: one block is a prefix of the stream, so the
 # draws are those of one call per step.
 UNIFORM_BLOCK = 4096
-
-
-class Backend(Protocol):
-    """What the engine loop asks of whatever executes its steps. Times are seconds, returned by each call."""
-
-    # the step phases this backend measures, as recorded in each step's `measured` column ("" = all modelled)
-    measured: str
-
-    def valid_drafts(self) -> np.ndarray:
-        """Valid drafts the proposer holds now, per request id, as the host may read them at a sync."""
-        ...
-
-    def prep(self, step: Step) -> float:
-        """Build the step's inputs; returns the host time it took."""
-        ...
-
-    def launch(self, step: Step) -> float:
-        """Enqueue the step on the device; returns the host time it took."""
-        ...
-
-    def run(self, step: Step) -> tuple[float, float]:
-        """The step on the device: fill its batch table's outcome rows (and its measured device columns);
-        returns its device time and the host time of its readback."""
-        ...
-
-    def propose(self, rids: np.ndarray) -> float:
-        """The CPU n-gram proposer drafts for these requests (after their step was settled); returns its host time."""
-        ...
-
-    def sync_op(self, step: Step, name: str) -> float | None:
-        """For `step`, run the device operation that makes sync point `name` block, where this backend has one
-        (it then blocks until the device is done with everything launched); returns the operation's own host
-        seconds, or None where the backend has none."""
-        ...
-
-    def release(self, rids: np.ndarray) -> None:
-        """The host saw these requests finish: free what they held."""
-        ...
 
 
 def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
@@ -147,14 +104,14 @@ class ModelBackend:
     def sync_op(self, step: Step, name: str) -> float | None:
         return None  # every sync point is modelled here
 
-    def launch(self, step: Step) -> float:
+    def launch(self, step: Step) -> tuple[float, Enqueue]:
         seconds = self.launch_s
         if seconds is None:
             seconds = self.cost.launch(step.batch.size, step.batch.n_prefill)
         if self.overlap is not None:  # one part, enqueued over the launch (simulation._overlapped_end)
             lead, tail = self.overlap
-            step.enqueue = ((min(lead, seconds), seconds + tail),)
-        return seconds
+            return seconds, ((min(lead, seconds), seconds + tail),)
+        return seconds, None
 
     def propose(self, rids: np.ndarray) -> float:
         # the proposer scans each request's whole history: its context (only at depth 1, so the host's view)
@@ -163,7 +120,7 @@ class ModelBackend:
     def release(self, rids: np.ndarray) -> None:
         pass  # the cost model holds nothing per request
 
-    def run(self, step: Step) -> tuple[float, float]:
+    def run(self, step: Step) -> StepTiming:
         """Advance the device truth by one step and write its outcome into the batch table; returns its GPU time
         and the modelled readback."""
         b = step.batch
@@ -178,8 +135,8 @@ class ModelBackend:
             self.cost.prof,
         )
         if self.overlap is not None:  # the launch's one part (`launch`)
-            step.parts_s = (seconds,)
-        return seconds, self.readback_s
+            return StepTiming(seconds, self.readback_s, (seconds,))
+        return StepTiming(seconds, self.readback_s)
 
 
 @njit
