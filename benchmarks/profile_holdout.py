@@ -18,10 +18,10 @@ import yaml
 
 from simharness import results
 from simharness.calibration import load_fit_data, point_scenario, sim_drift
-from simharness.fidelity import error_stats, error_table
 from simharness.profile_fit import fit_profile
 from simharness.runner import execute, without_ignored
 from simharness.scenario import Point
+from simharness.stats import error_stats, error_table
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
         for config, group in rows.groupby("config", sort=False):
             for level, choice in (("sim", "none"), ("sim-profiled", str(path))):
                 scenario = point_scenario(sc, group.iloc[0])
-                scenario.engine.backend = "model"
+                scenario.engine.level = "sim"
                 without_ignored(scenario, "sim")
                 scenario.engine.profile = choice
                 points.append(Point(id=f"{level},{config}", index=len(points),

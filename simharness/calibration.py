@@ -32,13 +32,15 @@ import yaml
 from simharness import results
 from simharness.costfile import DEVICE_FEATURES, FORMAT
 from simharness.costmodel import GPUS
-from simharness.fidelity import error_stats, error_table
 from simharness.jit import loaded_digest
+from simharness.levels import LEVELS
+from simharness.overrides import parse_value
 from simharness.runner import execute, without_ignored
-from simharness.scenario import Point, Scenario, ScenarioError, parse_value, scenario_from_dict
-from simharness.stats import config_ids
+from simharness.scenario import Point, Scenario, ScenarioError, scenario_from_dict
+from simharness.stats import REFERENCE, config_ids, error_stats, error_table
 
-MEASURED_LEVELS = ("real", "hil")
+# the levels whose steps a fit takes, the reference (real) preferred
+MEASURED_LEVELS = (REFERENCE, *(name for name, level in LEVELS.items() if level.measured and name != REFERENCE))
 FOLDS = 5
 MIN_STEPS_PER_TERM = 10  # a fit needs this many steps per coefficient
 # host phase -> (the `measured` name that says a level timed it, its features, the host_costs fields they give,
@@ -347,7 +349,7 @@ def write_calibration(calibration: dict, out: Path) -> Path:
 def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFrame, Path, str | None]:
     """Run every held-out configuration at the sim level, uncalibrated (`sim`) and with `costs`
     (`sim-calibrated`), into a run directory under `out`; returns their error statistics against the measured
-    level's medians (fidelity.error_stats), the run directory, and `sim_drift`'s warning if any."""
+    level's medians (stats.error_stats), the run directory, and `sim_drift`'s warning if any."""
     held = [(run_dir, sc, rows) for run_dir, sc, rows in data.held_out if len(rows)]
     if not held:
         raise ScenarioError("--check: the fit used every point; leave some out with --fit-where")
@@ -356,7 +358,7 @@ def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFra
         for config, group in rows.groupby("config", sort=False):
             for level, calibration in (("sim", None), ("sim-calibrated", str(costs))):
                 scenario = point_scenario(sc, group.iloc[0])
-                scenario.engine.backend = "model"
+                scenario.engine.level = "sim"
                 without_ignored(scenario, "sim")  # the measured run's decode-loop fields
                 scenario.engine.calibration = None  # the scenario's own, if any, is neither of the two
                 if calibration is not None:
@@ -365,7 +367,7 @@ def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFra
                 point_id = f"{level},{config}"
                 points.append(Point(id=point_id, index=len(points), values={"config": config, "level": level},
                                     scenario=scenario))
-        measured.append(rows.assign(level="real"))  # the reference of error_table
+        measured.append(rows.assign(level=REFERENCE))  # the reference of error_table
     run_dir = execute(held[0][1], points, out)
     summary = results.combine(run_dir)
     stats = error_stats(error_table(pd.concat([*measured, summary], ignore_index=True)))

@@ -30,7 +30,8 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
-from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets, unit_notes
+from simharness.overrides import parse_sets
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, unit_notes
 
 # Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)

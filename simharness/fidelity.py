@@ -13,19 +13,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import pandas as pd
 
 from simharness import results
 from simharness.executors import ray_stopped
+from simharness.levels import LEVELS
 from simharness.runner import execute, without_ignored
-from simharness.scenario import FidelityMetric, Point, Scenario, ScenarioError, sweep_points
-
-METRICS: tuple[str, ...] = get_args(FidelityMetric)
-LEVELS = {"sim": "model", "hil": "torch", "real": "real"}  # level -> engine.backend
-REFERENCE = "real"
+from simharness.scenario import Point, Scenario, ScenarioError, sweep_points
+from simharness.stats import METRICS, REFERENCE, error_stats, error_table
 
 
 @dataclass
@@ -51,8 +48,8 @@ def check_levels(sc: Scenario, levels: list[str]) -> None:
         raise ScenarioError(f"--levels: unknown level {unknown[0]!r}; known: {', '.join(LEVELS)}")
     if REFERENCE not in levels or len(set(levels)) < 2:
         raise ScenarioError("--levels: needs the real level (the reference) and at least one level to check")
-    if "engine.backend" in sc.sweep:
-        raise ScenarioError("sweep.engine.backend: a fidelity run chooses the level of each point; do not sweep it")
+    if "engine.level" in sc.sweep:
+        raise ScenarioError("sweep.engine.level: a fidelity run chooses the level of each point; do not sweep it")
 
 
 def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
@@ -60,13 +57,13 @@ def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
     measured levels take turns run by run (hil 0, real 0, hil 1, real 1, ...): a slow spell of the host then
     lands on one run of each level, which the median over runs discards, not on every run of one level."""
     points = []
-    measured = [level for level in levels if level != "sim"]
+    measured = [level for level in levels if LEVELS[level].measured]
     for p in sweep_points(sc):
-        runs = [("sim", 0)] if "sim" in levels else []
+        runs = [(level, 0) for level in levels if not LEVELS[level].measured]
         runs += [(level, run) for run in range(sc.fidelity.runs) for level in measured]
         for level, run in runs:
             scenario = p.scenario.model_copy(deep=True)
-            scenario.engine.backend = LEVELS[level]
+            scenario.engine.level = level
             without_ignored(scenario, level)
             point_id = f"level={level},run={run}" + ("" if p.id == "base" else f",{p.id}")
             values = {"config": p.id, "level": level, "run": run, **p.values}
@@ -112,41 +109,6 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
 
         write_fidelity_report(run_dir, sc, summary, errors, stats, facts)
     return FidelityResult(run_dir, summary, errors, stats, violations)
-
-
-def level_values(summary: pd.DataFrame) -> pd.DataFrame:
-    """Each level's value of every metric at every point: the median over its runs."""
-    return summary.groupby(["config", "level"], sort=False)[list(METRICS)].median()
-
-
-def error_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """One row per point, level (other than the reference) and metric: the level's value, the real value and the
-    relative error (NaN where the real value is 0 or missing)."""
-    values = level_values(summary)
-    real = values.xs(REFERENCE, level="level")
-    rows = []
-    for (config, level), row in values.iterrows():
-        if level == REFERENCE or config not in real.index:
-            continue
-        for metric in METRICS:
-            truth, predicted = real.at[config, metric], row[metric]
-            error = predicted / truth - 1 if truth and np.isfinite(truth) else np.nan
-            rows.append({"config": config, "level": level, "metric": metric, "predicted": predicted,
-                         "real": truth, "rel_error": error})  # fmt: skip
-    return pd.DataFrame(rows, columns=["config", "level", "metric", "predicted", "real", "rel_error"])
-
-
-def error_stats(errors: pd.DataFrame) -> pd.DataFrame:
-    """Per level and metric: the median and worst absolute relative error over the points, and the worst point."""
-    rows = []
-    for (level, metric), group in errors.groupby(["level", "metric"], sort=False):
-        absolute = group["rel_error"].abs().dropna()
-        worst = group.loc[absolute.idxmax(), "config"] if len(absolute) else None
-        rows.append({"level": level, "metric": metric, "points": len(absolute),
-                     "median_abs_error": float(absolute.median()) if len(absolute) else np.nan,
-                     "worst_abs_error": float(absolute.max()) if len(absolute) else np.nan, "worst_point": worst})
-    return pd.DataFrame(rows, columns=["level", "metric", "points", "median_abs_error", "worst_abs_error",
-                                       "worst_point"])  # fmt: skip
 
 
 def check_tolerances(stats: pd.DataFrame, sc: Scenario) -> list[str]:
@@ -212,7 +174,7 @@ def prefill_enqueue(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     s = steps[steps["n_prefill_reqs"] > 0]
     s = s.assign(level=s["point"].map(level), ms=(s["launch_end"] - s["prep_end"]) / s["n_prefill_reqs"] * 1e3)
     rows = []
-    for lv in [lv for lv in LEVELS if lv != "sim" and lv in set(s["level"])]:
+    for lv in [lv for lv in LEVELS if LEVELS[lv].measured and lv in set(s["level"])]:
         ms = s.loc[s["level"] == lv, "ms"]
         rows.append({"level": lv, "prefill_steps": len(ms), "median_ms": float(ms.median()),
                      **{f"over_{b}ms": int((ms > b).sum()) for b in ENQUEUE_BOUNDS_MS}})  # fmt: skip

@@ -18,6 +18,7 @@ from simharness.engine.model import TORCH_OPS, Transformer
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.gcwatch import GcWatch
 from simharness.hostspeed import RETRIES, HostGauge
+from simharness.levels import LEVELS
 from simharness.models import checkpoint_dir, model_config
 from simharness.modes import Mode
 from simharness.realloop import RealLoop
@@ -106,7 +107,7 @@ _warmed_lengths: dict[tuple, int] = {}  # this process's warmed prefill lengths,
 def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> tuple[Records, float, TorchBackend]:
     """One point on the real decode loop at its level: hil (virtual time, the device gated in front of each launch
     part so that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
-    hil = sc.engine.backend == "torch"
+    hil = LEVELS[sc.engine.level].clock == "virtual"
     backend = TorchBackend(sc, requests, model, mode, gate=hil, steer=sc.engine.steer)
     level = Simulation(sc, requests, mode, backend) if hil else RealLoop(sc, requests, mode, backend)
     with backend.syncs:

@@ -9,8 +9,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
     # the scenario, model catalogue, leaf utilities (the host gauge, the host profiles, the GC watch among them)
-    ["errors", "jit", "models", "checkpoint_files", "costfile", "hostprofile", "profile", "scenario", "tokenizer",
-     "kernels", "hostspeed", "gcwatch"],
+    ["errors", "jit", "models", "checkpoint_files", "costfile", "hostprofile", "profile", "levels", "overrides",
+     "scenario", "tokenizer", "kernels", "hostspeed", "gcwatch"],
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from simharness.overrides import parse_value
 from simharness.scenario import (
     ScenarioError,
     ScenarioNote,
     load_scenario,
-    parse_value,
     scenario_diff,
     scenario_from_dict,
     sweep_points,
@@ -76,7 +76,7 @@ def test_repeats_are_points_of_their_own_with_consecutive_seeds():
     assert points[4].values == {"scheduler.depth": 1, "repeat": 2}
     assert all(p.scenario.repeats == 1 for p in points)
     assert [p.id for p in sweep_points(scenario_from_dict({"name": "x", "repeats": 2}))] == ["repeat=0", "repeat=1"]
-    measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"backend": "torch"}})
+    measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"level": "hil"}})
     assert [p.scenario.seed for p in sweep_points(measured)] == [7, 7, 7]  # the same requests, measured again
 
 
@@ -253,7 +253,7 @@ def test_values_in_an_implausible_unit_are_noted_with_the_unit():
                                 "non-ASCII U+0430 CYRILLIC SMALL LETTER A)"),
 ])  # fmt: skip
 def test_errors_name_their_source(tmp_path, sets, message):
-    from simharness.scenario import parse_sets
+    from simharness.overrides import parse_sets
 
     path = tmp_path / "s.yaml"
     path.write_text("name: x\nworkload: {num_requests: 48}\n")
