@@ -144,7 +144,7 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
 # the step columns `overhead` and `prefill_enqueue` read
 STEP_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "harness_s", "prep_end", "launch_end"]
 # 20 ms: the bound over which hil flags a part as one that may have outlasted its gate (engine/timing.STARVED_S);
-# 80 ms: a gate's life at the H100's measured 3.95 µs per poll (docs/hil.md).
+# 80 ms: a gate's life on the H100 (docs/hil.md).
 ENQUEUE_BOUNDS_MS = (20, 40, 80)
 
 

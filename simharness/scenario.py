@@ -207,7 +207,7 @@ class GpuCosts(Strict):
     correction_us: NonNegFloat = Field(5.0, description="optimistic correction kernel")
     sampler_random_factor: float = Field(
         1.16, ge=1, description="a random (temperature > 0) row's sampler cost per verified token, relative to a "
-        "greedy row's (Triton sampler, H100, bf16 logits: 84.4% vs 72.8% of copy bandwidth, results/kernels)",
+        "greedy row's (the default measured: docs/seeds.md, #37238)",
     )
 
 
@@ -246,8 +246,8 @@ class HostCosts(Strict):
     ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")
     sync_us: NonNegFloat = Field(15.0, description="cost of one host sync once its event has fired (D2H)")
     gc_ns_per_object: NonNegFloat = Field(
-        30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap (85 on a "
-        "shared 2-core VM, gc.collect() over 1e6 one-item lists)"
+        30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap "
+        "(docs/seeds.md, #41043)"
     )
 
     @model_validator(mode="before")
@@ -524,7 +524,7 @@ class Scenario(Strict):
 
 
 # Physically plausible ranges of the fields with a unit: a value outside one is most likely in another unit
-# (`mem_bandwidth_gbs: 3.35`, TB/s meant, ran at 581 ms TPOT). A note, not an error: the tests' ideal GPU is
+# (`mem_bandwidth_gbs: 3.35`, TB/s meant, runs 1000 times too slow). A note, not an error: the tests' ideal GPU is
 # unphysical on purpose. A cost is at most 100 ms a step (or request), 10 µs a token (or object).
 _COST_UNITS = {"us": ("µs", 1.0), "ns": ("ns", 1000.0)}  # unit, and in it a µs
 

@@ -8,19 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from simharness.cli import app
-from simharness.fidelity import (
-    METRICS,
-    check_tolerances,
-    error_stats,
-    error_table,
-    fidelity_points,
-    host_speed,
-    prefill_enqueue,
-    run_fidelity,
-    spread,
-)
+from simharness.fidelity import check_tolerances, fidelity_points, host_speed, prefill_enqueue, run_fidelity, spread
 from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
+from simharness.stats import METRICS, error_stats, error_table
 
 SMALL = {"sweep": {"scheduler.depth": [1, 2]}, "workload.num_requests": 3,
          "workload.output_len": {"dist": "fixed", "value": 8}}  # fmt: skip
