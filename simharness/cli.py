@@ -284,14 +284,8 @@ def calibrate_cmd(
     """Fit the sim cost model from measured step records; print the fit's k-fold error and write a calibration
     that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
     from simharness import results
-    from simharness.calibration import (
-        MEASURED_LEVELS,
-        calibrate,
-        check_calibration,
-        load_fit_data,
-        parse_where,
-        write_calibration,
-    )
+    from simharness.calibration import MEASURED_LEVELS, calibrate, load_fit_data, parse_where, write_calibration
+    from simharness.holdout import check_calibration
 
     if level is not None and level not in MEASURED_LEVELS:
         fail(f"--level {level}: unknown level; choose {' or '.join(MEASURED_LEVELS)}")

@@ -116,9 +116,10 @@ def non_ascii(text: str) -> str:
     return f"its {letter!r} is the non-ASCII U+{ord(letter):04X} {unicodedata.name(letter, 'character')}"
 
 
-def format_errors(err: ValidationError, root: type[BaseModel], file: str | None, data: Any, sets: list[str]) -> str:
+def format_errors(err: ValidationError, root: type[BaseModel], file: str | None, data: Any,
+                  fields: list[tuple[str, Any]]) -> str:
     """The validation errors, each as `path: problem`; with `file`, each says where it comes from as well: the
-    `--set` option that set the field, or the file (`sets` are the options' paths, `data` the file's mapping)."""
+    `--set` options that set the field, or the file (`fields` are the options, `data` the file's mapping)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
@@ -130,20 +131,43 @@ def format_errors(err: ValidationError, root: type[BaseModel], file: str | None,
             msg += f" ({non_ascii(e['input'])})"
         line = f"{loc}: {msg}" if loc else msg
         if file:
-            source = _source(loc or msg.partition(":")[0], file, data, sets)
+            source = _source(loc or msg.partition(":")[0], file, data, fields, root)
             line = f"{source}: {line.removeprefix(source.removeprefix('--set ') + ': ')}"
         lines.append(line)
     return "; ".join(lines)
 
 
-def _source(path: str, file: str, data: Any, sets: list[str]) -> str:
+def _source(path: str, file: str, data: Any, fields: list[tuple[str, Any]], root: type[BaseModel]) -> str:
     """Where the value at `path` comes from: the `--set` option that set it (or the section holding it, where
-    the file has none), else the file, noting the options that set a field inside it."""
-    inside = [p for p in sets if p.startswith(path + ".")]
-    for p in sets:
-        if path == p or path.startswith(p + ".") or (p in inside and not _has(data, path)):
+    the file has none), the options that set fields inside it when they alone make it wrong, else the file,
+    noting the options that set a field inside it."""
+    inside = [(p, v) for p, v in fields if p.startswith(path + ".")]
+    names = ", ".join(p for p, _ in inside)
+    for p, _ in fields:
+        if path == p or path.startswith(p + ".") or (any(p == q for q, _ in inside) and not _has(data, path)):
             return f"--set {p}"
-    return f"{file} (with --set {', '.join(inside)})" if inside else file
+    if inside and _wrong_alone(root, data, path, inside):
+        return f"--set {names}"
+    return f"{file} (with --set {names})" if inside else file
+
+
+def _wrong_alone(root: type[BaseModel], data: Any, path: str, inside: list[tuple[str, Any]]) -> bool:
+    """Whether the section at `path` is still wrong holding only the options' fields (the file's own cleared)."""
+    alone = _deep_copy(data)
+    try:
+        _set(alone, path, {})
+        for p, v in inside:
+            _set(alone, p, v)
+    except ScenarioError:  # a value where the path needs a section: the file's
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its notes were said with the scenario's
+        try:
+            root.model_validate(alone)
+        except ValidationError as e:
+            return any(".".join(str(p) for p in x["loc"] if not str(p).startswith("function-after")) == path
+                       for x in e.errors())
+    return False
 
 
 def _parts(path: str) -> list[str]:

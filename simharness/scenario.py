@@ -601,7 +601,7 @@ def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None, *, fi
     try:
         return Scenario.model_validate(mapping)
     except ValidationError as e:
-        raise ScenarioError(format_errors(e, Scenario, file, data, [p for p, _ in fields])) from None
+        raise ScenarioError(format_errors(e, Scenario, file, data, fields)) from None
 
 
 def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario:

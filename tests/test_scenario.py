@@ -247,6 +247,8 @@ def test_values_in_an_implausible_unit_are_noted_with_the_unit():
     (["scheduler.depth=[1"], "--set scheduler.depth: cannot parse value '[1': expected ',' or ']'"),
     (["sweep.scheduler.dept=[1]"], "--set sweep.scheduler.dept: scheduler has no field 'dept' (did you mean 'depth'?)"),
     (["workload.requests_per_user=2"], "s.yaml (with --set workload.requests_per_user): workload: set num_requests"),
+    (["engine.speculation={min_n: 4, max_n: 2}"], "--set engine.speculation.min_n, engine.speculation.max_n: "
+                                                  "engine.speculation: min_n (4) must be <= max_n (2)"),
     (["scheduler.dеpth=2"], "--set scheduler.dеpth: unknown field (its 'е' is the non-ASCII U+0435 CYRILLIC SMALL "
                             "LETTER IE; did you mean 'depth'?)"),
     (["scheduler.policy=wаit"], "--set scheduler.policy: Input should be 'wait' or 'optimistic' (its 'а' is the "
@@ -256,7 +258,7 @@ def test_errors_name_their_source(tmp_path, sets, message):
     from simharness.overrides import parse_sets
 
     path = tmp_path / "s.yaml"
-    path.write_text("name: x\nworkload: {num_requests: 48}\n")
+    path.write_text("name: x\nworkload: {num_requests: 48}\nengine: {speculation: {k: 3}}\n")
     with pytest.raises(ScenarioError) as e:
         load_scenario(path, parse_sets(sets))
     assert str(e.value).startswith(message.replace("s.yaml", str(path)))  # the source first, the file only if it is
