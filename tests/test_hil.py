@@ -181,9 +181,10 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
     """The CI variant of the hil scenario, cut to one small point, run at both levels through the public API."""
     import json
 
+    from trace_check import check_trace
+
     import simharness
     from simharness.scenario import load_scenario
-    from simharness.trace import check_trace
 
     overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
     hil = simharness.run(load_scenario("scenarios/hil-cpu.yaml", overrides), tmp_path / "hil")
