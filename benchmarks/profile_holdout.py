@@ -5,7 +5,7 @@ uncalibrated sim against the real level's medians on the configurations the fit 
 
 Fits on the points at `workload.concurrency` in --fit-on, checks the others. The sim is deterministic and the real
 medians are the run's, so one pass is the measurement; the sim rebuilds the run's requests on this machine (a
-check that `holdout.sim_drift` warns about where they differ). docs/calibration.md, "Profiles", has the result.
+check that `fidelity.sim_drift` warns about where they differ). docs/calibration.md, "Profiles", has the result.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 
 from simharness import results
 from simharness.calibration import load_fit_data, point_scenario
-from simharness.holdout import sim_drift
+from simharness.fidelity import sim_drift
 from simharness.profile_fit import fit_profile
 from simharness.runner import execute, without_ignored
 from simharness.scenario import Point

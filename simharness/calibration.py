@@ -11,7 +11,7 @@ k-fold cross-validation over the steps gives the relative error on steps a fit d
 hold no context, so it is rebuilt from the requests' prompts and the tokens emitted before the step (device
 order: steps run FIFO). Host phases a level models instead of measuring keep the scenario's values.
 
-`simharness.holdout` checks a fit on the configurations it left out (`fit_where`).
+`fidelity.check_calibration` checks a fit on the configurations it left out (`fit_where`).
 """
 
 from __future__ import annotations

@@ -285,13 +285,14 @@ def calibrate_cmd(
     that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
     from simharness import results
     from simharness.calibration import MEASURED_LEVELS, calibrate, load_fit_data, parse_where, write_calibration
-    from simharness.holdout import check_calibration
+    from simharness.fidelity import check_calibration
 
     if level is not None and level not in MEASURED_LEVELS:
         fail(f"--level {level}: unknown level; choose {' or '.join(MEASURED_LEVELS)}")
     try:
         results.check_writable(out_path, "--out")  # before the fit, not after it
-        data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
+        with notes():  # a run stored with engine.backend
+            data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
         fitted = calibrate(data)
         calibration = write_calibration(fitted, out_path)
     except ScenarioError as e:
@@ -377,7 +378,8 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
     from simharness.runner import combine_and_report
 
     try:
-        results.load_run_scenario(run_dir)
+        with notes():  # a run stored with engine.backend
+            results.load_run_scenario(run_dir)
         if (run_dir / "fidelity.json").is_file():  # a fidelity run's report
             from simharness.fidelity import write_fidelity
 
@@ -408,7 +410,8 @@ def frontier_cmd(
     from simharness.frontier import crossover_text, group_label, write_frontier
 
     try:
-        fr, schedules = write_frontier(run_dir)
+        with notes():  # a run stored with engine.backend
+            fr, schedules = write_frontier(run_dir)
     except ScenarioError as e:
         fail(str(e))
     for row in fr.crossovers.to_dict("records"):
@@ -466,7 +469,8 @@ def compare_cmd(
     except CompareError as e:
         fail(str(e))
     for warning in caught:
-        err.print(f"[bold yellow]warning:[/] {warning.message}", highlight=False, soft_wrap=True)
+        kind = "[bold]note:[/]" if issubclass(warning.category, ScenarioNote) else "[bold yellow]warning:[/]"
+        err.print(f"{kind} {warning.message}", highlight=False, soft_wrap=True)
     sides = f"base: {len(bases)} run(s)" + (" (median)" if len(bases) > 1 else "") + f", current: {len(currents)}"
     context = f"{sides} run(s); threshold {threshold:.3g}" + (f", p < {alpha:.3g}" if len(bases) + len(currents) > 2
                                                              else "")

@@ -13,7 +13,7 @@ Three kinds differ in how much the output copies the prompt:
 Everything is decided by the seed: kinds, arrivals and each request's content draw from separate
 children of one `np.random.SeedSequence`, so changing the arrival process leaves the token streams
 unchanged, and request i's content does not depend on the other requests. The engine's own random draws
-(`engine_rng`) come from streams of the same seed, each named below.
+come from streams of the same seed, each named below.
 """
 
 from __future__ import annotations
@@ -91,11 +91,6 @@ def build_requests(cfg: Workload, seed: int, checkpoint: Path | None = None) -> 
         vocab_size=corpus.tokenizer.vocab_size,
         random=_draw_random(cfg.random_fraction, n, np.random.default_rng(sampling_seed)),
     )
-
-
-def engine_rng(seed: int, stream: int) -> np.random.Generator:
-    """The generator of one of the engine's random streams (ACCEPTANCE_STREAM, GC_STREAM, HEAP_STREAM) of `seed`."""
-    return np.random.default_rng(np.random.SeedSequence([seed, stream]))
 
 
 def _draw_random(fraction: float, n: int, rng: np.random.Generator) -> np.ndarray | None:

@@ -33,7 +33,7 @@ LAYERS = [
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report", "frontier",
      "calibration", "profile_fit"],
     ["executors"],  # where points run: this process, local workers, a Ray cluster
-    ["runner", "fidelity", "holdout", "profile_grid", "seeds"],  # drivers
+    ["runner", "fidelity", "profile_grid", "seeds"],  # drivers
     ["cli", "__main__", "__init__"],  # interfaces
 ]
 # The longest chain of imports, in modules (`__main__ -> cli -> ... -> errors`): 19 before issue 32.

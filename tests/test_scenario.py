@@ -265,3 +265,35 @@ def test_errors_name_their_source(tmp_path, sets, message):
     path.write_text("name: x\nschedulеr: {depth: 2}\n")  # the file's own look-alike key is the file's
     with pytest.raises(ScenarioError, match=f"^{path}: schedulеr: unknown field .*did you mean 'scheduler'"):
         load_scenario(path)
+
+
+def test_the_level_field_names_the_rows_of_the_levels_table():
+    from typing import get_args
+
+    from simharness.levels import LEVELS, LevelName
+
+    assert get_args(LevelName) == tuple(LEVELS)
+    assert [name for name, level in LEVELS.items() if not level.measured] == ["sim"]
+    assert {level.old_name for level in LEVELS.values()} == {"model", "torch", "real"}
+
+
+def test_the_old_backend_field_is_read_as_the_level_with_one_note(tmp_path):
+    from simharness.levels import _note_old_name
+
+    _note_old_name.cache_clear()
+    path = tmp_path / "old.yaml"  # a scenario stored by a run made before engine.level
+    path.write_text("name: x\nengine: {backend: torch, device: cpu}\nsweep: {engine.backend: [model, real]}\n")
+    with pytest.warns(ScenarioNote) as notes:
+        old = load_scenario(path)
+        assert load_scenario(path) == old  # a second read (resume, compare) notes nothing more
+    assert len(notes) == 1 and "engine.backend is the old name of engine.level" in str(notes[0].message)
+    assert old.engine.level == "hil" and old.sweep == {"engine.level": ["sim", "real"]}
+    assert old == scenario_from_dict({"name": "x", "engine": {"level": "hil", "device": "cpu"},
+                                      "sweep": {"engine.level": ["sim", "real"]}})
+    # an old --set on a migrated file (CI_GATE_SET=engine.backend=torch), as a field or in its section
+    assert scenario_from_dict({"name": "x", "engine": {"level": "real"}}, {"engine.backend": "torch"}).engine.level \
+        == scenario_from_dict({"name": "x"}, {"engine": {"backend": "torch"}}).engine.level == "hil"
+    with pytest.raises(ScenarioError, match="engine: backend: the old name of level; set level only"):
+        scenario_from_dict({"name": "x", "engine": {"backend": "torch", "level": "hil"}})
+    with pytest.raises(ScenarioError, match="engine.level: Input should be 'sim', 'hil' or 'real'"):
+        scenario_from_dict({"name": "x", "engine": {"backend": "simulated"}})
