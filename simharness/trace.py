@@ -1,11 +1,11 @@
-"""Chrome / Perfetto trace-event JSON for one sweep point, and a validator for such traces.
+"""Chrome / Perfetto trace-event JSON for one sweep point.
 
 Layout: pid 1 is the host (engine loop thread: schedule, sync waits, prep, launch, update,
 propose, GC pauses), pid 2 the GPU stream (one slice per step); a counter tracks in-flight steps
 and flow arrows link each launch to its GPU step. Hardware-in-the-loop steps add pid 3, their
 measured device phases laid out back to back from each step's GPU start, with a second arrow
 from each launch to its first phase. Times are virtual time in microseconds.
-Perfetto needs the slices of one (pid, tid) lane to nest strictly; `check_trace` enforces that.
+Perfetto needs the slices of one (pid, tid) lane to nest strictly (the tests check it: tests/trace_check.py).
 """
 
 from __future__ import annotations
