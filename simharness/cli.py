@@ -30,6 +30,7 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
+from simharness.levels import LEVELS
 from simharness.overrides import parse_sets
 from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, unit_notes
 
@@ -216,7 +217,7 @@ def run_cmd(
 def fidelity_cmd(
     scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
     levels: Annotated[str, typer.Option("--levels", help="levels to run, comma-separated; real is the reference",
-                                        metavar="LEVELS")] = "sim,hil,real",
+                                        metavar="LEVELS")] = ",".join(LEVELS),
     out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results/fidelity"),
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
     resume: Annotated[Path | None, typer.Option("--resume", help="finish the missing points of this fidelity run",

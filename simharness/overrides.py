@@ -209,6 +209,7 @@ def _drop_swept(data: dict[str, Any], path: str) -> None:
 
 
 def _deep_copy(data: Any) -> Any:
+    """A copy whose every mapping and list is its own (a YAML alias's included: setting one leaves the other)."""
     if isinstance(data, dict):
         return {k: _deep_copy(v) for k, v in data.items()}
     if isinstance(data, list):
