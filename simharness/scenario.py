@@ -401,7 +401,7 @@ class SyncPoint(Strict):
 
 
 class SyncPoints(Strict):
-    """What-if edits to the sync points the mode implies (see simulation.KNOWN_SYNC_POINTS)."""
+    """What-if edits to the sync points the mode implies (see modes.KNOWN_SYNC_POINTS)."""
 
     add: list[SyncPoint | str] = Field(default_factory=list)
     remove: list[str] = Field(default_factory=list)
