@@ -38,8 +38,8 @@ class Strict(BaseModel):
 # The largest cost (µs, ns), pause (ms) or weight a scenario takes: larger ones make virtual times overflow.
 MAX_VALUE = 1e9
 # The largest workload a run takes (requests, and tokens per request): a point runs in one go, without progress
-# inside it (here about 2 ms of CPU and 25 KB of memory a request: minutes and GBs at the limit), so a larger one
-# would look hung; split it into runs.
+# inside it (milliseconds of CPU and tens of KB of memory a request: minutes and GBs at the limit), so a larger
+# one would look hung; split it into runs.
 MAX_REQUESTS = 100_000
 MAX_TOKENS = 1 << 20
 
