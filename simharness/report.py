@@ -206,7 +206,7 @@ def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
         run += f"; source digest `{meta['source_digest'][:12]}`"
     e, spec, s, w = scenario.engine, scenario.engine.speculation, scenario.scheduler, scenario.workload
     # the sim level models a named GPU; a measured level runs on engine.device (a CPU run is not "on H100")
-    sim = not LEVELS[e.level].measured
+    sim = LEVELS[e.level].backend == "model"
     where = f"a modelled {e.gpu}" if sim else f"`{e.device}`"
     setup = (
         f"**Setup:** `{e.model}` on {where} ({e.level} level); proposer `{spec.proposer}`, k={spec.k}, "

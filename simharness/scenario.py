@@ -353,7 +353,7 @@ class Engine(Strict):
         model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
         checkpoint = checkpoint_dir(v)
         level = LEVELS.get(info.data.get("level", ""))
-        if checkpoint is not None and level is not None and level.measured:  # the levels that load it
+        if checkpoint is not None and level is not None and level.backend == "torch":  # the levels that load it
             check_checkpoint(checkpoint)
         return v
 
