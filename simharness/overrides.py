@@ -71,7 +71,7 @@ def field_overrides(root: type[BaseModel], overrides: dict[str, Any]) -> list[tu
     it names and keeps the others as the file has them, never resetting them to their defaults."""
 
     def leaves(path: str, value: Any) -> list[tuple[str, Any]]:
-        if isinstance(value, dict) and section_class(root, path) is not None:
+        if isinstance(value, dict) and _section_class(root, path) is not None:
             return [leaf for key, v in value.items() for leaf in leaves(f"{path}.{key}", v)]
         return [(path, value)]
 
@@ -88,7 +88,7 @@ def merged(data: dict[str, Any], fields: list[tuple[str, Any]]) -> dict[str, Any
     return out
 
 
-def section_class(root: type[BaseModel], path: str) -> type[BaseModel] | None:
+def _section_class(root: type[BaseModel], path: str) -> type[BaseModel] | None:
     """The section a dotted path names (`workload.prompt_len`: LengthDist), or None for a value or no field."""
     node: Any = root
     for part in path.split("."):
@@ -125,7 +125,7 @@ def format_errors(err: ValidationError, root: type[BaseModel], file: str | None,
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            parent = section_class(root, loc.rpartition(".")[0]) if "." in loc else root
+            parent = _section_class(root, loc.rpartition(".")[0]) if "." in loc else root
             msg = "unknown field" + (near_field(parent, e["loc"][-1]) if parent is not None else "")
         elif e["type"] == "literal_error" and isinstance(e["input"], str) and non_ascii(e["input"]):
             msg += f" ({non_ascii(e['input'])})"
