@@ -49,7 +49,7 @@ def hil_point(path: Path, device: str) -> dict:
         "workload": {"arrival": "closed", "concurrency": 8, "num_requests": 24,
                      "prompt_len": {"dist": "uniform", "min": 128, "max": 512},
                      "output_len": {"dist": "fixed", "value": 64}},
-        "engine": {"backend": "torch", "device": device, "model": str(path), "steer": False,
+        "engine": {"level": "hil", "device": device, "model": str(path), "steer": False,
                    "speculation": {"proposer": "ngram_gpu", "k": 4}},
         "scheduler": {"depth": 2, "policy": "optimistic"},
     }  # fmt: skip

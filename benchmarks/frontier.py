@@ -2,7 +2,7 @@
 (issue 31, docs/frontier.md).
 
     python benchmarks/frontier.py scenarios/frontier-8b.yaml --out results/frontier/8b
-    python benchmarks/frontier.py scenarios/frontier-1b.yaml --out /tmp/f --set repeats=1 --set engine.backend=real
+    python benchmarks/frontier.py scenarios/frontier-1b.yaml --out /tmp/f --set repeats=1 --set engine.level=real
     python benchmarks/frontier.py scenarios/frontier-8b.yaml --out /tmp/f --from RUN_DIR   # frontier of a finished run
 
 Runs the scenario's sweep over k and load (or reads RUN_DIR), writes its frontier, then, for each group (text mix),
@@ -29,7 +29,8 @@ import yaml
 
 import simharness
 from simharness.frontier import K, group_label, schedule_vs_fixed, write_frontier
-from simharness.scenario import load_scenario, parse_sets
+from simharness.overrides import parse_sets
+from simharness.scenario import load_scenario
 
 
 def main() -> None:
@@ -58,7 +59,7 @@ def main() -> None:
     (args.out / "schedule.yaml").write_text(yaml.safe_dump(
         {label: {"k": max(s.values()), "k_schedule": s} for label, s in schedules.items()}, sort_keys=False))
     compared = []
-    if sc.engine.backend == "model":
+    if sc.engine.level == "sim":
         for values in itertools.product(*(sc.sweep[g] for g in fr.groups)):
             fixed = dict(zip(fr.groups, values, strict=True))
             label = group_label({g: str(v) for g, v in fixed.items()}, fr.groups)
@@ -71,7 +72,7 @@ def main() -> None:
             compared.append(schedule_vs_fixed(fr, label, scheduled.summary))
             pd.concat(compared).to_csv(args.out / "schedule.csv", index=False)
     (args.out / "settings.json").write_text(json.dumps({
-        "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.backend, "repeats": sc.repeats,
+        "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.level, "repeats": sc.repeats,
         "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds}, indent=1))
     print(fr.crossovers.to_string(index=False))
     if compared:

@@ -51,11 +51,12 @@ sys.path.insert(0, str(ROOT))
 
 from simharness.compare import METRICS, compare_runs, load_run  # noqa: E402
 from simharness.gate_report import verdict  # noqa: E402
-from simharness.scenario import load_scenario, parse_sets  # noqa: E402
+from simharness.levels import LEVELS  # noqa: E402
+from simharness.overrides import parse_sets  # noqa: E402
+from simharness.scenario import load_scenario  # noqa: E402
 from simharness.seeds import SEEDS, seed_scenario_path  # noqa: E402
 
 RUNS_PER_SIDE = (1, 2, 3, 5)
-BACKENDS = {"sim": "model", "hil": "torch", "real": "real"}
 HEAP = {"engine.gc.heap_objects": 500_000}  # every arm: the heap a per-step allocation makes the collector walk
 # measured levels: one point (a value for each field hil.yaml and hil-cpu.yaml sweep), the GPU proposer (the one
 # `inject` corrupts)
@@ -238,7 +239,7 @@ def worker(pool: Path, level: str, process: int) -> None:
         path = seed_scenario_path(arm.seed) if arm.seed else ROOT / plan["scenario"]
         sets = parse_sets(plan["seed_sets"] if arm.seed else plan["sets"])
         extra = {} if arm.seed else {**HEAP, **({} if level == "sim" else MEASURED)}
-        sc = quiet_load(path, {**extra, **sets, **arm.overrides, "engine.backend": BACKENDS[level]})
+        sc = quiet_load(path, {**extra, **sets, **arm.overrides, "engine.level": level})
         out = pool / level / _slug(name) / f"p{process:02d}"
         t = time.perf_counter()
         try:
@@ -378,7 +379,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=3, metavar=("POOL", "LEVEL", "PROCESS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="where the pool, the CSVs and power.md go")
-    ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(BACKENDS))
+    ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(LEVELS))
     ap.add_argument("--scenario", type=Path, help="the gate's scenario (default: scenarios/ci.yaml at sim, "
                     "scenarios/gate-gpu.yaml at hil/real)")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the gate's scenario")
@@ -419,7 +420,7 @@ def main() -> None:
                 measured = measured[1:]
     if args.trials == 0:
         return
-    levels = [lv for lv in BACKENDS if (pool / lv).is_dir()]
+    levels = [lv for lv in LEVELS if (pool / lv).is_dir()]
     trial_rows = pd.concat([analyse(pool, lv, args.trials, args.threshold) for lv in levels])
     args.out.mkdir(parents=True, exist_ok=True)
     power = rates(trial_rows)

@@ -27,10 +27,10 @@ from simharness.measured import MeasuredEngine, run_level, warm_up
 from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import resolve_mode
-from simharness.scenario import parse_sets
+from simharness.overrides import parse_sets
 from simharness.workload import build_requests
 
-PROBE = {"engine.backend": "real", "scheduler.policy": "optimistic", "scheduler.depth": 2,
+PROBE = {"engine.level": "real", "scheduler.policy": "optimistic", "scheduler.depth": 2,
          "sweep": {"engine.speculation.proposer": ["ngram_gpu", "ngram_cpu"], "workload.concurrency": [16, 64]}}
 
 

@@ -21,7 +21,8 @@ import numpy as np
 from simharness.engine import torch_backend
 from simharness.measured import MeasuredEngine
 from simharness.modes import resolve_mode
-from simharness.scenario import load_scenario, parse_value, sweep_points
+from simharness.overrides import parse_value
+from simharness.scenario import load_scenario, sweep_points
 from simharness.simulation import Simulation
 from simharness.workload import build_requests
 

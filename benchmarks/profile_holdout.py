@@ -5,7 +5,7 @@ uncalibrated sim against the real level's medians on the configurations the fit 
 
 Fits on the points at `workload.concurrency` in --fit-on, checks the others. The sim is deterministic and the real
 medians are the run's, so one pass is the measurement; the sim rebuilds the run's requests on this machine (a
-check that `calibration.sim_drift` warns about where they differ). docs/calibration.md, "Profiles", has the result.
+check that `fidelity.sim_drift` warns about where they differ). docs/calibration.md, "Profiles", has the result.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import pandas as pd
 import yaml
 
 from simharness import results
-from simharness.calibration import load_fit_data, point_scenario, sim_drift
-from simharness.fidelity import error_stats, error_table
+from simharness.calibration import load_fit_data, point_scenario
+from simharness.fidelity import sim_drift
 from simharness.profile_fit import fit_profile
 from simharness.runner import execute, without_ignored
 from simharness.scenario import Point
+from simharness.stats import error_stats, error_table
 
 
 def main() -> None:
@@ -41,7 +42,7 @@ def main() -> None:
         for config, group in rows.groupby("config", sort=False):
             for level, choice in (("sim", "none"), ("sim-profiled", str(path))):
                 scenario = point_scenario(sc, group.iloc[0])
-                scenario.engine.backend = "model"
+                scenario.engine.level = "sim"
                 without_ignored(scenario, "sim")
                 scenario.engine.profile = choice
                 points.append(Point(id=f"{level},{config}", index=len(points),

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 import simharness
-from simharness.scenario import parse_sets
+from simharness.overrides import parse_sets
 
 
 def main() -> None:

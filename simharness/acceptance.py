@@ -55,12 +55,6 @@ class SurvivalAcceptance:
     survival: np.ndarray  # float64 [k], non-increasing
     offset = valid = accepted = NO_TABLE
 
-    @property
-    def mean_emitted(self) -> float:
-        """Expected tokens per step with all k drafts verified: 1 + sum_j P(accepted >= j)
-        (for iid, (1 - alpha^(k+1)) / (1 - alpha))."""
-        return 1.0 + float(self.survival.sum())
-
 
 @dataclass(frozen=True, eq=False)
 class ReplayAcceptance:

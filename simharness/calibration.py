@@ -11,15 +11,13 @@ k-fold cross-validation over the steps gives the relative error on steps a fit d
 hold no context, so it is rebuilt from the requests' prompts and the tokens emitted before the step (device
 order: steps run FIFO). Host phases a level models instead of measuring keep the scenario's values.
 
-`check_calibration` runs the configurations the fit left out (`fit_where`) at the sim level with and without
-the calibration and reports their errors against the measured medians, as `simharness fidelity` does.
+`fidelity.check_calibration` checks a fit on the configurations it left out (`fit_where`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -32,13 +30,14 @@ import yaml
 from simharness import results
 from simharness.costfile import DEVICE_FEATURES, FORMAT
 from simharness.costmodel import GPUS
-from simharness.fidelity import error_stats, error_table
 from simharness.jit import loaded_digest
-from simharness.runner import execute, without_ignored
-from simharness.scenario import Point, Scenario, ScenarioError, parse_value, scenario_from_dict
-from simharness.stats import config_ids
+from simharness.levels import LEVELS
+from simharness.overrides import parse_value
+from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
+from simharness.stats import REFERENCE, config_ids
 
-MEASURED_LEVELS = ("real", "hil")
+# the levels whose steps a fit takes, the reference (real) preferred
+MEASURED_LEVELS = (REFERENCE, *(name for name, level in LEVELS.items() if level.measured and name != REFERENCE))
 FOLDS = 5
 MIN_STEPS_PER_TERM = 10  # a fit needs this many steps per coefficient
 # host phase -> (the `measured` name that says a level timed it, its features, the host_costs fields they give,
@@ -94,7 +93,7 @@ def parse_where(items: list[str]) -> dict[str, list]:
 def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict[str, list] | None = None) -> FitData:
     """The measured steps of `run_dirs` (run or fidelity directories) at `level` (default: real where any run
     has real points, else hil), of the points whose summary values are in `where`."""
-    runs = [(Path(d), _read_run(Path(d))) for d in run_dirs]
+    runs = [(Path(d), read_run(Path(d))) for d in run_dirs]
     levels = {lv for _, (_, _, s) in runs for lv in s["level"]}
     level = level or next((lv for lv in MEASURED_LEVELS if lv in levels), None)
     if level not in MEASURED_LEVELS or level not in levels:
@@ -126,7 +125,7 @@ def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict
     return FitData(steps, device, catalogue_gpu(device), models.pop(), level, provenance, held_out)
 
 
-def _read_run(run_dir: Path) -> tuple[dict, Scenario, pd.DataFrame]:
+def read_run(run_dir: Path) -> tuple[dict, Scenario, pd.DataFrame]:
     """A run directory's meta, scenario and finished points' summary rows (with `config`: a fidelity run's own,
     else the point without its repeat)."""
     if not run_dir.is_dir():
@@ -339,70 +338,3 @@ def write_calibration(calibration: dict, out: Path) -> Path:
     except OSError as e:
         raise ScenarioError(f"--out {out}: cannot write ({e.strerror or e})") from None
     return out
-
-
-# ------------------------------------------------------------------------------------------------ check
-
-
-def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFrame, Path, str | None]:
-    """Run every held-out configuration at the sim level, uncalibrated (`sim`) and with `costs`
-    (`sim-calibrated`), into a run directory under `out`; returns their error statistics against the measured
-    level's medians (fidelity.error_stats), the run directory, and `sim_drift`'s warning if any."""
-    held = [(run_dir, sc, rows) for run_dir, sc, rows in data.held_out if len(rows)]
-    if not held:
-        raise ScenarioError("--check: the fit used every point; leave some out with --fit-where")
-    points, measured = [], []
-    for _run_dir, sc, rows in held:
-        for config, group in rows.groupby("config", sort=False):
-            for level, calibration in (("sim", None), ("sim-calibrated", str(costs))):
-                scenario = point_scenario(sc, group.iloc[0])
-                scenario.engine.backend = "model"
-                without_ignored(scenario, "sim")  # the measured run's decode-loop fields
-                scenario.engine.calibration = None  # the scenario's own, if any, is neither of the two
-                if calibration is not None:
-                    scenario.engine.gpu = data.gpu
-                    scenario.engine.calibration = calibration
-                point_id = f"{level},{config}"
-                points.append(Point(id=point_id, index=len(points), values={"config": config, "level": level},
-                                    scenario=scenario))
-        measured.append(rows.assign(level="real"))  # the reference of error_table
-    run_dir = execute(held[0][1], points, out)
-    summary = results.combine(run_dir)
-    stats = error_stats(error_table(pd.concat([*measured, summary], ignore_index=True)))
-    stats.to_csv(run_dir / "check.csv", index=False)
-    return stats, run_dir, sim_drift([run for run, _, _ in held], summary[summary["level"] == "sim"])
-
-
-# What the uncalibrated sim of the check and a run's own sim level are compared on.
-DRIFT_METRICS = ("mean_tpot_ms", "p99_tpot_ms", "mean_acceptance_length")
-
-
-def sim_drift(run_dirs: list[Path], sim: pd.DataFrame) -> str | None:
-    """Where a held-out run also ran the sim level uncalibrated (a fidelity run), whether this machine's sim
-    (`sim`, the check's) reproduces it. The check rebuilds the run's requests here: with another Python (its
-    standard library is the text corpus), numpy (random streams) or source tree they can come out different, and
-    the check's errors then include that difference. Returns a warning naming it, or None."""
-    mine = sim.set_index("config")[list(DRIFT_METRICS)]
-    theirs, metas = [], []
-    for run_dir in run_dirs:
-        meta, sc, summary = _read_run(run_dir)
-        if sc.engine.calibration is None and "sim" in set(summary["level"]):
-            theirs.append(summary[summary["level"] == "sim"].groupby("config")[list(DRIFT_METRICS)].first())
-            metas.append(meta)
-    if not theirs:
-        return None
-    theirs = pd.concat(theirs)
-    common = mine.index.intersection(theirs.index)
-    change = mine.loc[common] / theirs.loc[common] - 1
-    differ = int((change.abs() > 1e-9).any(axis=1).sum())
-    if not differ:
-        return None
-    medians = ", ".join(f"{m} {change[m].median():+.1%}" for m in DRIFT_METRICS)
-    run = "; ".join(f"Python {m.get('python')}, numpy {m.get('versions', {}).get('numpy')}, source "
-                    f"{str(m.get('source_digest'))[:12]}" for m in metas)
-    here = f"Python {platform.python_version()}, numpy {np.__version__}, source {loaded_digest()[:12]}"
-    return (f"this machine's sim does not reproduce the run's own sim level in {differ} of {len(common)} held-out "
-            f"configurations (median change: {medians}): the requests or the code rebuilt here differ from the "
-            f"run's (run: {run}; here: {here}), and the errors above include that difference. Run the check "
-            "where the run ran for errors on the same requests.")
-

@@ -30,7 +30,9 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
-from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, parse_sets, unit_notes
+from simharness.levels import LEVELS
+from simharness.overrides import parse_sets
+from simharness.scenario import Scenario, ScenarioError, ScenarioNote, load_scenario, unit_notes
 
 # Plain click help pages: `--out DIR`, not typer's rich `<path>` and `<bool>` metavars.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode=None)
@@ -215,7 +217,7 @@ def run_cmd(
 def fidelity_cmd(
     scenario: Annotated[Path, typer.Argument(help="scenario YAML file", metavar="SCENARIO")],
     levels: Annotated[str, typer.Option("--levels", help="levels to run, comma-separated; real is the reference",
-                                        metavar="LEVELS")] = "sim,hil,real",
+                                        metavar="LEVELS")] = ",".join(LEVELS),
     out_dir: Annotated[Path, typer.Option("--out", help="results root", metavar="DIR")] = Path("results/fidelity"),
     sets: Annotated[list[str], typer.Option("--set", help=SET_HELP, metavar="KEY=VALUE")] = [],  # noqa: B006
     resume: Annotated[Path | None, typer.Option("--resume", help="finish the missing points of this fidelity run",
@@ -283,20 +285,15 @@ def calibrate_cmd(
     """Fit the sim cost model from measured step records; print the fit's k-fold error and write a calibration
     that a scenario uses with `engine.calibration: PATH`. Exit 2 on bad input."""
     from simharness import results
-    from simharness.calibration import (
-        MEASURED_LEVELS,
-        calibrate,
-        check_calibration,
-        load_fit_data,
-        parse_where,
-        write_calibration,
-    )
+    from simharness.calibration import MEASURED_LEVELS, calibrate, load_fit_data, parse_where, write_calibration
+    from simharness.fidelity import check_calibration
 
     if level is not None and level not in MEASURED_LEVELS:
         fail(f"--level {level}: unknown level; choose {' or '.join(MEASURED_LEVELS)}")
     try:
         results.check_writable(out_path, "--out")  # before the fit, not after it
-        data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
+        with notes():  # a run stored with engine.backend
+            data = load_fit_data(run_dirs, level=level, where=parse_where(fit_where))
         fitted = calibrate(data)
         calibration = write_calibration(fitted, out_path)
     except ScenarioError as e:
@@ -382,7 +379,8 @@ def report_cmd(run_dir: Annotated[Path, typer.Argument(help="a run directory", m
     from simharness.runner import combine_and_report
 
     try:
-        results.load_run_scenario(run_dir)
+        with notes():  # a run stored with engine.backend
+            results.load_run_scenario(run_dir)
         if (run_dir / "fidelity.json").is_file():  # a fidelity run's report
             from simharness.fidelity import write_fidelity
 
@@ -413,7 +411,8 @@ def frontier_cmd(
     from simharness.frontier import crossover_text, group_label, write_frontier
 
     try:
-        fr, schedules = write_frontier(run_dir)
+        with notes():  # a run stored with engine.backend
+            fr, schedules = write_frontier(run_dir)
     except ScenarioError as e:
         fail(str(e))
     for row in fr.crossovers.to_dict("records"):
@@ -471,7 +470,8 @@ def compare_cmd(
     except CompareError as e:
         fail(str(e))
     for warning in caught:
-        err.print(f"[bold yellow]warning:[/] {warning.message}", highlight=False, soft_wrap=True)
+        kind = "[bold]note:[/]" if issubclass(warning.category, ScenarioNote) else "[bold yellow]warning:[/]"
+        err.print(f"{kind} {warning.message}", highlight=False, soft_wrap=True)
     sides = f"base: {len(bases)} run(s)" + (" (median)" if len(bases) > 1 else "") + f", current: {len(currents)}"
     context = f"{sides} run(s); threshold {threshold:.3g}" + (f", p < {alpha:.3g}" if len(bases) + len(currents) > 2
                                                              else "")

@@ -15,6 +15,7 @@ import numpy as np
 
 from simharness.costfile import DEVICE_FEATURES, NGRAM_GPU_FEATURES, load_calibration
 from simharness.jit import njit
+from simharness.levels import LEVELS
 from simharness.models import GPUS, ModelConfig, gpu_spec, model_config
 from simharness.profile import PROPOSER
 from simharness.profile import resolve as resolve_profile
@@ -36,7 +37,7 @@ class CostModel:
                 self.fit[[DEVICE_FEATURES.index(f) for f in NGRAM_GPU_FEATURES]] = 0.0
             self.h = engine.host_costs.model_copy(update=calibration.host_costs)
         # the profile's device terms (simharness.profile; empty: none), only where no calibration replaces it
-        self.profile = resolve_profile(engine) if engine.backend == "model" else None
+        self.profile = resolve_profile(engine) if LEVELS[engine.level].backend == "model" else None
         self.prof = np.zeros(0)
         if self.profile is not None:
             self.prof = np.array(self.profile.coef)

@@ -11,21 +11,21 @@ level and metric the run reports the median and the worst absolute error over th
 from __future__ import annotations
 
 import json
+import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import pandas as pd
 
 from simharness import results
+from simharness.calibration import FitData, point_scenario, read_run
 from simharness.executors import ray_stopped
+from simharness.jit import loaded_digest
+from simharness.levels import LEVELS
 from simharness.runner import execute, without_ignored
-from simharness.scenario import FidelityMetric, Point, Scenario, ScenarioError, sweep_points
-
-METRICS: tuple[str, ...] = get_args(FidelityMetric)
-LEVELS = {"sim": "model", "hil": "torch", "real": "real"}  # level -> engine.backend
-REFERENCE = "real"
+from simharness.scenario import Point, Scenario, ScenarioError, sweep_points
+from simharness.stats import METRICS, REFERENCE, error_stats, error_table
 
 
 @dataclass
@@ -51,8 +51,8 @@ def check_levels(sc: Scenario, levels: list[str]) -> None:
         raise ScenarioError(f"--levels: unknown level {unknown[0]!r}; known: {', '.join(LEVELS)}")
     if REFERENCE not in levels or len(set(levels)) < 2:
         raise ScenarioError("--levels: needs the real level (the reference) and at least one level to check")
-    if "engine.backend" in sc.sweep:
-        raise ScenarioError("sweep.engine.backend: a fidelity run chooses the level of each point; do not sweep it")
+    if "engine.level" in sc.sweep:
+        raise ScenarioError("sweep.engine.level: a fidelity run chooses the level of each point; do not sweep it")
 
 
 def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
@@ -60,13 +60,13 @@ def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
     measured levels take turns run by run (hil 0, real 0, hil 1, real 1, ...): a slow spell of the host then
     lands on one run of each level, which the median over runs discards, not on every run of one level."""
     points = []
-    measured = [level for level in levels if level != "sim"]
+    measured = [level for level in levels if LEVELS[level].measured]
     for p in sweep_points(sc):
-        runs = [("sim", 0)] if "sim" in levels else []
+        runs = [(level, 0) for level in levels if not LEVELS[level].measured]
         runs += [(level, run) for run in range(sc.fidelity.runs) for level in measured]
         for level, run in runs:
             scenario = p.scenario.model_copy(deep=True)
-            scenario.engine.backend = LEVELS[level]
+            scenario.engine.level = level
             without_ignored(scenario, level)
             point_id = f"level={level},run={run}" + ("" if p.id == "base" else f",{p.id}")
             values = {"config": p.id, "level": level, "run": run, **p.values}
@@ -114,41 +114,6 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
     return FidelityResult(run_dir, summary, errors, stats, violations)
 
 
-def level_values(summary: pd.DataFrame) -> pd.DataFrame:
-    """Each level's value of every metric at every point: the median over its runs."""
-    return summary.groupby(["config", "level"], sort=False)[list(METRICS)].median()
-
-
-def error_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """One row per point, level (other than the reference) and metric: the level's value, the real value and the
-    relative error (NaN where the real value is 0 or missing)."""
-    values = level_values(summary)
-    real = values.xs(REFERENCE, level="level")
-    rows = []
-    for (config, level), row in values.iterrows():
-        if level == REFERENCE or config not in real.index:
-            continue
-        for metric in METRICS:
-            truth, predicted = real.at[config, metric], row[metric]
-            error = predicted / truth - 1 if truth and np.isfinite(truth) else np.nan
-            rows.append({"config": config, "level": level, "metric": metric, "predicted": predicted,
-                         "real": truth, "rel_error": error})  # fmt: skip
-    return pd.DataFrame(rows, columns=["config", "level", "metric", "predicted", "real", "rel_error"])
-
-
-def error_stats(errors: pd.DataFrame) -> pd.DataFrame:
-    """Per level and metric: the median and worst absolute relative error over the points, and the worst point."""
-    rows = []
-    for (level, metric), group in errors.groupby(["level", "metric"], sort=False):
-        absolute = group["rel_error"].abs().dropna()
-        worst = group.loc[absolute.idxmax(), "config"] if len(absolute) else None
-        rows.append({"level": level, "metric": metric, "points": len(absolute),
-                     "median_abs_error": float(absolute.median()) if len(absolute) else np.nan,
-                     "worst_abs_error": float(absolute.max()) if len(absolute) else np.nan, "worst_point": worst})
-    return pd.DataFrame(rows, columns=["level", "metric", "points", "median_abs_error", "worst_abs_error",
-                                       "worst_point"])  # fmt: skip
-
-
 def check_tolerances(stats: pd.DataFrame, sc: Scenario) -> list[str]:
     """The scenario's tolerances that the statistics exceed, one line each."""
     exceeded = []
@@ -182,7 +147,7 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
 # the step columns `overhead` and `prefill_enqueue` read
 STEP_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "harness_s", "prep_end", "launch_end"]
 # 20 ms: the bound over which hil flags a part as one that may have outlasted its gate (engine/timing.STARVED_S);
-# 80 ms: a gate's life at the H100's measured 3.95 µs per poll (docs/hil.md).
+# 80 ms: a gate's life on the H100 (docs/hil.md).
 ENQUEUE_BOUNDS_MS = (20, 40, 80)
 
 
@@ -212,7 +177,7 @@ def prefill_enqueue(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     s = steps[steps["n_prefill_reqs"] > 0]
     s = s.assign(level=s["point"].map(level), ms=(s["launch_end"] - s["prep_end"]) / s["n_prefill_reqs"] * 1e3)
     rows = []
-    for lv in [lv for lv in LEVELS if lv != "sim" and lv in set(s["level"])]:
+    for lv in [lv for lv in LEVELS if LEVELS[lv].measured and lv in set(s["level"])]:
         ms = s.loc[s["level"] == lv, "ms"]
         rows.append({"level": lv, "prefill_steps": len(ms), "median_ms": float(ms.median()),
                      **{f"over_{b}ms": int((ms > b).sum()) for b in ENQUEUE_BOUNDS_MS}})  # fmt: skip
@@ -237,3 +202,72 @@ def host_speed(summary: pd.DataFrame) -> pd.DataFrame:
                      "max_slowdown": float(slowdown.max()), f"over_{SLOW_HOST}": int((slowdown > SLOW_HOST).sum()),
                      "measured_again": int((runs["host_attempts"] > 1).sum())})  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
+
+
+# ------------------------------------------------------------------------------------------------ held-out check
+# `simharness calibrate --check`: the configurations a fit left out (`fit_where`) at the sim level with and without
+# the calibration, and their errors against the measured medians.
+
+
+def check_calibration(data: FitData, costs: Path, out: Path) -> tuple[pd.DataFrame, Path, str | None]:
+    """Run every held-out configuration at the sim level, uncalibrated (`sim`) and with `costs`
+    (`sim-calibrated`), into a run directory under `out`; returns their error statistics against the measured
+    level's medians (stats.error_stats), the run directory, and `sim_drift`'s warning if any."""
+    held = [(run_dir, sc, rows) for run_dir, sc, rows in data.held_out if len(rows)]
+    if not held:
+        raise ScenarioError("--check: the fit used every point; leave some out with --fit-where")
+    points, measured = [], []
+    for _run_dir, sc, rows in held:
+        for config, group in rows.groupby("config", sort=False):
+            for level, calibration in (("sim", None), ("sim-calibrated", str(costs))):
+                scenario = point_scenario(sc, group.iloc[0])
+                scenario.engine.level = "sim"
+                without_ignored(scenario, "sim")  # the measured run's decode-loop fields
+                scenario.engine.calibration = None  # the scenario's own, if any, is neither of the two
+                if calibration is not None:
+                    scenario.engine.gpu = data.gpu
+                    scenario.engine.calibration = calibration
+                point_id = f"{level},{config}"
+                points.append(Point(id=point_id, index=len(points), values={"config": config, "level": level},
+                                    scenario=scenario))
+        measured.append(rows.assign(level=REFERENCE))  # the reference of error_table
+    run_dir = execute(held[0][1], points, out)
+    summary = results.combine(run_dir)
+    stats = error_stats(error_table(pd.concat([*measured, summary], ignore_index=True)))
+    stats.to_csv(run_dir / "check.csv", index=False)
+    return stats, run_dir, sim_drift([run for run, _, _ in held], summary[summary["level"] == "sim"])
+
+
+# What the uncalibrated sim of the check and a run's own sim level are compared on.
+DRIFT_METRICS = ("mean_tpot_ms", "p99_tpot_ms", "mean_acceptance_length")
+
+
+def sim_drift(run_dirs: list[Path], sim: pd.DataFrame) -> str | None:
+    """Where a held-out run also ran the sim level uncalibrated (a fidelity run), whether this machine's sim
+    (`sim`, the check's) reproduces it. The check rebuilds the run's requests here: with another Python (its
+    standard library is the text corpus), numpy (random streams) or source tree they can come out different, and
+    the check's errors then include that difference. Returns a warning naming it, or None."""
+    mine = sim.set_index("config")[list(DRIFT_METRICS)]
+    theirs, metas = [], []
+    for run_dir in run_dirs:
+        meta, sc, summary = read_run(run_dir)
+        if sc.engine.calibration is None and "sim" in set(summary["level"]):
+            theirs.append(summary[summary["level"] == "sim"].groupby("config")[list(DRIFT_METRICS)].first())
+            metas.append(meta)
+    if not theirs:
+        return None
+    theirs = pd.concat(theirs)
+    common = mine.index.intersection(theirs.index)
+    change = mine.loc[common] / theirs.loc[common] - 1
+    differ = int((change.abs() > 1e-9).any(axis=1).sum())
+    if not differ:
+        return None
+    medians = ", ".join(f"{m} {change[m].median():+.1%}" for m in DRIFT_METRICS)
+    run = "; ".join(f"Python {m.get('python')}, numpy {m.get('versions', {}).get('numpy')}, source "
+                    f"{str(m.get('source_digest'))[:12]}" for m in metas)
+    here = f"Python {platform.python_version()}, numpy {np.__version__}, source {loaded_digest()[:12]}"
+    return (f"this machine's sim does not reproduce the run's own sim level in {differ} of {len(common)} held-out "
+            f"configurations (median change: {medians}): the requests or the code rebuilt here differ from the "
+            f"run's (run: {run}; here: {here}), and the errors above include that difference. Run the check "
+            "where the run ran for errors on the same requests.")
+

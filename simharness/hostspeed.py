@@ -1,9 +1,8 @@
 """A gauge of the host CPU's speed, timed around each measured run.
 
 A decode loop of a small model is host-bound: its TPOT follows the host's speed. On a shared machine the host
-slows down in spells (the H100 machines of the device tool: every host phase about 1.6 times as long for a few
-seconds at a time; docs/hil.md, "The host's speed"), so a run measured in a spell is not comparable
-with one measured outside it. The gauge times a fixed pure-Python workload (the interpreter's speed is what the
+slows down in spells (docs/hil.md, "The host's speed"), so a run measured in a spell is not comparable with one
+measured outside it. The gauge times a fixed pure-Python workload (the interpreter's speed is what the
 host phases need) before and after a run; the run's slowdown is the slower of the two against the fastest time
 this process has seen.
 """
@@ -13,15 +12,16 @@ from __future__ import annotations
 import math
 import time
 
-REPEATS = 5  # timings per probe; their median is the probe's
+REPEATS = 5  # timings per probe; their median is the probe's (and probes at start, for the first fastest)
 RETRIES = 2  # at most this many more runs of a point measured in a spell (`engine.host_slowdown`)
+ITERATIONS = 2000  # the workload's loop: a fraction of a millisecond of interpreter work (docs/hil.md)
 
 
 def _workload() -> int:
-    """About 0.15 ms of interpreter work (on the development machine): a loop, integer arithmetic, a dict."""
+    """A fixed piece of interpreter work: a loop, integer arithmetic, a dict."""
     seen: dict[int, int] = {}
     total = 0
-    for i in range(2000):
+    for i in range(ITERATIONS):
         total += (i * 7) % 13
         seen[i & 63] = total
     return total + len(seen)

@@ -18,6 +18,7 @@ from simharness.engine.model import TORCH_OPS, Transformer
 from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.gcwatch import GcWatch
 from simharness.hostspeed import RETRIES, HostGauge
+from simharness.levels import LEVELS
 from simharness.models import checkpoint_dir, model_config
 from simharness.modes import Mode
 from simharness.realloop import RealLoop
@@ -48,17 +49,22 @@ def build_model(engine: Engine, max_slots: int, max_len: int) -> Transformer:
                        cuda_graphs=graphs)
 
 
-def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n: int = 20, tokens: int = 16) -> None:
-    """Run a point on its first `n` requests, cut to `tokens` output tokens, at its own level, right before it is
-    measured: the kernels' first compilations (seconds each, per specialisation) stay out of measured steps,
-    and the device's clocks are up. Triton specialises integer arguments on divisibility by 16, so the closed
-    loop runs at concurrency 16 (batch sizes 1 to 16 cover every class of larger ones too) and one prompt is cut
-    to a multiple of 16 tokens."""
-    m = min(n, len(requests.prompt_len))
-    cut = np.minimum(requests.output_len[:m], tokens)
+# A warm-up runs a point's first requests, cut to a few output tokens.
+WARM_UP_REQUESTS, WARM_UP_TOKENS = 20, 16
+TRITON_DIVISOR = 16  # Triton specialises integer arguments on their divisibility by 16
+
+
+def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> None:
+    """Run a point on its first WARM_UP_REQUESTS requests, cut to WARM_UP_TOKENS output tokens, at its own level,
+    right before it is measured: the kernels' first compilations (seconds each, per specialisation) stay out of
+    measured steps, and the device's clocks are up. For Triton's specialisations the closed loop runs at
+    concurrency TRITON_DIVISOR (batch sizes up to it cover every class of larger ones too) and one prompt is cut
+    to a multiple of it."""
+    m = min(WARM_UP_REQUESTS, len(requests.prompt_len))
+    cut = np.minimum(requests.output_len[:m], WARM_UP_TOKENS)
     prompt_len = requests.prompt_len[:m].copy()
-    if prompt_len[0] > 16:
-        prompt_len[0] -= prompt_len[0] % 16
+    if prompt_len[0] > TRITON_DIVISOR:
+        prompt_len[0] -= prompt_len[0] % TRITON_DIVISOR
     few = dataclasses.replace(
         requests,
         kind=requests.kind[:m],
@@ -68,7 +74,7 @@ def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, n:
         output_tokens=[t[:c] for t, c in zip(requests.output_tokens[:m], cut, strict=True)],
         arrival_s=None,
     )
-    workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(16, model.max_slots)})
+    workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(TRITON_DIVISOR, model.max_slots)})
     run_level(sc.model_copy(update={"workload": workload}), few, mode, model)
 
 
@@ -106,7 +112,7 @@ _warmed_lengths: dict[tuple, int] = {}  # this process's warmed prefill lengths,
 def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> tuple[Records, float, TorchBackend]:
     """One point on the real decode loop at its level: hil (virtual time, the device gated in front of each launch
     part so that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
-    hil = sc.engine.backend == "torch"
+    hil = LEVELS[sc.engine.level].clock == "virtual"
     backend = TorchBackend(sc, requests, model, mode, gate=hil, steer=sc.engine.steer)
     level = Simulation(sc, requests, mode, backend) if hil else RealLoop(sc, requests, mode, backend)
     with backend.syncs:

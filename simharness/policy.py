@@ -71,11 +71,6 @@ class Batch:
         return self.table[TOKENS]
 
     @property
-    def draft_slots(self) -> np.ndarray:
-        """Draft slots reserved (placeholders under async), 0 for prefill."""
-        return self.table[SLOTS]
-
-    @property
     def prefill(self) -> np.ndarray:
         return self.table[PREFILL] == 1
 

@@ -122,7 +122,7 @@ def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, r
     if from_runs:
         run_dirs = list(from_runs)
     else:
-        scenario, points = grid_points(grid, {**(sets or {}), "engine.model": model, "engine.backend": "real"})
+        scenario, points = grid_points(grid, {**(sets or {}), "engine.model": model, "engine.level": "real"})
         run_dirs = []
         for group in run_groups(points):
             run_dirs.append(execute(scenario, group, runs))

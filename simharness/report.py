@@ -25,6 +25,7 @@ from matplotlib.patches import Patch
 
 from simharness import profile
 from simharness.frontier import frontier_section
+from simharness.levels import LEVELS
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
@@ -205,13 +206,14 @@ def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
         run += f"; source digest `{meta['source_digest'][:12]}`"
     e, spec, s, w = scenario.engine, scenario.engine.speculation, scenario.scheduler, scenario.workload
     # the sim level models a named GPU; a measured level runs on engine.device (a CPU run is not "on H100")
-    where = f"a modelled {e.gpu}" if e.backend == "model" else f"`{e.device}`"
+    sim = LEVELS[e.level].backend == "model"
+    where = f"a modelled {e.gpu}" if sim else f"`{e.device}`"
     setup = (
-        f"**Setup:** `{e.model}` on {where} (`{e.backend}` backend); proposer `{spec.proposer}`, k={spec.k}, "
+        f"**Setup:** `{e.model}` on {where} ({e.level} level); proposer `{spec.proposer}`, k={spec.k}, "
         f"acceptance `{spec.acceptance.model}`, invalid slots `{spec.invalid_slots}`; scheduler depth {s.depth}, "
         f"policy `{s.policy}`; workload `{w.arrival}`, concurrency {w.concurrency}, {w.total_requests} requests."
     )
-    setup += f"\n\n**Sim cost profile:** {profile.describe(e)}." if e.backend == "model" else ""
+    setup += f"\n\n**Sim cost profile:** {profile.describe(e)}." if sim else ""
     if scenario.sweep:
         axes = " × ".join(f"`{p}` ∈ {{{', '.join(str(v) for v in vs)}}}" for p, vs in scenario.sweep.items())
         swept = f"**Swept:** {axes} (swept values replace the setup's)."

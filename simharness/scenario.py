@@ -1,17 +1,14 @@
 """Scenario files: the validated description of one experiment and its sweep.
 
 A scenario is YAML validated by pydantic. Every field has a documented default; `--set a.b=v`
-overrides any field (a section's value, `workload={num_requests: 8}`, sets the fields it names and keeps the
-others); `sweep` maps dotted paths to value lists whose cartesian product gives the sweep points. Bad input
-raises `ScenarioError` with a message that names the field and, for a file with `--set` options, its source.
+overrides any field (`simharness.overrides` merges them); `sweep` maps dotted paths to value lists whose
+cartesian product gives the sweep points. Bad input raises `ScenarioError` with a message that names the field
+and, for a file with `--set` options, its source.
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
-import re
-import unicodedata
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,16 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from simharness.checkpoint_files import check_checkpoint
 from simharness.costfile import CalibrationError, check_match, load_calibration
-from simharness.errors import ScenarioError
+from simharness.errors import ScenarioError, ScenarioNote
 from simharness.hostprofile import PROFILE_FIELDS, HostProfileError, load_host_profile
 from simharness.hostprofile import host_costs as profile_host_costs
+from simharness.levels import LEVELS, LevelName, renamed
 from simharness.models import checkpoint_dir, gpu_spec, model_config
+from simharness.overrides import field_overrides, format_errors, load_yaml, merged, near_field
 from simharness.profile import ProfileError
 from simharness.profile import resolve as resolve_profile
-
-
-class ScenarioNote(UserWarning):
-    """A scenario input that is valid but does something the user may not expect (the CLI prints it)."""
 
 
 class Strict(BaseModel):
@@ -43,8 +38,8 @@ class Strict(BaseModel):
 # The largest cost (µs, ns), pause (ms) or weight a scenario takes: larger ones make virtual times overflow.
 MAX_VALUE = 1e9
 # The largest workload a run takes (requests, and tokens per request): a point runs in one go, without progress
-# inside it (here about 2 ms of CPU and 25 KB of memory a request: minutes and GBs at the limit), so a larger one
-# would look hung; split it into runs.
+# inside it (milliseconds of CPU and tens of KB of memory a request: minutes and GBs at the limit), so a larger
+# one would look hung; split it into runs.
 MAX_REQUESTS = 100_000
 MAX_TOKENS = 1 << 20
 
@@ -212,7 +207,7 @@ class GpuCosts(Strict):
     correction_us: NonNegFloat = Field(5.0, description="optimistic correction kernel")
     sampler_random_factor: float = Field(
         1.16, ge=1, description="a random (temperature > 0) row's sampler cost per verified token, relative to a "
-        "greedy row's (Triton sampler, H100, bf16 logits: 84.4% vs 72.8% of copy bandwidth, results/kernels)",
+        "greedy row's (the default measured: docs/seeds.md, #37238)",
     )
 
 
@@ -251,8 +246,8 @@ class HostCosts(Strict):
     ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")
     sync_us: NonNegFloat = Field(15.0, description="cost of one host sync once its event has fired (D2H)")
     gc_ns_per_object: NonNegFloat = Field(
-        30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap (85 on a "
-        "shared 2-core VM, gc.collect() over 1e6 one-item lists)"
+        30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap "
+        "(docs/seeds.md, #41043)"
     )
 
     @model_validator(mode="before")
@@ -296,14 +291,15 @@ class GcPauses(Strict):
 
 
 class Engine(Strict):
-    """What executes a step: the cost model (`model`, the sim level) or the real decode loop, driven in virtual
-    time (`torch`, hardware in the loop) or in wall-clock time with real overlap (`real`): target verify, rejection
-    sampler and n-gram proposer really run."""
+    """What executes a step and where time comes from (`level`, simharness.levels): the cost model in virtual
+    time (sim), or the real decode loop (target verify, rejection sampler and n-gram proposer really run) in
+    virtual time (hil, hardware in the loop) or in wall-clock time with real overlap (real)."""
 
-    backend: Literal["model", "torch", "real"] = Field(
-        "model", description="model: the sim level; torch: hil (virtual time, measured steps); real: wall clock"
+    level: LevelName = Field(
+        "sim", description="sim: the cost model; hil: the real decode loop, measured steps in virtual time; real: "
+        "the real decode loop in wall-clock time (the old `backend: model|torch|real` is read as sim|hil|real)"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend: where the decode loop runs")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="hil/real: where the decode loop runs")
     cuda_graphs: bool = Field(True, description="hil/real on CUDA: replay each decode step whole (verify, sampling, "
                               "commit, proposal, the copy back) and each prefill chunk as CUDA graphs")
     calibration: str | None = Field(
@@ -323,7 +319,7 @@ class Engine(Strict):
         "tokenizer then cuts the workload's text",
     )
     steer: bool = Field(
-        True, description="torch backend: steer the logits to the reference text (false: the model's own greedy "
+        True, description="hil/real: steer the logits to the reference text (false: the model's own greedy "
         "predictions decide what is accepted)"
     )
     host_slowdown: float | None = Field(
@@ -336,12 +332,28 @@ class Engine(Strict):
     host_costs: HostCosts = HostCosts()
     gc: GcPauses = GcPauses()
 
+    @property
+    def backend(self) -> str:
+        """The level's old name (`engine.backend`), for runner.py and executors.py until they read `level`."""
+        return LEVELS[self.level].old_name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data: Any) -> Any:
+        """`backend: model|torch|real`, the old name of `level`, read as it (a scenario stored by an older run)."""
+        if not isinstance(data, dict) or "backend" not in data:
+            return data
+        if "level" in data:
+            raise ValueError("backend: the old name of level; set level only")
+        return _renamed_key(data, "backend", "level", renamed(data["backend"]))
+
     @field_validator("model")
     @classmethod
     def _known_model(cls, v: str, info: ValidationInfo) -> str:
         model_config(v)  # a catalogue name, or a checkpoint directory of a supported architecture
         checkpoint = checkpoint_dir(v)
-        if checkpoint is not None and info.data.get("backend") in ("torch", "real"):  # the levels that load it
+        level = LEVELS.get(info.data.get("level", ""))
+        if checkpoint is not None and level is not None and level.backend == "torch":  # the levels that load it
             check_checkpoint(checkpoint)
         return v
 
@@ -370,6 +382,11 @@ class Engine(Strict):
         return self
 
 
+def _renamed_key(mapping: dict, old: str, new: str, value: Any) -> dict:
+    """`mapping` with its key `old` renamed `new`, in the same place, holding `value`."""
+    return {(new if k == old else k): (value if k == old else v) for k, v in mapping.items()}
+
+
 # --------------------------------------------------------------------------------------------
 # scheduler
 
@@ -384,7 +401,7 @@ class SyncPoint(Strict):
 
 
 class SyncPoints(Strict):
-    """What-if edits to the sync points the mode implies (see simulation.KNOWN_SYNC_POINTS)."""
+    """What-if edits to the sync points the mode implies (see modes.KNOWN_SYNC_POINTS)."""
 
     add: list[SyncPoint | str] = Field(default_factory=list)
     remove: list[str] = Field(default_factory=list)
@@ -478,6 +495,17 @@ class Scenario(Strict):
             raise ValueError(f"{v!r} is not a usable directory name")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_sweep_name(cls, data: Any) -> Any:
+        """A sweep of `engine.backend`, the old name of `engine.level`, read as a sweep of the level."""
+        sweep = data.get("sweep") if isinstance(data, dict) else None
+        if not isinstance(sweep, dict) or "engine.backend" not in sweep or "engine.level" in sweep:
+            return data
+        values = sweep["engine.backend"]
+        levels = [renamed(v) for v in values] if isinstance(values, list) else values
+        return {**data, "sweep": _renamed_key(sweep, "engine.backend", "engine.level", levels)}
+
     @model_validator(mode="after")
     def _check_sweep(self) -> Scenario:
         for path, values in self.sweep.items():
@@ -496,7 +524,7 @@ class Scenario(Strict):
 
 
 # Physically plausible ranges of the fields with a unit: a value outside one is most likely in another unit
-# (`mem_bandwidth_gbs: 3.35`, TB/s meant, ran at 581 ms TPOT). A note, not an error: the tests' ideal GPU is
+# (`mem_bandwidth_gbs: 3.35`, TB/s meant, runs 1000 times too slow). A note, not an error: the tests' ideal GPU is
 # unphysical on purpose. A cost is at most 100 ms a step (or request), 10 µs a token (or object).
 _COST_UNITS = {"us": ("µs", 1.0), "ns": ("ns", 1000.0)}  # unit, and in it a µs
 
@@ -550,157 +578,12 @@ def resolve_field(scenario: BaseModel, path: str) -> tuple[BaseModel, str]:
     for i, part in enumerate(parts):
         if not isinstance(node, BaseModel) or part not in type(node).model_fields:
             where = ".".join(parts[:i]) or "the scenario"
-            near = _near_field(type(node), part) if isinstance(node, BaseModel) else ""
+            near = near_field(type(node), part) if isinstance(node, BaseModel) else ""
             raise ValueError(f"{path}: {where} has no field {part!r}{near}")
         if i == len(parts) - 1:
             return node, part
         node = getattr(node, part)
     raise ValueError(f"{path}: empty path")
-
-
-def _section_class(path: str) -> type[BaseModel] | None:
-    """The section a dotted path names (`workload.prompt_len`: LengthDist), or None for a value or no field."""
-    node: Any = Scenario
-    for part in path.split("."):
-        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
-        if field is None:
-            return None
-        node = field.annotation
-    return node if isinstance(node, type) and issubclass(node, BaseModel) else None
-
-
-def _field_overrides(path: str, value: Any) -> list[tuple[str, Any]]:
-    """An override as one (path, value) per field: a section's value (`workload={num_requests: 8}`) sets the
-    fields it names and keeps the others as the file has them, never resetting them to their defaults."""
-    if isinstance(value, dict) and _section_class(path) is not None:
-        return [leaf for key, v in value.items() for leaf in _field_overrides(f"{path}.{key}", v)]
-    return [(path, value)]
-
-
-def _near_field(section: type[BaseModel], key: object) -> str:
-    """A hint for an unknown key: the section's field it most resembles, and the look-alike non-ASCII letter a
-    key that reads like a field holds (`schedulеr` with a Cyrillic е)."""
-    near = difflib.get_close_matches(str(key), list(section.model_fields), n=1, cutoff=0.6)
-    hints = [_non_ascii(str(key)), f"did you mean {near[0]!r}?" if near else ""]
-    return f" ({'; '.join(h for h in hints if h)})" if any(hints) else ""
-
-
-def _non_ascii(text: str) -> str:
-    """Names the first non-ASCII letter of a text that should be ASCII ('' if none): `wаit` with a Cyrillic а
-    reads like `wait`."""
-    letter = next((c for c in text if not c.isascii()), None)
-    if letter is None:
-        return ""
-    return f"its {letter!r} is the non-ASCII U+{ord(letter):04X} {unicodedata.name(letter, 'character')}"
-
-
-def _set(data: dict[str, Any], path: str, value: Any) -> None:
-    """Set a dotted path inside a nested dict, creating sections as needed. Under `sweep` the rest of the path is
-    one key (`sweep.scheduler.depth` sets the sweep of scheduler.depth)."""
-    head, dot, rest = path.partition(".")
-    parts = [head, rest] if head == "sweep" and dot else path.split(".")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ScenarioError(f"{path}: {part} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _drop_swept(data: dict[str, Any], path: str) -> None:
-    """An override of a swept field replaces its sweep (a ScenarioNote says so), so that the run records what ran."""
-    sweep = data.get("sweep")
-    if not isinstance(sweep, dict) or path.startswith("sweep."):
-        return
-    for swept in [p for p in sweep if isinstance(p, str)]:
-        if swept == path or swept.startswith(path + ".") or path.startswith(swept + "."):
-            warnings.warn(f"--set {path} replaces sweep.{swept} {sweep.pop(swept)!r}; to sweep other values, "
-                          f"--set 'sweep.{swept}=[...]'", ScenarioNote, stacklevel=4)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML whose mappings may not repeat a key (PyYAML would keep the last one silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, str | int | float | bool | None):
-                raise yaml.constructor.ConstructorError(None, None, "a key must be a plain value", key_node.start_mark)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-# YAML 1.2 floats without a dot (`1e-3`), which YAML 1.1 and so PyYAML would read as strings.
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
-
-
-def _format_error(err: ValidationError, file: str | None, data: Any, sets: list[str]) -> str:
-    """The validation errors, each as `path: problem`; with `file`, each says where it comes from as well: the
-    `--set` option that set the field, or the file (`sets` are the options' paths, `data` the file's mapping)."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            parent = _section_class(loc.rpartition(".")[0]) if "." in loc else Scenario
-            msg = "unknown field" + (_near_field(parent, e["loc"][-1]) if parent is not None else "")
-        elif e["type"] == "literal_error" and isinstance(e["input"], str) and _non_ascii(e["input"]):
-            msg += f" ({_non_ascii(e['input'])})"
-        line = f"{loc}: {msg}" if loc else msg
-        if file:
-            source = _source(loc or msg.partition(":")[0], file, data, sets)
-            line = f"{source}: {line.removeprefix(source.removeprefix('--set ') + ': ')}"
-        lines.append(line)
-    return "; ".join(lines)
-
-
-def _source(path: str, file: str, data: Any, sets: list[str]) -> str:
-    """Where the value at `path` comes from: the `--set` option that set it (or the section holding it, where
-    the file has none), else the file, noting the options that set a field inside it."""
-    inside = [p for p in sets if p.startswith(path + ".")]
-    for p in sets:
-        if path == p or path.startswith(p + ".") or (p in inside and not _has(data, path)):
-            return f"--set {p}"
-    return f"{file} (with --set {', '.join(inside)})" if inside else file
-
-
-def _has(data: Any, path: str) -> bool:
-    """Whether a nested mapping has a value at a dotted path (a sweep's path being one key)."""
-    head, dot, rest = path.partition(".")
-    parts = [head, rest] if head == "sweep" and dot else path.split(".")
-    for part in parts:
-        if not isinstance(data, dict) or part not in data:
-            return False
-        data = data[part]
-    return True
-
-
-def parse_value(text: str) -> Any:
-    """Parse a `--set` value as YAML, so `3`, `true`, `[1, 2]` and `wait` all mean what they say."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.YAMLError as e:
-        raise ScenarioError(f"cannot parse value {text!r}: {getattr(e, 'problem', None) or e}") from None
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` items -> {dotted path: parsed value}."""
-    overrides = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ScenarioError(f"--set {item!r}: expected KEY=VALUE, e.g. --set scheduler.depth=3")
-        try:
-            overrides[key.strip()] = parse_value(value)
-        except ScenarioError as e:
-            raise ScenarioError(f"--set {key.strip()}: {e}") from None
-    return overrides
 
 
 def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None, *, file: str | None = None) -> Scenario:
@@ -709,18 +592,16 @@ def scenario_from_dict(data: Any, overrides: dict[str, Any] | None = None, *, fi
     its source: the file or the option."""
     if not isinstance(data, dict):
         raise ScenarioError(f"{file + ': ' if file else ''}a scenario must be a YAML mapping")
-    merged = _deep_copy(data)
-    fields = [leaf for path, value in (overrides or {}).items() for leaf in _field_overrides(path, value)]
-    for path, value in fields:
-        _drop_swept(merged, path)
-        try:
-            _set(merged, path, value)
-        except ScenarioError as e:
-            raise ScenarioError(f"--set {e}" if file else str(e)) from None
+    fields = [("engine.level", renamed(v)) if p == "engine.backend" else (p, v)
+              for p, v in field_overrides(Scenario, overrides or {})]
     try:
-        return Scenario.model_validate(merged)
+        mapping = merged(data, fields)
+    except ScenarioError as e:
+        raise ScenarioError(f"--set {e}" if file else str(e)) from None
+    try:
+        return Scenario.model_validate(mapping)
     except ValidationError as e:
-        raise ScenarioError(_format_error(e, file, data, [p for p, _ in fields])) from None
+        raise ScenarioError(format_errors(e, Scenario, file, data, fields)) from None
 
 
 def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario:
@@ -734,7 +615,7 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     except UnicodeDecodeError as e:
         raise ScenarioError(f"{path}: not a UTF-8 text file (byte {e.start})") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         raise ScenarioError(f"{path}: not valid YAML ({e})") from None
     return scenario_from_dict(data, overrides, file=str(path))
@@ -782,8 +663,8 @@ def repeat_points(points: list[Point], repeats: int) -> list[Point]:
     out = []
     for r in range(repeats):
         for p in points:
-            sim = p.scenario.engine.backend == "model"
-            scenario = p.scenario.model_copy(update={"seed": p.scenario.seed + r if sim else p.scenario.seed})
+            measured = LEVELS[p.scenario.engine.level].measured
+            scenario = p.scenario.model_copy(update={"seed": p.scenario.seed if measured else p.scenario.seed + r})
             point_id = f"repeat={r}" if p.id == "base" else f"{p.id},repeat={r}"
             out.append(Point(id=point_id, index=len(out), values={**p.values, "repeat": r}, scenario=scenario))
     return out
@@ -796,10 +677,3 @@ def _fmt(value: Any) -> str:
         return yaml.safe_dump(value, default_flow_style=True).strip()
     return str(value)
 
-
-def _deep_copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
-    return data

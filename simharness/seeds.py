@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simharness.runner import LEVELS, run
+from simharness.runner import run
 from simharness.scenario import load_scenario
 from simharness.stats import t_interval
 
 SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios" / "seeds"
-BACKENDS = {level: backend for backend, level in LEVELS.items()}  # sim -> model, hil -> torch, real -> real
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def run_seed(pr: str, level: str, repeats: int, out: str | Path, overrides: dict
     base = load_scenario(seed_scenario_path(pr), overrides)
     values = base.sweep[seed.field]
     # one run, its sweep the repeats (outer) by the arms: a measured run builds its model once
-    sc = load_scenario(seed_scenario_path(pr), {**(overrides or {}), "engine.backend": BACKENDS[level],
+    sc = load_scenario(seed_scenario_path(pr), {**(overrides or {}), "engine.level": level,
                                                 "sweep": {"seed": scenario_seeds, seed.field: values}})
     result = run(sc, out=out)
     # the sampler's device time, measured levels only (NaN at sim); at real a step's interval also holds any launch

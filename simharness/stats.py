@@ -1,5 +1,5 @@
 """Statistics over repeats: the median of each metric with a 95% bootstrap interval, and the test that tells a
-change between two runs from run-to-run noise.
+change between two runs from run-to-run noise; and the error of a level's predictions against the real level's.
 
 The repeat (a whole run of a point, with its own seed, warm-up and process state) is the unit of evidence: the
 requests of one run share its batch and its device state, so they are not independent samples of what another
@@ -9,14 +9,19 @@ run would give.
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import numpy as np
 import pandas as pd
+
+from simharness.scenario import FidelityMetric
 
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
 ALPHA = 0.05  # a change between runs with repeats is significant below this p-value
 REPEAT = "repeat"  # the summary column of a repeat's number (sweep_points)
+METRICS: tuple[str, ...] = get_args(FidelityMetric)  # the metrics a level's error is computed on
+REFERENCE = "real"  # the level the others' errors are measured against
 
 
 def bootstrap_ci(values: np.ndarray, *, confidence: float = CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -85,3 +90,38 @@ def significance(base: np.ndarray, current: np.ndarray) -> float:
     from scipy.stats import ttest_ind  # scipy.stats takes seconds to import: only when needed
 
     return float(ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def level_values(summary: pd.DataFrame) -> pd.DataFrame:
+    """Each level's value of every metric at every point: the median over its runs."""
+    return summary.groupby(["config", "level"], sort=False)[list(METRICS)].median()
+
+
+def error_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per point, level (other than the reference) and metric: the level's value, the real value and the
+    relative error (NaN where the real value is 0 or missing)."""
+    values = level_values(summary)
+    real = values.xs(REFERENCE, level="level")
+    rows = []
+    for (config, level), row in values.iterrows():
+        if level == REFERENCE or config not in real.index:
+            continue
+        for metric in METRICS:
+            truth, predicted = real.at[config, metric], row[metric]
+            error = predicted / truth - 1 if truth and np.isfinite(truth) else np.nan
+            rows.append({"config": config, "level": level, "metric": metric, "predicted": predicted,
+                         "real": truth, "rel_error": error})  # fmt: skip
+    return pd.DataFrame(rows, columns=["config", "level", "metric", "predicted", "real", "rel_error"])
+
+
+def error_stats(errors: pd.DataFrame) -> pd.DataFrame:
+    """Per level and metric: the median and worst absolute relative error over the points, and the worst point."""
+    rows = []
+    for (level, metric), group in errors.groupby(["level", "metric"], sort=False):
+        absolute = group["rel_error"].abs().dropna()
+        worst = group.loc[absolute.idxmax(), "config"] if len(absolute) else None
+        rows.append({"level": level, "metric": metric, "points": len(absolute),
+                     "median_abs_error": float(absolute.median()) if len(absolute) else np.nan,
+                     "worst_abs_error": float(absolute.max()) if len(absolute) else np.nan, "worst_point": worst})
+    return pd.DataFrame(rows, columns=["level", "metric", "points", "median_abs_error", "worst_abs_error",
+                                       "worst_point"])  # fmt: skip

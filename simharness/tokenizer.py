@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from simharness.errors import ScenarioError
 from simharness.models import checkpoint_config
-from simharness.scenario import ScenarioError
 
 DEFAULT_VOCAB_SIZE = 32000
 NUM_BYTE_TOKENS = 256

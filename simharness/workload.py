@@ -12,7 +12,8 @@ Three kinds differ in how much the output copies the prompt:
 
 Everything is decided by the seed: kinds, arrivals and each request's content draw from separate
 children of one `np.random.SeedSequence`, so changing the arrival process leaves the token streams
-unchanged, and request i's content does not depend on the other requests.
+unchanged, and request i's content does not depend on the other requests. The engine's own random draws
+come from streams of the same seed, each named below.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ import numpy as np
 
 from simharness.corpus import Corpus, Stream, load_corpus
 from simharness.scenario import LengthDist, Workload
+
+# The engine's random streams, each `SeedSequence([seed, id])` beside the workload's `SeedSequence(seed)`: the
+# acceptance draws of the sim level, its GC pauses, and where CPython's allocation count starts for the modelled
+# collections. The ids are fixed (a changed id changes every sim result).
+ACCEPTANCE_STREAM, GC_STREAM, HEAP_STREAM = 1, 2, 3
 
 KINDS = ("code_edit", "summarize", "free")
 

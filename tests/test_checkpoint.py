@@ -181,7 +181,7 @@ def hil_scenario(path: Path, **engine) -> dict:
         "workload": {"arrival": "closed", "concurrency": 3, "num_requests": 5, "kinds": {"code_edit": 1.0},
                      "prompt_len": {"dist": "uniform", "min": 20, "max": 60},
                      "output_len": {"dist": "fixed", "value": 20}},
-        "engine": {"backend": "torch", "device": "cpu", "model": str(path),
+        "engine": {"level": "hil", "device": "cpu", "model": str(path),
                    "speculation": {"k": 3, "min_n": 1, "max_n": 3}, **engine},
         "scheduler": {"max_num_batched_tokens": 64},
     }  # fmt: skip

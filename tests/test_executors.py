@@ -184,7 +184,7 @@ def test_a_run_refused_after_its_gpu_workers_started_writes_nothing_and_leaves_n
     _fake_nvidia_smi(tmp_path, monkeypatch)
     started = []
     monkeypatch.setattr(LocalPool, "start", lambda pool, start=LocalPool.start: started.append(start(pool)))
-    doc = {**SMALL, "engine": {**SMALL["engine"], "backend": "torch", "device": "cuda"}}
+    doc = {**SMALL, "engine": {**SMALL["engine"], "level": "hil", "device": "cuda"}}
     with pytest.raises(ScenarioError, match="engine.device: cuda was asked for .* sees no CUDA device here"):
         simharness.run(scenario_from_dict(doc), out=tmp_path / "out", workers=2)
     assert started and not (tmp_path / "out").exists()

@@ -8,19 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from simharness.cli import app
-from simharness.fidelity import (
-    METRICS,
-    check_tolerances,
-    error_stats,
-    error_table,
-    fidelity_points,
-    host_speed,
-    prefill_enqueue,
-    run_fidelity,
-    spread,
-)
+from simharness.fidelity import check_tolerances, fidelity_points, host_speed, prefill_enqueue, run_fidelity, spread
 from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
+from simharness.stats import METRICS, error_stats, error_table
 
 SMALL = {"sweep": {"scheduler.depth": [1, 2]}, "workload.num_requests": 3,
          "workload.output_len": {"dist": "fixed", "value": 8}}  # fmt: skip
@@ -86,7 +77,7 @@ def test_points_run_each_level_on_the_same_requests():
     sc = load_scenario("scenarios/fidelity-cpu.yaml", SMALL)
     points = fidelity_points(sc, ["sim", "hil", "real"])
     assert len(points) == 2 * (1 + 2 + 2)  # sim once, the measured levels fidelity.runs = 2 times
-    assert {p.scenario.engine.backend for p in points} == {"model", "torch", "real"}
+    assert {p.scenario.engine.level for p in points} == {"sim", "hil", "real"}
     assert {p.scenario.seed for p in points} == {sc.seed}
     assert len({p.id for p in points}) == len(points) and [p.index for p in points] == list(range(len(points)))
     # per sweep point: sim, then the measured levels taking turns run by run
@@ -153,7 +144,8 @@ def test_a_tolerance_exceeded_exits_1(tmp_path):
     (["--levels", "sim,hil,gpu"], "unknown level 'gpu'"),
     (["--levels", "sim,hil"], "needs the real level"),
     (["--levels", "real"], "needs the real level"),
-    (["--set", "sweep={engine.backend: [model, real]}"], "sweep.engine.backend"),
+    (["--set", "sweep={engine.level: [sim, real]}"], "sweep.engine.level"),
+    (["--set", "sweep={engine.backend: [model, real]}"], "sweep.engine.level"),  # the old name
     (["--set", "fidelity.runs=0"], "fidelity.runs"),
     (["--set", "fidelity.tolerances.hil.mean_tpot_ms.median=-1"], "fidelity.tolerances.hil.mean_tpot_ms.median"),
     (["--set", "engine.device=cuda"], "engine.device: cuda"),

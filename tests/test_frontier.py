@@ -184,7 +184,7 @@ def test_a_step_at_k0_under_a_schedule_skips_the_valid_draft_sync():
 def test_k_schedule_is_sim_only_for_now(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"name": "x", "workload": {"num_requests": 2},
-                                    "engine": {"backend": "torch", "model": "tiny", "device": "cpu",
+                                    "engine": {"level": "hil", "model": "tiny", "device": "cpu",
                                                "speculation": {"k": 2, "k_schedule": {1: 2, 4: 1}}}}))
     r = CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / "out")])
     assert r.exit_code == 2, r.output

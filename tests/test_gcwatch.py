@@ -29,7 +29,7 @@ def test_measured_points_report_their_collections_and_sim_points_nan(tmp_path, m
     monkeypatch.setattr(Allocations, "step", lambda self, host, rids: gc.collect(2))
     overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
     hil = simharness.run(load_scenario("scenarios/hil-cpu.yaml", overrides), tmp_path)
-    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "model"}), tmp_path)
+    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.level": "sim"}), tmp_path)
     decode_steps = int((hil.steps["n_reqs"] > hil.steps["n_prefill_reqs"]).sum())
     assert hil.summary.loc[0, "gc_full_collections"] >= decode_steps > 0
     assert hil.summary.loc[0, "gc_collections"] >= hil.summary.loc[0, "gc_full_collections"]

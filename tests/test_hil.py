@@ -47,7 +47,7 @@ def hil_scenario(depth=1, policy="optimistic", proposer="ngram_gpu", invalid="tr
     return scenario_from_dict({
         "name": "hil-test",
         "workload": {"arrival": "closed", "concurrency": 3, "num_requests": N_REQUESTS},
-        "engine": {"backend": "torch", "device": "cpu", "model": "tiny",
+        "engine": {"level": "hil", "device": "cpu", "model": "tiny",
                    "speculation": {"proposer": proposer, "k": 3, "invalid_slots": invalid}, **engine},
         "scheduler": {"depth": depth, "policy": policy, "max_num_batched_tokens": budget},
     })
@@ -181,13 +181,14 @@ def test_hil_and_sim_runs_have_the_same_columns_and_a_valid_trace(tmp_path):
     """The CI variant of the hil scenario, cut to one small point, run at both levels through the public API."""
     import json
 
+    from trace_check import check_trace
+
     import simharness
     from simharness.scenario import load_scenario
-    from simharness.trace import check_trace
 
     overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
     hil = simharness.run(load_scenario("scenarios/hil-cpu.yaml", overrides), tmp_path / "hil")
-    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "model"}), tmp_path)
+    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.level": "sim"}), tmp_path)
     assert list(hil.summary["level"]) == ["hil"] and list(sim.summary["level"]) == ["sim"]
     for name in ("summary", "requests", "steps", "syncs", "emissions", "device_syncs"):
         assert list(getattr(hil, name).columns) == list(getattr(sim, name).columns), name

@@ -29,7 +29,7 @@ def hil_scenario(depth=1, policy="optimistic", proposer="ngram_gpu", invalid="tr
     return scenario_from_dict({
         "name": "hil-cuda-test",
         "workload": {"arrival": "closed", "concurrency": 4, "num_requests": N_REQUESTS},
-        "engine": {"backend": "torch", "device": "cuda", "model": "llama-3.2-1b",
+        "engine": {"level": "hil", "device": "cuda", "model": "llama-3.2-1b",
                    "speculation": {"proposer": proposer, "k": 4, "invalid_slots": invalid}},
         "scheduler": {"depth": depth, "policy": policy, "max_num_batched_tokens": 64},
     })
@@ -85,7 +85,7 @@ def test_planted_sync_shows_up_in_the_report(tmp_path, monkeypatch):
         "workload": {"arrival": "closed", "concurrency": 4, "num_requests": 6,
                      "prompt_len": {"dist": "uniform", "min": 32, "max": 64},
                      "output_len": {"dist": "fixed", "value": 24}},
-        "engine": {"backend": "torch", "device": "cuda", "model": "llama-3.2-1b", "speculation": {"k": 4}},
+        "engine": {"level": "hil", "device": "cuda", "model": "llama-3.2-1b", "speculation": {"k": 4}},
         "scheduler": {"depth": 2},
     })
     result = simharness.run(sc, tmp_path)

@@ -1,16 +1,21 @@
 """Imports run one way: every module of the package sits in a layer and imports only from layers below its
-own (or from its own layer without a circle), function-level imports included."""
+own (or from its own layer without a circle), function-level, relative and `importlib` imports included; and the
+tower the imports build stays no taller than `MAX_FLOORS`."""
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "simharness"
 
 # Low to high: data flows scenario -> workload -> policy -> engine -> levels -> outputs -> drivers -> interface.
 LAYERS = [
-    # the scenario, model catalogue, leaf utilities (the host gauge, the host profiles, the GC watch among them)
-    ["errors", "jit", "models", "checkpoint_files", "costfile", "hostprofile", "profile", "scenario", "tokenizer",
-     "kernels", "hostspeed", "gcwatch"],
+    # the scenario (its levels, its overrides), model catalogue, leaf utilities (the host gauge, the host profiles,
+    # the GC watch among them)
+    ["errors", "jit", "models", "checkpoint_files", "costfile", "hostprofile", "profile", "levels", "overrides",
+     "scenario", "tokenizer", "kernels", "hostspeed", "gcwatch"],
     ["corpus", "workload"],  # requests
     # the decode loop's kernels (Triton versions apart: imported only where they run), the hil gate
     ["kernels.ngram", "kernels.ngram_row", "kernels.ngram_triton", "kernels.rejection", "kernels.rejection_triton",
@@ -24,13 +29,15 @@ LAYERS = [
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
-    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
-     "frontier"],  # outputs
+    # outputs, and the fits of the sim level's costs read from them
+    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report", "frontier",
+     "calibration", "profile_fit"],
     ["executors"],  # where points run: this process, local workers, a Ray cluster
-    ["runner", "fidelity", "calibration", "profile_fit", "profile_grid"],  # drivers
-    ["seeds"],  # the seed changes, run through the driver
+    ["runner", "fidelity", "profile_grid", "seeds"],  # drivers
     ["cli", "__main__", "__init__"],  # interfaces
 ]
+# The longest chain of imports, in modules (`__main__ -> cli -> ... -> errors`): 19 before issue 32.
+MAX_FLOORS = 16
 
 
 def module_name(path: Path) -> str:
@@ -38,20 +45,39 @@ def module_name(path: Path) -> str:
     return name.removesuffix(".__init__") if name != "__init__" else name
 
 
-def imports(path: Path) -> set[str]:
-    """The package's modules that `path` imports, anywhere in it (`from simharness.x import y` names x.y
-    when that is a module)."""
+def imports(path: Path, root: Path = PACKAGE) -> set[str]:
+    """The package's modules that `path` imports, anywhere in it: `from simharness.x import y` names x.y when
+    that is a module, a relative import is resolved against `path`'s package, and
+    `importlib.import_module("simharness.x")` names x. An `importlib` import of a computed name fails."""
+    package = path.relative_to(root).parent.parts
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("simharness"):
-            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # `from . import x`, `from ..x import y`
+                base = package[: len(package) - (node.level - 1)] if node.level - 1 <= len(package) else None
+                assert base is not None, f"{path.name}: relative import above the package"
+                module = ".".join(["simharness", *base, *filter(None, [node.module])])
+            if module.startswith("simharness"):
+                names = [module, *(f"{module}.{a.name}" for a in node.names)]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and _dynamic_import(node.func):
+            arg = node.args[0] if node.args else None
+            assert isinstance(arg, ast.Constant) and isinstance(arg.value, str), \
+                f"{path.name}:{node.lineno}: a dynamic import of a computed name, which this test cannot place"
+            names = [arg.value]
         for name in names:
             if name.startswith("simharness."):
                 found.add(name.removeprefix("simharness."))
     return found
+
+
+def _dynamic_import(func: ast.expr) -> bool:
+    """`importlib.import_module(...)`, `import_module(...)` or `__import__(...)`."""
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name in ("import_module", "__import__")
 
 
 def graph() -> dict[str, set[str]]:
@@ -84,3 +110,35 @@ def test_imports_point_down_and_have_no_circles():
     for m in deps:
         if m not in state:
             visit(m, [])
+
+
+def tower(deps: dict[str, set[str]]) -> list[str]:
+    """The longest chain of imports, top down."""
+
+    @functools.cache
+    def chain(m: str) -> tuple[str, ...]:
+        return (m, *max((chain(d) for d in deps[m]), key=len, default=()))
+
+    return list(max((chain(m) for m in deps), key=len))
+
+
+def test_the_tower_stays_low():
+    chain = tower(graph())
+    assert len(chain) <= MAX_FLOORS, " -> ".join(chain)
+
+
+@pytest.mark.parametrize("source,found", [
+    ("from . import scenario", {"scenario"}),
+    ("from .scenario import Scenario", {"scenario", "scenario.Scenario"}),
+    ("import importlib\nimportlib.import_module('simharness.runner')", {"runner"}),
+    ("def f():\n    from simharness import cli", {"cli"}),
+])
+def test_relative_and_importlib_imports_are_seen(tmp_path, source, found):
+    (tmp_path / "x.py").write_text(source)
+    assert imports(tmp_path / "x.py", tmp_path) == found
+
+
+def test_a_computed_dynamic_import_fails(tmp_path):
+    (tmp_path / "x.py").write_text("import importlib\nname = 'simharness.runner'\nimportlib.import_module(name)")
+    with pytest.raises(AssertionError, match="computed name"):
+        imports(tmp_path / "x.py", tmp_path)

@@ -20,9 +20,9 @@ from test_calibration import synthetic_steps
 
 import simharness
 from simharness.calibration import FitData, calibrate
-from simharness.fidelity import METRICS, error_table, level_values, spread
+from simharness.fidelity import spread
 from simharness.jit import PACKAGE, sources_digest
-from simharness.stats import bootstrap_ci, t_interval
+from simharness.stats import METRICS, bootstrap_ci, error_table, level_values, t_interval
 
 
 def _repeats_run(path: Path, values: list[float]) -> Path:

@@ -32,7 +32,7 @@ def test_fcfs_admission_chunks_the_prompt_that_overflows_the_budget():
     np.testing.assert_array_equal(second.tokens, [3, 4, 3])
     np.testing.assert_array_equal(second.table[PREFILL], [0, 1, 1])
     np.testing.assert_array_equal(second.table[COMPLETES], [0, 1, 0])
-    np.testing.assert_array_equal(second.draft_slots, [2, 0, 0])
+    np.testing.assert_array_equal(second.table[SLOTS], [2, 0, 0])
     np.testing.assert_array_equal(second.table[VERIFIED], second.table[SLOTS])
     assert (second.n_prefill, second.n_tokens) == (2, 10)
 
@@ -57,7 +57,7 @@ def test_held_drafts_set_the_slots_and_the_budget_counts_them():
     sched.schedule(k=4)  # the three prefills
     batch = sched.schedule(k=4, held=np.array([4, 0, 3]))
     np.testing.assert_array_equal(batch.req, [0, 1])  # 5 + 1 tokens; request 2's 4 would pass the budget
-    np.testing.assert_array_equal(batch.draft_slots, [4, 0])
+    np.testing.assert_array_equal(batch.table[SLOTS], [4, 0])
     assert batch.n_tokens == 6
 
 
@@ -82,5 +82,5 @@ def test_trim_cuts_the_decodes_verified_slots_to_the_drafts_held():
     np.testing.assert_array_equal(batch.table[PREFILL], [0, 0, 1])
     assert batch.trim(np.array([1, 5, 9]), 2) == -1  # a prefill keeps no slots, held or not
     np.testing.assert_array_equal(batch.table[VERIFIED], [1, 2, 0])
-    np.testing.assert_array_equal(batch.draft_slots, [2, 2, 0])
+    np.testing.assert_array_equal(batch.table[SLOTS], [2, 2, 0])
     np.testing.assert_array_equal(batch.tokens, [3, 3, 2])

@@ -234,7 +234,7 @@ def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkey
                       "depth": {"scheduler.depth": [1, 3], "workload.concurrency": [4]}}
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
     scenario, points = grid_points(tmp_path / "grid.yaml", {
-        "engine.backend": "model", "engine.profile": str(source), "workload.requests_per_user": 1,
+        "engine.level": "sim", "engine.profile": str(source), "workload.requests_per_user": 1,
         "workload.output_len": {"dist": "fixed", "value": 16}})
     run_dir = execute(scenario, points, tmp_path / "runs")
     for point in (run_dir / "points").iterdir():

@@ -29,7 +29,7 @@ def run_real(sc, requests, model):  # noqa: F811
 def test_real_emits_the_tokens_of_plain_greedy_and_of_hil(depth, policy, proposer, invalid, requests, model,  # noqa: F811
                                                            plain_greedy):  # noqa: F811
     sc = hil_scenario(depth, policy, proposer, invalid).model_copy(deep=True)
-    sc.engine.backend = "real"
+    sc.engine.level = "real"
     backend, records, _ = run_real(sc, requests, model)
     hil, hil_records = run_hil(hil_scenario(depth, policy, proposer, invalid), requests, model)
     for rid, expected in enumerate(plain_greedy):
@@ -52,7 +52,7 @@ def test_real_makes_the_decisions_of_hil_step_by_step(requests, model):  # noqa:
     for depth, policy in [(1, "wait"), (3, "optimistic"), (2, "wait")]:
         hil_sc = hil_scenario(depth, policy, "ngram_gpu", "trim")
         sc = hil_sc.model_copy(deep=True)
-        sc.engine.backend = "real"
+        sc.engine.level = "real"
         _, records, _ = run_real(sc, first, model)
         _, hil_records = run_hil(hil_sc, first, model)
         counts = STEP_COLUMNS[1:10]
@@ -63,7 +63,7 @@ def test_real_makes_the_decisions_of_hil_step_by_step(requests, model):  # noqa:
 
 def test_real_timeline_is_wall_clock_and_ordered(requests, model):  # noqa: F811
     sc = hil_scenario(2, "wait", "ngram_gpu", "trim").model_copy(deep=True)
-    sc.engine.backend = "real"
+    sc.engine.level = "real"
     _, records, duration = run_real(sc, requests, model)
     steps = records.steps_frame()
     order = ["schedule_start", "schedule_end", "prep_start", "prep_end", "launch_end"]
@@ -86,7 +86,7 @@ def test_real_timeline_is_wall_clock_and_ordered(requests, model):  # noqa: F811
 
 def test_open_loop_arrivals_are_honoured_in_wall_clock_time(requests, model):  # noqa: F811
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "fill").model_copy(deep=True)
-    sc.engine.backend = "real"
+    sc.engine.level = "real"
     sc.workload.arrival, sc.workload.cap_concurrency = "poisson", True  # as many in flight as the model has slots
     arrivals = np.array([0.0, 0.02, 0.04, 0.6, 0.62])[:N_REQUESTS]
     timed = dataclasses.replace(requests, arrival_s=arrivals)
@@ -109,7 +109,7 @@ def test_a_capped_open_loop_takes_in_freed_slots_as_hil_does(requests, model):  
     hil_sc = hil_scenario(2, "optimistic", "ngram_gpu", "fill").model_copy(deep=True)
     hil_sc.workload.arrival, hil_sc.workload.cap_concurrency, hil_sc.workload.concurrency = "poisson", True, 2
     sc = hil_sc.model_copy(deep=True)
-    sc.engine.backend = "real"
+    sc.engine.level = "real"
     at_once = dataclasses.replace(requests, arrival_s=np.zeros(N_REQUESTS))
     _, records, _ = run_real(sc, at_once, model)
     _, hil_records = run_hil(hil_sc, at_once, model)
@@ -122,8 +122,8 @@ def test_a_capped_open_loop_takes_in_freed_slots_as_hil_does(requests, model):  
 def test_real_level_through_the_public_api(tmp_path):
     """The CI variant of the hil scenario at the real level: the same tables as the other levels."""
     overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
-    real = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "real"}), tmp_path)
-    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.backend": "model"}), tmp_path)
+    real = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.level": "real"}), tmp_path)
+    sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.level": "sim"}), tmp_path)
     assert list(real.summary["level"]) == ["real"]
     for name in ("summary", "requests", "steps", "syncs", "emissions", "device_syncs"):
         assert list(getattr(real, name).columns) == list(getattr(sim, name).columns), name

@@ -27,7 +27,7 @@ def real_scenario(depth=1, policy="optimistic", proposer="ngram_gpu", invalid="t
     return scenario_from_dict({
         "name": "real-cuda-test",
         "workload": {"arrival": "closed", "concurrency": concurrency, "num_requests": N_REQUESTS},
-        "engine": {"backend": "real", "device": "cuda", "model": "llama-3.2-1b",
+        "engine": {"level": "real", "device": "cuda", "model": "llama-3.2-1b",
                    "speculation": {"proposer": proposer, "k": 4, "invalid_slots": invalid},
                    **({"host_costs": host} if host else {})},
         "scheduler": {"depth": depth, "policy": policy, "max_num_batched_tokens": 64},

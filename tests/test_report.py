@@ -305,10 +305,11 @@ def test_timeline_of_a_large_sweep_draws_a_few_evenly_spaced_points(tmp_path) ->
 def test_setup_names_the_device_a_level_runs_on(tmp_path) -> None:
     """A sim run models a GPU; a measured run on the CPU is not labelled with the (ignored) engine.gpu."""
     text = _render(make_run(tmp_path, {}))
-    assert "**Setup:** `llama-3-8b` on a modelled H100 (`model` backend)" in text
+    assert "**Setup:** `llama-3-8b` on a modelled H100 (sim level)" in text
     run_dir = make_run(tmp_path / "cpu", {})
     stored = yaml.safe_load((run_dir / "scenario.yaml").read_text())
-    stored["engine"].update(backend="torch", device="cpu", model="tiny")
+    del stored["engine"]["level"]
+    stored["engine"].update(backend="torch", device="cpu", model="tiny")  # a run stored before engine.level
     (run_dir / "scenario.yaml").write_text(yaml.safe_dump(stored))
     text = write_report(run_dir).read_text()
-    assert "**Setup:** `tiny` on `cpu` (`torch` backend)" in text and "H100" not in text.split("**Swept")[0]
+    assert "**Setup:** `tiny` on `cpu` (hil level)" in text and "H100" not in text.split("**Swept")[0]

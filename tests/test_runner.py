@@ -166,7 +166,7 @@ def test_cli_summary_table_keeps_numbers_whole_on_a_narrow_terminal(tmp_path):
 
 def test_measured_points_on_two_models_are_bad_input_before_anything_is_written(tmp_path):
     """A measured run builds one model on one device for all its points: sweeping the model is refused up front."""
-    doc = {**SMALL, "engine": {"backend": "torch", "device": "cpu", "cuda_graphs": False},
+    doc = {**SMALL, "engine": {"level": "hil", "device": "cpu", "cuda_graphs": False},
            "sweep": {"engine.model": ["tiny", "llama-3.2-1b"]}}
     try:
         simharness.run(scenario_from_dict(doc), out=tmp_path)

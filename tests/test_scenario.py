@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from simharness.overrides import parse_value
 from simharness.scenario import (
     ScenarioError,
     ScenarioNote,
     load_scenario,
-    parse_value,
     scenario_diff,
     scenario_from_dict,
     sweep_points,
@@ -76,7 +76,7 @@ def test_repeats_are_points_of_their_own_with_consecutive_seeds():
     assert points[4].values == {"scheduler.depth": 1, "repeat": 2}
     assert all(p.scenario.repeats == 1 for p in points)
     assert [p.id for p in sweep_points(scenario_from_dict({"name": "x", "repeats": 2}))] == ["repeat=0", "repeat=1"]
-    measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"backend": "torch"}})
+    measured = scenario_from_dict({"name": "x", "seed": 7, "repeats": 3, "engine": {"level": "hil"}})
     assert [p.scenario.seed for p in sweep_points(measured)] == [7, 7, 7]  # the same requests, measured again
 
 
@@ -247,19 +247,53 @@ def test_values_in_an_implausible_unit_are_noted_with_the_unit():
     (["scheduler.depth=[1"], "--set scheduler.depth: cannot parse value '[1': expected ',' or ']'"),
     (["sweep.scheduler.dept=[1]"], "--set sweep.scheduler.dept: scheduler has no field 'dept' (did you mean 'depth'?)"),
     (["workload.requests_per_user=2"], "s.yaml (with --set workload.requests_per_user): workload: set num_requests"),
+    (["engine.speculation={min_n: 4, max_n: 2}"], "--set engine.speculation.min_n, engine.speculation.max_n: "
+                                                  "engine.speculation: min_n (4) must be <= max_n (2)"),
     (["scheduler.dеpth=2"], "--set scheduler.dеpth: unknown field (its 'е' is the non-ASCII U+0435 CYRILLIC SMALL "
                             "LETTER IE; did you mean 'depth'?)"),
     (["scheduler.policy=wаit"], "--set scheduler.policy: Input should be 'wait' or 'optimistic' (its 'а' is the "
                                 "non-ASCII U+0430 CYRILLIC SMALL LETTER A)"),
 ])  # fmt: skip
 def test_errors_name_their_source(tmp_path, sets, message):
-    from simharness.scenario import parse_sets
+    from simharness.overrides import parse_sets
 
     path = tmp_path / "s.yaml"
-    path.write_text("name: x\nworkload: {num_requests: 48}\n")
+    path.write_text("name: x\nworkload: {num_requests: 48}\nengine: {speculation: {k: 3}}\n")
     with pytest.raises(ScenarioError) as e:
         load_scenario(path, parse_sets(sets))
     assert str(e.value).startswith(message.replace("s.yaml", str(path)))  # the source first, the file only if it is
     path.write_text("name: x\nschedulеr: {depth: 2}\n")  # the file's own look-alike key is the file's
     with pytest.raises(ScenarioError, match=f"^{path}: schedulеr: unknown field .*did you mean 'scheduler'"):
         load_scenario(path)
+
+
+def test_the_level_field_names_the_rows_of_the_levels_table():
+    from typing import get_args
+
+    from simharness.levels import LEVELS, LevelName
+
+    assert get_args(LevelName) == tuple(LEVELS)
+    assert [name for name, level in LEVELS.items() if not level.measured] == ["sim"]
+    assert {level.old_name for level in LEVELS.values()} == {"model", "torch", "real"}
+
+
+def test_the_old_backend_field_is_read_as_the_level_with_one_note(tmp_path):
+    from simharness.levels import _note_old_name
+
+    _note_old_name.cache_clear()
+    path = tmp_path / "old.yaml"  # a scenario stored by a run made before engine.level
+    path.write_text("name: x\nengine: {backend: torch, device: cpu}\nsweep: {engine.backend: [model, real]}\n")
+    with pytest.warns(ScenarioNote) as notes:
+        old = load_scenario(path)
+        assert load_scenario(path) == old  # a second read (resume, compare) notes nothing more
+    assert len(notes) == 1 and "engine.backend is the old name of engine.level" in str(notes[0].message)
+    assert old.engine.level == "hil" and old.sweep == {"engine.level": ["sim", "real"]}
+    assert old == scenario_from_dict({"name": "x", "engine": {"level": "hil", "device": "cpu"},
+                                      "sweep": {"engine.level": ["sim", "real"]}})
+    # an old --set on a migrated file (CI_GATE_SET=engine.backend=torch), as a field or in its section
+    assert scenario_from_dict({"name": "x", "engine": {"level": "real"}}, {"engine.backend": "torch"}).engine.level \
+        == scenario_from_dict({"name": "x"}, {"engine": {"backend": "torch"}}).engine.level == "hil"
+    with pytest.raises(ScenarioError, match="engine: backend: the old name of level; set level only"):
+        scenario_from_dict({"name": "x", "engine": {"backend": "torch", "level": "hil"}})
+    with pytest.raises(ScenarioError, match="engine.level: Input should be 'sim', 'hil' or 'real'"):
+        scenario_from_dict({"name": "x", "engine": {"backend": "simulated"}})

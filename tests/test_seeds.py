@@ -71,15 +71,15 @@ def test_allocations_pause_prep_once_per_full_every():
         scenario_from_dict({"name": "t", "engine": {"gc": {"full_every": 0}}})
 
 
-@pytest.mark.parametrize("backend", ["torch", "real"])
-def test_seed_options_run_on_the_real_decode_loop(backend, monkeypatch):
+@pytest.mark.parametrize("level", ["hil", "real"])
+def test_seed_options_run_on_the_real_decode_loop(level, monkeypatch):
     """Random rows, per-step allocations, a heap and the real boolean-mask sync run on the tiny CPU model: the
     sync is the backend's operation before every prep but the first, and the heap is held."""
     sc = scenario_from_dict({
         "name": "t", "seed": 1,
         "workload": {"num_requests": 6, "concurrency": 3, "prompt_len": {"dist": "uniform", "min": 24, "max": 40},
                      "output_len": {"dist": "fixed", "value": 12}, "random_fraction": 0.5},
-        "engine": {"backend": backend, "device": "cpu", "model": "tiny",
+        "engine": {"level": level, "device": "cpu", "model": "tiny",
                    "gc": {"allocations_per_step": 5, "heap_objects": 1000}},
         "scheduler": {"depth": 2, "sync_points": {"add": ["bool_mask_index"]}},
     })  # fmt: skip
@@ -111,7 +111,7 @@ def test_hil_charges_a_sync_its_operations_own_time(monkeypatch):
         "name": "t", "seed": 1,
         "workload": {"num_requests": 4, "concurrency": 2, "prompt_len": {"dist": "uniform", "min": 24, "max": 40},
                      "output_len": {"dist": "fixed", "value": 6}},
-        "engine": {"backend": "torch", "device": "cpu", "model": "tiny"},
+        "engine": {"level": "hil", "device": "cpu", "model": "tiny"},
         "scheduler": {"depth": 2, "sync_points": {"add": ["bool_mask_index"]}},
     })  # fmt: skip
     requests = build_requests(sc.workload, sc.seed)

@@ -9,6 +9,7 @@ from collections import deque
 import numpy as np
 import pandas as pd
 import pytest
+from trace_check import check_trace
 
 import simharness
 from simharness.metrics import host_intervals
@@ -19,7 +20,6 @@ from simharness.trace import (
     DEVICE_PHASES,
     MEASURED_FLOW_ID,
     MEASURED_PID,
-    check_trace,
     complete_slices,
     trace_events,
     trace_json,
