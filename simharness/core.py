@@ -20,7 +20,7 @@ from simharness.modes import HOST_PHASES, Mode
 from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
 from simharness.records import Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
-from simharness.workload import Requests
+from simharness.workload import GC_STREAM, Requests
 
 
 class EngineCore:
@@ -47,7 +47,7 @@ class EngineCore:
         self.last_launched: Step | None = None
         self.n_steps = 0
         self.gc = sc.engine.gc
-        self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 2]))  # the seed's own stream
+        self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, GC_STREAM]))
         self.phase_syncs = {ph: [sp for sp in mode.syncs if sp.phase == ph] for ph in HOST_PHASES}
         self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
                             for ph, pts in self.phase_syncs.items()}  # fmt: skip

@@ -27,7 +27,7 @@ from simharness.policy import (
 from simharness.profile import profile_seconds
 from simharness.records import Step
 from simharness.scenario import Scenario
-from simharness.workload import Requests
+from simharness.workload import ACCEPTANCE_STREAM, HEAP_STREAM, Requests
 
 # Rows of the device truth, a column per request: prompt tokens, prompt tokens in the KV cache, context
 # (prompt + committed output tokens, which ends at END = prompt + output) and the valid drafts the
@@ -43,20 +43,20 @@ def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
     the scenario's seed alone, so that every point of a sweep sees the same random numbers)."""
     acceptance = make_acceptance(sc.engine.speculation, requests)
     cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
-    rng = np.random.default_rng(np.random.SeedSequence([sc.seed, 1]))
+    rng = np.random.default_rng(np.random.SeedSequence([sc.seed, ACCEPTANCE_STREAM]))
     backend = ModelBackend(requests, acceptance, cost, mode.k, rng, sc.engine.gc.allocations_per_step,
                            sc.engine.gc.full_every)
     if cost.profile is not None:
         backend.overlap = cost.profile.overlap_at(mode.depth)
     if backend.allocations_per_step:
         # the process's earlier allocations left the collector's count anywhere (the seed's own stream)
-        backend.allocated = int(np.random.default_rng(np.random.SeedSequence([sc.seed, 3])).integers(
+        backend.allocated = int(np.random.default_rng(np.random.SeedSequence([sc.seed, HEAP_STREAM])).integers(
             sc.engine.gc.full_every))
     return backend
 
 
 class ModelBackend:
-    """`engine.backend: model`: outcomes from the acceptance model, durations from the cost model."""
+    """The sim level (`engine.level: sim`): outcomes from the acceptance model, durations from the cost model."""
 
     measured = ""
 

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from simharness.engine.decode_step import Staging
 from simharness.engine.eager_step import EagerSteps
 from simharness.engine.model import Transformer
-from simharness.engine.step_graph import Staging, StepGraphs
+from simharness.engine.step_graph import StepGraphs
 from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram
 from simharness.kernels.rejection import rejection_sample

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -17,6 +18,25 @@ from simharness.kernels.rejection import rejection_sample
 
 # Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
 STEER_MARGIN = 30.0
+
+
+@dataclass
+class Staging:
+    """One readback ring entry: where a step's results land in pinned host memory, and its marks.
+
+    Eager: `device` holds the packed results [max_slots, k+4], `host` their pinned copy, `events` a CUDA event per
+    part boundary (MARKS), then one after the copy. Step graphs (`engine.step_graph`): `host` is the flat copy of
+    the graphs' output (MARKS device timestamps, then the packed rows), `inputs` the pinned block of the step's
+    inputs, and two events span the step."""
+
+    device: Tensor | None
+    host: Tensor
+    inputs: Tensor | None = None
+    events: list = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
+    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when a graph's launch returned
+    step_id: int = -1
+
 
 
 class DecodeState(Protocol):

@@ -11,8 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from simharness.engine.decode_step import DecodeState, decode_step
-from simharness.engine.step_graph import Staging
+from simharness.engine.decode_step import DecodeState, Staging, decode_step
 
 
 class EagerSteps:

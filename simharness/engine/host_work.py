@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from simharness.engine.decode import DecodeLoop
+from simharness.engine.decode_step import DecodeState
 from simharness.engine.mirror import HostMirror
 
 
@@ -31,16 +31,16 @@ class Allocations:
         np.array(rows, dtype=np.int32)
 
 
-def _bool_mask_index(loop: DecodeLoop) -> None:
+def _bool_mask_index(loop: DecodeState) -> None:
     """#38047's sync: indexing a device tensor with a device boolean mask (the result's size needs its count)."""
     loop.lengths[loop.num_valid > 0].sum()
 
 
-def _metadata_item(loop: DecodeLoop) -> None:
+def _metadata_item(loop: DecodeState) -> None:
     """A device scalar read with `.item()`."""
     loop.lengths.sum().item()
 
 
 # The real operation behind each what-if sync point that has one; each waits for everything launched.
-SYNC_OPS: dict[str, Callable[[DecodeLoop], None]] = {"bool_mask_index": _bool_mask_index,
+SYNC_OPS: dict[str, Callable[[DecodeState], None]] = {"bool_mask_index": _bool_mask_index,
                                                      "metadata_item": _metadata_item}

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from simharness.engine.decode import DecodeLoop, StepOutput, StepResult
-from simharness.engine.timing import DeviceClock, PartTiming, decode_enqueue
+from simharness.engine.decode import FORWARD, DecodeLoop, StepOutput, StepResult
+from simharness.engine.timing import DeviceClock, PartTiming
 
 
 class Readback(NamedTuple):
@@ -111,3 +111,18 @@ class Launch:
         marks = self.events  # CUDA: each prefill chunk's start and end, then the step's end
         chunks_s = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(0, len(marks) - 1, 2)]
         return Readback(out, first, self.first_rids, chunks_s, self.prefill_s + sum(chunks_s), window)
+
+
+def decode_enqueue(loop: DecodeLoop, result: StepResult, shift: float) -> list[tuple[float, float]]:
+    """When the host enqueued each part of a decode step, relative to `shift`: between its marks. With CUDA graphs
+    the graph's parts begin when its launch returned: the device cannot start a graph before it is launched whole,
+    and the launch (with the inputs' copies before it) takes host time that the gated device time leaves out
+    (docs/hil.md, "What hil still misses"). That is the forward's part with the verify graph, and every part with
+    the step graphs (`engine.step_graph`)."""
+    marks = loop.host_marks(result)
+    parts = [(marks[i] - shift, marks[i + 1] - shift) for i in range(len(marks) - 1)]
+    launched = loop.graph_launched(result)
+    if launched is not None:
+        first = 0 if loop.graphs is not None else FORWARD
+        parts[first] = (launched - shift, parts[first][1])
+    return parts

@@ -19,35 +19,17 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from simharness.engine.decode_step import DecodeState, decode_step
+from simharness.engine.decode_step import DecodeState, Staging, decode_step
 from simharness.kernels import NO_DRAFT
 
 # The seed of the captures' warm-up run (a replay takes each step's own from its inputs).
 WARMUP_SEED = 1 << 62 | 1
-
-
-@dataclass
-class Staging:
-    """One readback ring entry: where a step's results land in pinned host memory, and its marks.
-
-    Eager: `device` holds the packed results [max_slots, k+4], `host` their pinned copy, `events` a CUDA event per
-    part boundary (MARKS), then one after the copy. Step graphs (`engine.step_graph`): `host` is the flat copy of
-    the graphs' output (MARKS device timestamps, then the packed rows), `inputs` the pinned block of the step's
-    inputs, and two events span the step."""
-
-    device: Tensor | None
-    host: Tensor
-    inputs: Tensor | None = None
-    events: list = field(default_factory=list)
-    times: list[float] = field(default_factory=list)  # host perf_counter at the part marks (MARKS; CPU: the parts)
-    graph_launched: float | None = None  # with CUDA graphs: host perf_counter when a graph's launch returned
-    step_id: int = -1
 
 
 @dataclass
