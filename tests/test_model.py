@@ -23,6 +23,7 @@ from simharness.engine.model import (
     rope_attention_torch,
     rope_frequencies,
     steer_logits,
+    verify_attention_torch,
 )
 from simharness.engine.model_triton import qk_norm_triton, rope_attention_triton
 from simharness.models import MODELS, RopeScaling
@@ -312,3 +313,18 @@ def test_rope_attention_does_not_depend_on_where_a_step_starts(interpreted: None
         assert torch.equal(out[:, 0], together[:, i])
     for a, b in zip(apart, whole, strict=True):
         assert torch.equal(a[:, : start + n_tokens], b[:, : start + n_tokens])
+
+
+@pytest.mark.parametrize("batch,n_tokens", [(1, 7), (3, 1), (2, 4)])
+def test_expanded_heads_attend_exactly_as_grouped_queries(batch: int, n_tokens: int) -> None:
+    """The later prefill chunk's attention repeats the K/V heads (so that SDPA's memory-efficient kernel takes the
+    mask on CUDA); on the CPU both paths run the math kernel and must agree to rounding, for every row's prefix."""
+    g = torch.Generator().manual_seed(batch * 10 + n_tokens)
+    max_len, n_kv, n_heads, dim = 24, 2, 6, 8
+    k_cache, v_cache = (torch.randn(batch + 1, max_len, n_kv, dim, generator=g) for _ in range(2))
+    q = torch.randn(batch * n_tokens, n_heads, dim, generator=g)
+    slots = torch.randperm(batch + 1, generator=g)[:batch]
+    start = torch.randint(0, max_len - n_tokens + 1, (batch,), generator=g)
+    grouped = verify_attention_torch(q, k_cache, v_cache, slots, start, n_tokens)
+    expanded = verify_attention_torch(q, k_cache, v_cache, slots, start, n_tokens, expand_heads=True)
+    torch.testing.assert_close(expanded, grouped, rtol=1e-5, atol=1e-6)

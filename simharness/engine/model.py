@@ -109,16 +109,24 @@ def rope_write_kv_torch(
 
 
 def verify_attention_torch(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int,
+    expand_heads: bool = False,
 ) -> Tensor:
-    """Causal attention of q [B*T, Hq, D] over each row's cached positions <= its own; returns [B*T, Hq*D]."""
+    """Causal attention of q [B*T, Hq, D] over each row's cached positions <= its own; returns [B*T, Hq*D].
+    `expand_heads` repeats the K/V heads up to Hq instead of asking SDPA for grouped-query attention: with a mask,
+    SDPA runs grouped queries only on its math kernel, which materialises [B, Hq, T, L] fp32 scores (a later
+    prefill chunk of 2,048 tokens over the cache: about 12x the chunk's roofline on the H100, docs/validation.md);
+    expanded, the memory-efficient kernel takes the mask. Worth it for long chunks, not for a verify batch."""
     batch, (max_len, _, head_dim) = slots.shape[0], k_cache.shape[1:]
     n_heads = q.shape[1]
     q_pos = start_pos[:, None] + torch.arange(n_tokens, device=q.device)
     mask = torch.arange(max_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
     q = q.view(batch, n_tokens, n_heads, head_dim).transpose(1, 2)
     k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    if expand_heads:
+        groups = n_heads // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=not expand_heads)
     return out.transpose(1, 2).reshape(batch * n_tokens, n_heads * head_dim)
 
 
@@ -318,7 +326,7 @@ class Transformer(nn.Module):
             else:
                 q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
                 if attention == "masked":
-                    attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens)
+                    attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens, expand_heads=True)
                 else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
                     # index_select, not k_cache[slot]: the slot is a device tensor inside a prefill graph.
                     k = k_cache[:, :n_tokens].index_select(0, slots).transpose(1, 2)  # [1, Hkv, T, D]

@@ -1,4 +1,4 @@
-"""The measured levels (`engine.level: hil` and `real`): the real decode loop behind the engine loop (the hil and real levels).
+"""The real decode loop behind the engine loop: the measured levels (`engine.level: hil` and `real`).
 
 The engine loop calls `prep` (build the step's inputs on the host; prompt chunks go to the device there, the
 decode step's inputs in one copy with its launch) and `launch` (enqueue the prefills and the decode step) when
