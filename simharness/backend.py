@@ -73,3 +73,7 @@ class MeasuredBackend(Backend, Protocol):
     work there too)."""
 
     ledger: HostLedger
+
+    def start_clock(self) -> None:
+        """The wall clock starts: read device timestamps on the host's clock from now on. Anchored at the start of
+        the run, not before: the GPU's timer and the host's clock drift apart by microseconds a second."""

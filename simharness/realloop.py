@@ -177,6 +177,7 @@ class RealLoop:
 
     def run(self) -> tuple[Records, float]:
         self.t0 = time.perf_counter()
+        self.backend.start_clock()
         self.own = self.ledger.mark()
         if self.sc.workload.arrival == "closed":  # every user sends its first request at once
             for _ in range(min(self.sc.workload.concurrency, self.n)):

@@ -97,6 +97,11 @@ class TorchBackend:
         self.allocations = Allocations(sc.engine.gc.heap_objects, sc.engine.gc.allocations_per_step)
         self.random = requests.random  # rows sampled at temperature 1 (None: every row greedy)
 
+    def start_clock(self) -> None:
+        """Anchor the real level's device timestamps now, at the wall clock's start (`MeasuredBackend`)."""
+        if self.clock is not None:
+            self.clock = DeviceClock(self.cuda)
+
     # ---------------------------------------------------------------- host view
 
     def valid_drafts(self) -> np.ndarray:
