@@ -26,9 +26,10 @@ from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_confi
 
 FORMAT = "simharness-profile-1"
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "results" / "profiles"  # the committed profiles
-# What the sim without a profile (the roofline) carried against the real level (results/fidelity/CONTENTS.md,
-# 20261126-005756: H100, llama-3.2-1b, 48 configurations).
-UNCALIBRATED_ERROR = "mean TPOT median |error| 33.5%, worst 39.4% (H100, llama-3.2-1b, results/fidelity)"
+# What the sim without a profile (the roofline) carried against the real level on the validation families
+# (docs/validation.md, results/validation/validation.md: H100, medians per family).
+UNCALIBRATED_ERROR = ("mean TPOT median |error| 32-33% (llama-3.2-1b) and 17.6% (llama-3-8b) on the H100 validation "
+                      "families (docs/validation.md)")
 
 # The device terms, in the order of the coefficient array (`profile_seconds`): seconds per step and per forward,
 # the datasheet's seconds per byte and per FLOP, the slowdowns against it of memory traffic, compute and the
