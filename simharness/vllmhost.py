@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from simharness.hostprofile import HostProfile, check_vllm_version, fit_host_profile, write_profile
-from simharness.hostspeed import HostGauge
+from simharness.hostspeed import RETRIES, HostGauge
 
 ACCEPT_P = 0.7  # chance that each draft, in order, is accepted (the rest of a step's drafts are rejected)
 BLOCK_SIZE = 16
@@ -95,15 +95,10 @@ def make_scheduler(point: Point, model_dir: Path):
 
 
 def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> list[dict]:
-    """Fill the scheduler with `point.requests` requests, run their prefill and then `steps` steps in which every
-    request decodes; one row per step: each phase's time in µs and what the step held. With async scheduling
-    step N+1 is scheduled before step N's output is taken in, as vLLM's engine does with a batch queue of 2."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine import EngineCoreRequest
+    """Warm the scheduler and output processor up, then fill them with `point.requests` requests and run their
+    prefill and `steps` steps in which every request decodes; one row per step: each phase's time in µs and what
+    the step held."""
     from vllm.v1.engine.output_processor import OutputProcessor
-    from vllm.v1.outputs import DraftTokenIds
-    from vllm.v1.request import Request
 
     scheduler = make_scheduler(point, model_dir)
     outputs = OutputProcessor(None, log_stats=False)
@@ -111,30 +106,63 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
     # allocate, and those a phase triggers count in its time, as in vLLM
     gc.collect()
     gc.freeze()
-    params = SamplingParams(max_tokens=MAX_MODEL_LEN - point.prompt_len - 64, ignore_eos=True, detokenize=False,
+    # untimed: a few short requests served to their end, so that the timed steps are not the first calls of this
+    # scheduler and processor (which cost up to twice a later step's: a running engine has served requests)
+    add_requests(scheduler, outputs, WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS, "w", rng)
+    run_steps(scheduler, outputs, point, rng, decode_steps=None)
+    add_requests(scheduler, outputs, point.requests, point.prompt_len, MAX_MODEL_LEN - point.prompt_len - 64, "r",
+                 rng)
+    rows = run_steps(scheduler, outputs, point, rng, decode_steps=steps)
+    gc.unfreeze()
+    return rows
+
+
+WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS = 4, 64, 8
+
+
+def add_requests(scheduler, outputs, n: int, prompt_len: int, max_tokens: int, prefix: str,
+                 rng: random.Random) -> None:
+    """`n` requests of random `prompt_len`-token prompts, each generating `max_tokens` (no EOS, no detokenising),
+    added to the scheduler and the output processor as vLLM's engine and front end do."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
-    for i in range(point.requests):
-        prompt = [rng.randrange(32000) for _ in range(point.prompt_len)]
-        core = EngineCoreRequest(f"r{i}", prompt, None, params, None, time.time(), None, None, None,
-                                 external_req_id=f"r{i}")
+    for i in range(n):
+        prompt = [rng.randrange(32000) for _ in range(prompt_len)]
+        core = EngineCoreRequest(f"{prefix}{i}", prompt, None, params, None, time.time(), None, None, None,
+                                 external_req_id=f"{prefix}{i}")
         outputs.add_request(core, None)
         scheduler.add_request(Request.from_engine_core_request(core, None))
-    in_flight = []  # (scheduler output, its row, the requests whose prompt it finishes or that decode)
+
+
+def run_steps(scheduler, outputs, point: Point, rng: random.Random, decode_steps: int | None) -> list[dict]:
+    """Step until `decode_steps` steps in which no request prefilled (None: until every request finished); one
+    row per step. With async scheduling step N+1 is scheduled before step N's output is taken in, as vLLM's
+    engine does with a batch queue of 2."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    in_flight = []  # (scheduler output, its row, the requests whose prompt is done with it)
     rows = []
-    while sum(r["prefill_reqs"] == 0 for r in rows) < steps:
+    while (sum(r["prefill_reqs"] == 0 for r in rows) < decode_steps if decode_steps is not None
+           else scheduler.has_unfinished_requests() or in_flight):
         prefilling = {r.request_id for r in scheduler.requests.values() if r.num_computed_tokens < r.num_prompt_tokens}
         t = clock()
         out = scheduler.schedule()
         row = {**point.__dict__, **since(t, "schedule")}
         scheduled = set(out.num_scheduled_tokens)
-        row |= {"reqs": len(scheduled),
-               "prefill_reqs": len(prefilling & scheduled), "tokens": out.total_num_scheduled_tokens,
-               "draft_tokens": sum(len(v) for v in out.scheduled_spec_decode_tokens.values())}
         sampling = [r for r in out.num_scheduled_tokens
                     if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens]
-        in_flight.append((out, row, sampling))
-        if len(in_flight) < (2 if point.async_scheduling else 1):
-            continue
+        row |= {"reqs": len(scheduled), "prefill_reqs": len(prefilling & scheduled),
+               "first_tokens": len(prefilling & set(sampling)), "tokens": out.total_num_scheduled_tokens,
+               "draft_tokens": sum(len(v) for v in out.scheduled_spec_decode_tokens.values())}
+        if scheduled:
+            in_flight.append((out, row, sampling))
+        if not in_flight or (scheduled and len(in_flight) < (2 if point.async_scheduling else 1)):
+            continue  # (nothing scheduled: the last requests finish, their step in flight is taken in)
         out, row, sampling = in_flight.pop(0)
         runner = model_output(out, sampling, rng)
         t = clock()
@@ -151,7 +179,6 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
         row |= since(t, "output")
         row["sampled_tokens"] = sum(len(s) for s in runner.sampled_token_ids)
         rows.append(row)
-    gc.unfreeze()
     return rows
 
 
@@ -188,9 +215,10 @@ def model_output(out, sampling: list[str], rng: random.Random):
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
 
 
-def measure(points: list[Point], steps: int, seed: int) -> list[dict]:
+def measure(points: list[Point], steps: int, seed: int, gauge: HostGauge) -> list[dict]:
     """Every point once, in an order drawn from `seed` (so that repeats interleave), `steps` decode steps each;
-    one row per step."""
+    one row per step. A point the host gauge says ran in a slow spell (over SLOW) is run again, at most RETRIES
+    times; its quietest run is kept, its slowdown in the rows (`slowdown`)."""
     rng = random.Random(seed)
     order = list(points)
     rng.shuffle(order)
@@ -199,8 +227,17 @@ def measure(points: list[Point], steps: int, seed: int) -> list[dict]:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
         for point in order:
-            rows += run_point(point, model_dir, steps, rng)
+            runs = []
+            while not runs or (min(runs)[0] > SLOW and len(runs) <= RETRIES):
+                before = gauge.probe()
+                measured = run_point(point, model_dir, steps, rng)
+                runs.append((gauge.slowdown(before, gauge.probe()), len(runs), measured))
+            slowdown, attempt, measured = min(runs)
+            rows += [{**r, "slowdown": slowdown, "attempts": len(runs)} for r in measured]
     return rows
+
+
+SLOW = 1.1  # a point run while the host gauge read over this many times its fastest is run again
 
 
 # the fit's grid: requests in flight by drafts per request, both scheduling modes; held out: (requests, k) pairs
@@ -224,19 +261,15 @@ def profile_points() -> list[Point]:
 
 
 def measure_profile(out: Path, repeats: int, steps: int) -> tuple[HostProfile, Path]:
-    """Measure every point of `profile_points` `repeats` times (interleaved), with the host gauge probed before and
-    after each repeat; write OUT/vllm-<version>-steps.csv and the fitted profile OUT/vllm-<version>.json."""
+    """Measure every point of `profile_points` `repeats` times (interleaved), with the host gauge probed around
+    each point; write OUT/vllm-<version>-steps.csv and the fitted profile OUT/vllm-<version>.json."""
     version = vllm_version()
     out.mkdir(parents=True, exist_ok=True)
     gauge = HostGauge()
     load = [os.getloadavg()[0]]
     rows = []
     for repeat in range(repeats):
-        before = gauge.probe()
-        measured = measure(profile_points(), steps, seed=repeat)
-        # the gauge around this repeat (µs): how slow the host was while it ran, against `host_gauge_us`
-        slow_us = max(before, gauge.probe()) * 1e6
-        rows += [{**r, "repeat": repeat, "gauge_us": slow_us} for r in measured]
+        rows += [{**r, "repeat": repeat} for r in measure(profile_points(), steps, seed=repeat, gauge=gauge)]
         load.append(os.getloadavg()[0])
     steps_frame = pd.DataFrame(rows)
     steps_frame.to_csv(out / f"vllm-{version}-steps.csv", index=False, float_format="%.2f")
