@@ -15,6 +15,8 @@ import platform
 import random
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,9 +56,18 @@ def vllm_version() -> str:
     return check_vllm_version(vllm.__version__)
 
 
-def make_scheduler(point: Point, model_dir: Path):
-    """vLLM's scheduler (AsyncScheduler with async scheduling) for `point`, from a local config (no hub, no
-    tokenizer), prefix caching off, KV blocks for a quarter of each request's longest length (more than it uses)."""
+@contextmanager
+def model_dir() -> Iterator[Path]:
+    """A temporary directory holding MODEL_CONFIG as config.json: the model vLLM's config reads."""
+    with tempfile.TemporaryDirectory(prefix="vllm-host-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(MODEL_CONFIG))
+        yield Path(tmp)
+
+
+def make_scheduler(model_dir: Path, *, k: int, async_scheduling: bool, max_num_seqs: int, max_batched_tokens: int,
+                   blocks: int, chunked_prefill: bool = True):
+    """vLLM's scheduler (AsyncScheduler with async scheduling) from a local config (no hub, no tokenizer), prefix
+    caching off, `blocks` KV blocks, the GPU n-gram drafter with `k` drafts (none at 0)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -73,23 +84,23 @@ def make_scheduler(point: Point, model_dir: Path):
     from vllm.v1.structured_output import StructuredOutputManager
 
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
-    blocks = point.requests * (MAX_MODEL_LEN // BLOCK_SIZE) // 4 + 1024
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
     cache.num_gpu_blocks = blocks
-    sched = SchedulerConfig(max_num_seqs=max(256, point.requests), max_num_batched_tokens=point.max_batched_tokens,
-                            max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True, is_encoder_decoder=False)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
+                            max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=chunked_prefill,
+                            is_encoder_decoder=False)
     spec = None
-    if point.k:
+    if k:
         # the GPU n-gram proposer: the drafting method vLLM allows with async scheduling that needs no draft model
-        spec = SpeculativeConfig(method="ngram_gpu", num_speculative_tokens=point.k, prompt_lookup_max=2,
+        spec = SpeculativeConfig(method="ngram_gpu", num_speculative_tokens=k, prompt_lookup_max=2,
                                  prompt_lookup_min=2, target_model_config=model,
                                  target_parallel_config=ParallelConfig())
     config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, speculative_config=spec,
                         device_config=DeviceConfig("cpu"))
-    config.scheduler_config.async_scheduling = point.async_scheduling
+    config.scheduler_config.async_scheduling = async_scheduling
     spec_kv = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
     kv = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec_kv)])
-    cls = AsyncScheduler if point.async_scheduling else Scheduler
+    cls = AsyncScheduler if async_scheduling else Scheduler
     return cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
                block_size=BLOCK_SIZE, log_stats=False)
 
@@ -100,7 +111,11 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
     the step held."""
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    scheduler = make_scheduler(point, model_dir)
+    # KV blocks for a quarter of each request's longest length (more than it uses)
+    blocks = point.requests * (MAX_MODEL_LEN // BLOCK_SIZE) // 4 + 1024
+    scheduler = make_scheduler(model_dir, k=point.k, async_scheduling=point.async_scheduling,
+                               max_num_seqs=max(256, point.requests), max_batched_tokens=point.max_batched_tokens,
+                               blocks=blocks)
     outputs = OutputProcessor(None, log_stats=False)
     # what exists now is frozen, as vLLM's engine does once started: later collections see only what the steps
     # allocate, and those a phase triggers count in its time, as in vLLM
@@ -122,21 +137,31 @@ WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS = 4, 64, 8
 
 def add_requests(scheduler, outputs, n: int, prompt_len: int, max_tokens: int, prefix: str,
                  rng: random.Random) -> None:
-    """`n` requests of random `prompt_len`-token prompts, each generating `max_tokens` (no EOS, no detokenising),
-    added to the scheduler and the output processor as vLLM's engine and front end do."""
+    """`n` requests of random `prompt_len`-token prompts, each generating `max_tokens`, added to the scheduler and
+    the output processor as vLLM's engine and front end do."""
+    for i in range(n):
+        core = engine_request(f"{prefix}{i}", [rng.randrange(32000) for _ in range(prompt_len)], max_tokens)
+        outputs.add_request(core, None)
+        scheduler.add_request(vllm_request(core))
+
+
+def engine_request(request_id: str, prompt: list[int], max_tokens: int):
+    """vLLM's EngineCoreRequest for `prompt`, generating `max_tokens` (no EOS, no detokenising, outputs as deltas)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine import EngineCoreRequest
-    from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
-    for i in range(n):
-        prompt = [rng.randrange(32000) for _ in range(prompt_len)]
-        core = EngineCoreRequest(f"{prefix}{i}", prompt, None, params, None, time.time(), None, None, None,
-                                 external_req_id=f"{prefix}{i}")
-        outputs.add_request(core, None)
-        scheduler.add_request(Request.from_engine_core_request(core, None))
+    return EngineCoreRequest(request_id, prompt, None, params, None, time.time(), None, None, None,
+                             external_req_id=request_id)
+
+
+def vllm_request(core):
+    """The scheduler's Request for an EngineCoreRequest."""
+    from vllm.v1.request import Request
+
+    return Request.from_engine_core_request(core, None)
 
 
 def run_steps(scheduler, outputs, point: Point, rng: random.Random, decode_steps: int | None) -> list[dict]:
@@ -223,14 +248,12 @@ def measure(points: list[Point], steps: int, seed: int, gauge: HostGauge) -> lis
     order = list(points)
     rng.shuffle(order)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="vllm-host-") as tmp:
-        model_dir = Path(tmp)
-        (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    with model_dir() as directory:
         for point in order:
             runs = []
             while not runs or (min(runs)[0] > SLOW and len(runs) <= RETRIES):
                 before = gauge.probe()
-                measured = run_point(point, model_dir, steps, rng)
+                measured = run_point(point, directory, steps, rng)
                 runs.append((gauge.slowdown(before, gauge.probe()), len(runs), measured))
             slowdown, attempt, measured = min(runs)
             rows += [{**r, "slowdown": slowdown, "attempts": len(runs)} for r in measured]
