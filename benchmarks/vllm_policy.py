@@ -32,7 +32,7 @@ CASES = {
     "32 requests, no drafts": {**mixed(32, 3, (64, 3000), (8, 200), 50), "k": 0, "max_batched_tokens": 2048,
                                "max_num_seqs": 16},
     "48 requests, k 8, budget 8192": {**mixed(48, 4, (16, 1024), (1, 64), 10), "k": 8},
-    "decodes over the budget (64 x 4 tokens, budget 130)": {**mixed(64, 5, (16, 16), (32, 32), 0), "k": 3,
+    "64 short prompts at once, budget 130": {**mixed(64, 5, (16, 16), (32, 32), 0), "k": 3,
                                                              "max_batched_tokens": 130, "max_num_seqs": 64},
 }
 
