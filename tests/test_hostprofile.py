@@ -183,3 +183,5 @@ def test_vllm_measures_one_small_point_end_to_end(tmp_path):
         assert (rows.prefill_reqs > 0).sum() >= 3  # 640 prompt tokens through a 256-token budget: chunked
         assert (rows[["schedule_us", "update_us", "output_us"]] > 0).all().all()
         assert (decode.sampled_tokens >= 4).all() and (decode.sampled_tokens <= 12).all()
+        # each request's first token once, in the step that ends its prompt (the warm-up's steps are not rows)
+        assert rows.first_tokens.sum() == 4 and (rows.first_tokens <= rows.prefill_reqs).all()
