@@ -1,12 +1,13 @@
 """Host profiles: vLLM's own host costs per phase, fitted from timings of its scheduler and output processor
 (`simharness.vllmhost`), with the host's speed they were measured at, and scaled to another host's speed.
 
-A phase's cost per step is linear: base + per request x requests + per draft token x drafts scheduled
-(+ per prefill chunk). The fit is least squares over the measured points (each the median over repeats of its
-mean step); its error is the median relative error on held-out points, those whose (requests, k) the fit did
-not see. The profile's
-`host_gauge_us` is `simharness.hostspeed`'s gauge (the fastest median time of its fixed workload) on the
-measuring host: a profile scales to a host whose gauge reads g by g / host_gauge_us (docs/host-costs.md).
+A phase's cost per step is linear in what the step holds (FEATURES): base + per request x requests + per draft
+token x drafts scheduled (+ per prefill chunk); output processing also per first token and per requests^2. The fit
+is least squares over the measured points (each the median over repeats of its mean step); its error is the median
+relative error on held-out points, those whose (requests, k) the fit did not see, and its spread that of the same
+fit from each repeat alone. The profile's `host_gauge_us` is `simharness.hostspeed`'s gauge (the fastest median
+time of its fixed workload) on the measuring host: a profile scales to a host whose gauge reads g by
+g / host_gauge_us (docs/host-costs.md).
 """
 
 from __future__ import annotations
