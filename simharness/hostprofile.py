@@ -80,13 +80,6 @@ class HostProfile:
     fits: dict[str, dict[str, PhaseFit]]  # mode -> phase -> fit
 
 
-def point_medians(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per measured point and repeat the mean step (steps with prefill kept apart from those without: the cost a
-    step adds on average), then per point the median over repeats: the values the fit sees."""
-    per_repeat = repeat_means(rows)
-    return per_repeat.groupby(POINT_KEYS).median().drop(columns="repeat").reset_index()
-
-
 POINT_KEYS = ["requests", "k", "prompt_len", "async_scheduling", "max_batched_tokens", "prefilling"]
 
 
@@ -123,6 +116,7 @@ def fit_host_profile(rows: pd.DataFrame, held_out: set[tuple[int, int]], *, vllm
     `held_out` are left out of the fit and score it. The same fit from each repeat alone gives the error's
     spread (`repeat_errors`)."""
     per_repeat = repeat_means(rows)
+    # per point the median over repeats: the values the fit sees
     points = per_repeat.groupby(POINT_KEYS).median().drop(columns="repeat").reset_index()
     fits: dict[str, dict[str, PhaseFit]] = {}
     for is_async, mode in ((False, "sync"), (True, "async")):
