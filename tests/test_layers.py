@@ -23,7 +23,8 @@ LAYERS = [
      "engine.torch_backend"],
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
-    ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
+    ["measured", "bench", "vllmhost", "vllmpolicy"],  # set-up of the measured levels, benchmarks (vLLM's own host
+    # costs and scheduler)
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
      "frontier"],  # outputs
     ["executors"],  # where points run: this process, local workers, a Ray cluster
