@@ -27,11 +27,12 @@ from simharness.hostspeed import RETRIES, HostGauge
 
 ACCEPT_P = 0.7  # chance that each draft, in order, is accepted (the rest of a step's drafts are rejected)
 BLOCK_SIZE = 16
+VOCAB = 32000  # token ids are drawn below this (the model config's vocabulary)
 MAX_MODEL_LEN = 16384
 # a Llama-shaped config: the scheduler reads only the model's length and architecture from it
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                 "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
-                "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": MAX_MODEL_LEN,
+                "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": MAX_MODEL_LEN,
                 "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 
 
@@ -105,10 +106,10 @@ def make_scheduler(model_dir: Path, *, k: int, async_scheduling: bool, max_num_s
                block_size=BLOCK_SIZE, log_stats=False)
 
 
-def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> list[dict]:
+def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random, tokenizer=None) -> list[dict]:
     """Warm the scheduler and output processor up, then fill them with `point.requests` requests and run their
     prefill and `steps` steps in which every request decodes; one row per step: each phase's time in µs and what
-    the step held."""
+    the step held. With a `tokenizer` the output processor detokenises (token ids drawn from its vocabulary)."""
     from vllm.v1.engine.output_processor import OutputProcessor
 
     # KV blocks for a quarter of each request's longest length (more than it uses)
@@ -116,18 +117,19 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random) -> 
     scheduler = make_scheduler(model_dir, k=point.k, async_scheduling=point.async_scheduling,
                                max_num_seqs=max(256, point.requests), max_batched_tokens=point.max_batched_tokens,
                                blocks=blocks)
-    outputs = OutputProcessor(None, log_stats=False)
+    outputs = OutputProcessor(tokenizer, log_stats=False)
+    vocab = VOCAB if tokenizer is None else min(VOCAB, tokenizer.vocab_size)
     # what exists now is frozen, as vLLM's engine does once started: later collections see only what the steps
     # allocate, and those a phase triggers count in its time, as in vLLM
     gc.collect()
     gc.freeze()
     # untimed: a few short requests served to their end, so that the timed steps are not the first calls of this
     # scheduler and processor (which cost up to twice a later step's: a running engine has served requests)
-    add_requests(scheduler, outputs, WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS, "w", rng)
-    run_steps(scheduler, outputs, point, rng, decode_steps=None)
+    add_requests(scheduler, outputs, WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS, "w", rng, vocab)
+    run_steps(scheduler, outputs, point, rng, None, vocab)
     add_requests(scheduler, outputs, point.requests, point.prompt_len, MAX_MODEL_LEN - point.prompt_len - 64, "r",
-                 rng)
-    rows = run_steps(scheduler, outputs, point, rng, decode_steps=steps)
+                 rng, vocab)
+    rows = run_steps(scheduler, outputs, point, rng, steps, vocab)
     gc.unfreeze()
     return rows
 
@@ -136,22 +138,23 @@ WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS = 4, 64, 8
 
 
 def add_requests(scheduler, outputs, n: int, prompt_len: int, max_tokens: int, prefix: str,
-                 rng: random.Random) -> None:
+                 rng: random.Random, vocab: int = VOCAB) -> None:
     """`n` requests of random `prompt_len`-token prompts, each generating `max_tokens`, added to the scheduler and
     the output processor as vLLM's engine and front end do."""
     for i in range(n):
-        core = engine_request(f"{prefix}{i}", [rng.randrange(32000) for _ in range(prompt_len)], max_tokens)
+        core = engine_request(f"{prefix}{i}", [rng.randrange(vocab) for _ in range(prompt_len)], max_tokens,
+                              detokenize=outputs.tokenizer is not None)
         outputs.add_request(core, None)
         scheduler.add_request(vllm_request(core))
 
 
-def engine_request(request_id: str, prompt: list[int], max_tokens: int):
-    """vLLM's EngineCoreRequest for `prompt`, generating `max_tokens` (no EOS, no detokenising, outputs as deltas)."""
+def engine_request(request_id: str, prompt: list[int], max_tokens: int, detokenize: bool = False):
+    """vLLM's EngineCoreRequest for `prompt`, generating `max_tokens` (no EOS, outputs as deltas)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine import EngineCoreRequest
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=detokenize,
                             output_kind=RequestOutputKind.DELTA)
     return EngineCoreRequest(request_id, prompt, None, params, None, time.time(), None, None, None,
                              external_req_id=request_id)
@@ -164,7 +167,8 @@ def vllm_request(core):
     return Request.from_engine_core_request(core, None)
 
 
-def run_steps(scheduler, outputs, point: Point, rng: random.Random, decode_steps: int | None) -> list[dict]:
+def run_steps(scheduler, outputs, point: Point, rng: random.Random, decode_steps: int | None,
+              vocab: int = VOCAB) -> list[dict]:
     """Step until `decode_steps` steps in which no request prefilled (None: until every request finished); one
     row per step. With async scheduling step N+1 is scheduled before step N's output is taken in, as vLLM's
     engine does with a batch queue of 2."""
@@ -189,12 +193,12 @@ def run_steps(scheduler, outputs, point: Point, rng: random.Random, decode_steps
         if not in_flight or (scheduled and len(in_flight) < (2 if point.async_scheduling else 1)):
             continue  # (nothing scheduled: the last requests finish, their step in flight is taken in)
         out, row, sampling = in_flight.pop(0)
-        runner = model_output(out, sampling, rng)
+        runner = model_output(out, sampling, rng, vocab)
         t = clock()
         core_outputs = scheduler.update_from_output(out, runner)
         row |= since(t, "update") | {"drafts_us": 0.0, "drafts_wall_us": 0.0}
         if point.k and not point.async_scheduling:  # sync: the engine hands the step's new drafts to the scheduler
-            draft = DraftTokenIds(list(sampling), [[rng.randrange(32000) for _ in range(point.k)] for _ in sampling])
+            draft = DraftTokenIds(list(sampling), [[rng.randrange(vocab) for _ in range(point.k)] for _ in sampling])
             t = clock()
             scheduler.update_draft_token_ids(draft)
             row |= since(t, "drafts")
@@ -219,7 +223,7 @@ def since(start: tuple[float, float], phase: str) -> dict[str, float]:
     return {f"{phase}_us": (cpu - start[0]) * 1e6, f"{phase}_wall_us": (wall - start[1]) * 1e6}
 
 
-def model_output(out, sampling: list[str], rng: random.Random):
+def model_output(out, sampling: list[str], rng: random.Random, vocab: int = VOCAB):
     """What a GPU step would return for `out`: for each request in `sampling` (its prompt done) one token plus the
     accepted prefix of its scheduled drafts; nothing for a prefill chunk that is not its prompt's last."""
     from vllm.v1.outputs import ModelRunnerOutput
@@ -236,7 +240,7 @@ def model_output(out, sampling: list[str], rng: random.Random):
             if rng.random() >= ACCEPT_P:
                 break
             accepted += 1
-        sampled.append([rng.randrange(32000) for _ in range(accepted + 1)])
+        sampled.append([rng.randrange(vocab) for _ in range(accepted + 1)])
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
 
 

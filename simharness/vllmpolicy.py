@@ -18,7 +18,15 @@ import numpy as np
 
 from simharness.policy import EMITTED, PREFILL, REQ, TOKENS, VERIFIED, BatchScheduler
 from simharness.scenario import Scheduler as SchedulerConfig
-from simharness.vllmhost import BLOCK_SIZE, MAX_MODEL_LEN, engine_request, make_scheduler, model_dir, vllm_request
+from simharness.vllmhost import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    VOCAB,
+    engine_request,
+    make_scheduler,
+    model_dir,
+    vllm_request,
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ class VllmSide:
         self.rng = random.Random(case.seed)
 
     def arrive(self, rid: int) -> None:
-        prompt = [self.rng.randrange(32000) for _ in range(self.case.prompt_len[rid])]
+        prompt = [self.rng.randrange(VOCAB) for _ in range(self.case.prompt_len[rid])]
         self.scheduler.add_request(vllm_request(engine_request(str(rid), prompt, self.case.output_len[rid])))
 
     def step(self) -> dict[int, int]:
@@ -139,13 +147,13 @@ class VllmSide:
         for r in ids:
             decode = r not in prefilling
             n = self.outcomes.emit(int(r), decode, r in done_prompt, len(out.scheduled_spec_decode_tokens.get(r, ())))
-            sampled.append([self.rng.randrange(32000) for _ in range(n)])
+            sampled.append([self.rng.randrange(VOCAB) for _ in range(n)])
         runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                    sampled_token_ids=sampled)
         self.scheduler.update_from_output(out, runner)
         if self.case.k and not self.case.async_scheduling:
             live = [r for r, s in zip(ids, sampled, strict=True) if s and r in self.scheduler.requests]
-            drafts = [[self.rng.randrange(32000) for _ in range(self.case.k)] for _ in live]
+            drafts = [[self.rng.randrange(VOCAB) for _ in range(self.case.k)] for _ in live]
             self.scheduler.update_draft_token_ids(DraftTokenIds(live, drafts))
 
     def done(self) -> bool:
