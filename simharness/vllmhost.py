@@ -124,7 +124,7 @@ def run_point(point: Point, model_dir: Path, steps: int, rng: random.Random, tok
     gc.collect()
     gc.freeze()
     # untimed: a few short requests served to their end, so that the timed steps are not the first calls of this
-    # scheduler and processor (which cost up to twice a later step's: a running engine has served requests)
+    # scheduler and processor (which cost more than later ones: a running engine has served requests)
     add_requests(scheduler, outputs, WARMUP_REQUESTS, WARMUP_PROMPT, WARMUP_TOKENS, "w", rng, vocab)
     run_steps(scheduler, outputs, point, rng, None, vocab)
     add_requests(scheduler, outputs, point.requests, point.prompt_len, MAX_MODEL_LEN - point.prompt_len - 64, "r",
