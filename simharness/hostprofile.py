@@ -1,19 +1,20 @@
 """Host profiles: vLLM's own host costs per phase, fitted from timings of its scheduler and output processor
 (`simharness.vllmhost`), with the host's speed they were measured at, and scaled to another host's speed.
 
-A phase's cost per step is linear: base + per request x requests + per draft token x drafts scheduled
-(+ per prefill chunk). The fit is least squares over the measured points (each the median over repeats of its
-mean step); its error is the median relative error on held-out points, those whose (requests, k) the fit did
-not see. The profile's
-`host_gauge_us` is `simharness.hostspeed`'s gauge (the fastest median time of its fixed workload) on the
-measuring host: a profile scales to a host whose gauge reads g by g / host_gauge_us (docs/host-costs.md).
+A phase's cost per step is linear in what the step holds (FEATURES): base + per request x requests + per draft
+token x drafts scheduled (+ per prefill chunk); output processing also per first token and per requests^2. The fit
+is least squares over the measured points (each the median over repeats of its mean step); its error is the median
+relative error on held-out points, those whose (requests, k) the fit did not see, and its spread that of the same
+fit from each repeat alone. The profile's `host_gauge_us` is `simharness.hostspeed`'s gauge (the fastest median
+time of its fixed workload) on the measuring host: a profile scales to a host whose gauge reads g by
+g / host_gauge_us (docs/host-costs.md).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,9 @@ PROFILE_FIELDS = ("schedule_us", "schedule_per_req_us", "update_us", "update_per
 FEATURES = {
     "schedule": ["reqs", "draft_tokens", "prefill_reqs"],
     "update": ["reqs", "draft_tokens", "prefill_reqs"],
-    "output": ["reqs", "sampled_tokens"],
+    # a request's first output costs more than a later one; the per-request cost rises past ~64 requests
+    # (docs/host-costs.md): reqs_sq is requests squared over 256
+    "output": ["reqs", "sampled_tokens", "first_tokens", "reqs_sq"],
 }
 
 
@@ -60,6 +63,8 @@ class PhaseFit:
     median_error: float  # median |relative error| on held-out points
     worst_error: float
     held_out: int  # held-out points
+    # the median |relative error| on held-out points of the same fit made from each repeat alone: its spread
+    repeat_errors: list[float] = field(default_factory=list)
 
     def predict_us(self, features: dict[str, float]) -> float:
         return self.base_us + sum(c * features[f] for f, c in self.per_unit_us.items())
@@ -75,14 +80,14 @@ class HostProfile:
     fits: dict[str, dict[str, PhaseFit]]  # mode -> phase -> fit
 
 
-def point_medians(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per measured point and repeat the mean step (steps with prefill kept apart from those without: the cost a
-    step adds on average), then per point the median over repeats: the values the fit sees."""
-    keys = ["requests", "k", "prompt_len", "async_scheduling", "max_batched_tokens"]
-    rows = rows.assign(prefilling=rows["prefill_reqs"] > 0)
+POINT_KEYS = ["requests", "k", "prompt_len", "async_scheduling", "max_batched_tokens", "prefilling"]
+
+
+def repeat_means(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per measured point and repeat the mean step, steps with prefill apart from those without."""
+    rows = rows.assign(prefilling=rows["prefill_reqs"] > 0, reqs_sq=rows["reqs"] ** 2 / 256)
     numeric = sorted({f for fs in FEATURES.values() for f in fs} | {f"{p}_us" for p in FEATURES})
-    per_repeat = rows.groupby([*keys, "prefilling", "repeat"])[numeric].mean()
-    return per_repeat.groupby(level=[*keys, "prefilling"]).median().reset_index()
+    return rows.groupby([*POINT_KEYS, "repeat"])[numeric].mean().reset_index()
 
 
 def fit_phase(train: pd.DataFrame, test: pd.DataFrame, phase: str) -> PhaseFit:
@@ -95,24 +100,44 @@ def fit_phase(train: pd.DataFrame, test: pd.DataFrame, phase: str) -> PhaseFit:
     fit = PhaseFit(float(coef[0]), dict(zip(features, map(float, coef[1:]), strict=True)), math.nan, math.nan, 0)
     if len(test) == 0:
         return fit
-    predicted = np.array([fit.predict_us(r) for r in test[features].to_dict("records")])
-    errors = np.abs(predicted / test[f"{phase}_us"].to_numpy(float) - 1)
+    errors = np.abs(fit_errors(fit, test, phase))
     return PhaseFit(fit.base_us, fit.per_unit_us, float(np.median(errors)), float(errors.max()), len(test))
+
+
+def fit_errors(fit: PhaseFit, points: pd.DataFrame, phase: str) -> np.ndarray:
+    """The fit's relative error at each of `points`."""
+    predicted = np.array([fit.predict_us(r) for r in points[FEATURES[phase]].to_dict("records")])
+    return predicted / points[f"{phase}_us"].to_numpy(float) - 1
 
 
 def fit_host_profile(rows: pd.DataFrame, held_out: set[tuple[int, int]], *, vllm_version: str, host_gauge_us: float,
                 machine: str) -> HostProfile:
     """Fit every phase per scheduling mode from `vllmhost` step rows; points whose (requests, k) are in
-    `held_out` are left out of the fit and score it."""
-    points = point_medians(rows)
+    `held_out` are left out of the fit and score it. The same fit from each repeat alone gives the error's
+    spread (`repeat_errors`)."""
+    per_repeat = repeat_means(rows)
+    # per point the median over repeats: the values the fit sees
+    points = per_repeat.groupby(POINT_KEYS).median().drop(columns="repeat").reset_index()
     fits: dict[str, dict[str, PhaseFit]] = {}
     for is_async, mode in ((False, "sync"), (True, "async")):
         mode_points = points[points["async_scheduling"] == is_async]
         if mode_points.empty:
             continue
-        test = mode_points.apply(lambda r: (int(r["requests"]), int(r["k"])) in held_out, axis=1)
-        fits[mode] = {phase: fit_phase(mode_points[~test], mode_points[test], phase) for phase in FEATURES}
+        fits[mode] = {}
+        for phase in FEATURES:
+            fit = fit_phase(*split(mode_points, held_out), phase)
+            repeats = per_repeat[per_repeat["async_scheduling"] == is_async].groupby("repeat")
+            spread = [fit_phase(*split(one, held_out), phase).median_error for _, one in repeats]
+            fits[mode][phase] = PhaseFit(fit.base_us, fit.per_unit_us, fit.median_error, fit.worst_error,
+                                         fit.held_out, spread if len(spread) > 1 else [])
     return HostProfile(vllm_version, host_gauge_us, machine, fits)
+
+
+def split(points: pd.DataFrame, held_out: set[tuple[int, int]]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`points` the fit sees, and those whose (requests, k) is held out."""
+    test = np.array([(int(r), int(k)) in held_out for r, k in zip(points["requests"], points["k"], strict=True)],
+                    dtype=bool)
+    return points[~test], points[test]
 
 
 def write_profile(profile: HostProfile, path: Path) -> Path:

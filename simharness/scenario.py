@@ -231,16 +231,16 @@ class HostCosts(Strict):
         None, gt=0, le=MAX_VALUE, description="the host gauge (`simharness.hostspeed`, fastest median, µs) of the "
         "host modelled: the profile's costs scale by it over the profile's own (unset: the profile's host)"
     )
-    schedule_us: NonNegFloat = 28.73
-    schedule_per_req_us: NonNegFloat = 9.48
+    schedule_us: NonNegFloat = 23.27
+    schedule_per_req_us: NonNegFloat = 9.40
     prep_us: NonNegFloat = 200.0
     prep_per_req_us: NonNegFloat = 5.0
     prep_per_token_us: NonNegFloat = 0.05
     launch_us: NonNegFloat = 60.0
     launch_per_req_us: NonNegFloat = 0.0
     launch_per_prefill_us: NonNegFloat = Field(0.0, description="per prefill chunk (its launch is not a replay)")
-    update_us: NonNegFloat = 8.84
-    update_per_req_us: NonNegFloat = 5.33
+    update_us: NonNegFloat = 7.57
+    update_per_req_us: NonNegFloat = 5.16
     ngram_cpu_us: NonNegFloat = 20.0
     ngram_cpu_per_req_us: NonNegFloat = 3.0
     ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "host" / "vllm-0.32.0.json"
 # the synthetic truth (µs): phase -> base, per request, per draft token, per prefill chunk
 TRUTH = {"schedule": (25.0, 8.0, 0.15, 30.0), "update": (7.0, 4.0, 0.25, 2.0)}
-OUTPUT = (3.5, 4.5, 0.1)  # base, per request, per sampled token
+OUTPUT = (3.5, 4.5, 0.1, 2.0, 2.0)  # base, per request, per sampled token, per first token, per request^2 / 256
 HELD_OUT = {(3, 2), (24, 6), (96, 2), (192, 6)}
 
 
@@ -44,11 +44,13 @@ def synthetic_rows(rng: np.random.Generator, noise: float = 0.03, slow_repeat: f
                 for prefill in (0, 0, 0, 0, 0, 0, 0, 0, 2, 0):
                     row = {"requests": b, "k": k, "prompt_len": 512, "async_scheduling": is_async,
                            "max_batched_tokens": 8192, "repeat": repeat, "reqs": b, "prefill_reqs": prefill,
-                           "draft_tokens": b * k, "sampled_tokens": b * (1 + k // 2), "tokens": b * (1 + k)}
+                           "draft_tokens": b * k, "sampled_tokens": b * (1 + k // 2), "tokens": b * (1 + k),
+                           "first_tokens": prefill}
                     for phase, (base, per_req, per_draft, per_prefill) in TRUTH.items():
                         t = base + per_req * b + per_draft * b * k + per_prefill * prefill
                         row[f"{phase}_us"] = t * rng.lognormal(0, noise) * (slow_repeat if repeat == slow else 1.0)
-                    row["output_us"] = OUTPUT[0] + OUTPUT[1] * b + OUTPUT[2] * row["sampled_tokens"]
+                    row["output_us"] = (OUTPUT[0] + OUTPUT[1] * b + OUTPUT[2] * row["sampled_tokens"]
+                                        + OUTPUT[3] * prefill + OUTPUT[4] * b * b / 256)
                     rows.append(row)
     return pd.DataFrame(rows)
 
@@ -64,7 +66,12 @@ def test_fit_recovers_the_costs_and_scores_held_out_points():
             assert fit.per_unit_us["draft_tokens"] == pytest.approx(per_draft, rel=0.2), (mode, phase)
             assert fit.held_out == len(HELD_OUT) * 2  # decode and prefill steps of each held-out point
             assert fit.median_error < 0.05
-        assert profile.fits[mode]["output"].per_unit_us["reqs"] == pytest.approx(OUTPUT[1], rel=1e-6)
+        output = profile.fits[mode]["output"]
+        assert [output.per_unit_us[f] for f in ("reqs", "first_tokens", "reqs_sq")] == pytest.approx(
+            [OUTPUT[1], OUTPUT[3], OUTPUT[4]], rel=1e-6)
+        # the same fit from each repeat alone (the spread) sees that repeat's slow points, which the median over
+        # repeats shrugs off
+        assert len(fit.repeat_errors) == 3 and min(fit.repeat_errors) > 2 * fit.median_error
 
 
 def test_fit_error_is_large_where_the_model_is_wrong():
@@ -176,3 +183,5 @@ def test_vllm_measures_one_small_point_end_to_end(tmp_path):
         assert (rows.prefill_reqs > 0).sum() >= 3  # 640 prompt tokens through a 256-token budget: chunked
         assert (rows[["schedule_us", "update_us", "output_us"]] > 0).all().all()
         assert (decode.sampled_tokens >= 4).all() and (decode.sampled_tokens <= 12).all()
+        # each request's first token once, in the step that ends its prompt (the warm-up's steps are not rows)
+        assert rows.first_tokens.sum() == 4 and (rows.first_tokens <= rows.prefill_reqs).all()

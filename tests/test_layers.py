@@ -28,7 +28,8 @@ LAYERS = [
      "engine.eager_step", "engine.launch", "engine.torch_backend", "model_backend"],
     ["core", "loop"],  # the host's decisions and the phase sequence, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
-    ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
+    ["measured", "bench", "vllmhost", "vllmpolicy"],  # set-up of the measured levels, benchmarks (vLLM's own host
+    # costs and scheduler)
     # outputs, and the fits of the sim level's costs read from them
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report", "frontier",
      "calibration", "profile_fit"],
