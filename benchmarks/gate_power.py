@@ -14,7 +14,7 @@ runs each arm once, in an order shuffled by p, until the time budget is spent. A
 distinct processes and compares the base arm's runs of n of them with the current arm's runs of the other n; its
 rates are over `--trials` such draws (all of them when there are fewer). With `--base-runs B` the base side holds B
 runs instead (at most the pool's processes less n), as a CI job compares its n runs with a committed baseline of B
-(`compare --last B`). With P processes, n is at most P / 2, and
+runs (a seed's comparison keeps n a side: its pool is two or three processes). With P processes, n is at most P / 2, and
 trials reuse runs, so a rate from a small pool is coarser than its trial count says (the tables give P). The sim is
 deterministic: one run per arm, and the verdict is the same for any n (n copies of a run are compared as n runs).
 
@@ -337,8 +337,9 @@ def analyse(pool: Path, level: str, count: int, threshold: float, base_runs: int
     pool_runs = load_pool(pool, level, arm_set)
     rows = []
     for name, base, current, change in comparisons(arm_set):
+        history = None if arm_set[base].seed else base_runs  # a seed's few processes: n a side
         for n in RUNS_PER_SIDE if level != "sim" else (1,):
-            for i, (b, c) in enumerate(trials(pool_runs, base, current, n, count, base_runs=base_runs)):
+            for i, (b, c) in enumerate(trials(pool_runs, base, current, n, count, base_runs=history)):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     result = compare_runs(b, c, threshold=threshold)
@@ -451,7 +452,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=3, metavar=("POOL", "LEVEL", "PROCESS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="where the pool, the CSVs and power.md go")
-    ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(BACKENDS))
+    ap.add_argument("--levels", nargs="+", choices=list(BACKENDS), help="the levels to run (default: sim), or to "
+                    "analyse (default: every level in the pool)")
     ap.add_argument("--scenario", type=Path, help="the gate's scenario (default: scenarios/ci.yaml at sim, "
                     "scenarios/gate-gpu.yaml at hil/real)")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the gate's scenario")
@@ -493,6 +495,7 @@ def main() -> None:
 
 def build(args: argparse.Namespace, pool: Path) -> None:
     """Run the worker processes of every level into `pool`."""
+    args.levels = args.levels or ["sim"]
     default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
     scenario = (args.scenario or ROOT / default).resolve()
     if scenario.is_relative_to(ROOT):  # the pool is analysed on another machine too
@@ -514,7 +517,7 @@ def build(args: argparse.Namespace, pool: Path) -> None:
 
 def report(args: argparse.Namespace, pool: Path) -> None:
     """The trials of every level in `pool`: OUT/<level>.csv, OUT/power-<level>.csv and OUT/power.md."""
-    levels = [lv for lv in BACKENDS if (pool / lv).is_dir()]
+    levels = [lv for lv in BACKENDS if (pool / lv).is_dir() and lv in (args.levels or BACKENDS)]
     analysed = {lv: analyse(pool, lv, args.trials, args.threshold, args.base_runs) for lv in levels}
     trial_rows = pd.concat([rows for rows, _ in analysed.values()])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -310,24 +310,27 @@ class _Runs:
     """Several runs a side: each run's value of a point is its median over its repeats (if any); a side's value is
     the median over its runs (`medians`), and the runs' values are the samples of `run_significance`. A latency's or
     throughput's spread is at least the median spread of those metrics and of the metric's family (`floor`,
-    `_family`: they all carry the host's run-to-run speed); a step metric's is its own."""
+    `_family`: they all carry the host's run-to-run speed); a step metric's is its own. The level `alpha` is split
+    over the families of the gated metrics that vary (Bonferroni): the metrics of a family move together, the
+    families nearly apart, and a comparison, not a metric, is what raises a false alarm."""
 
     repeated = True
 
     def __init__(self, bases: list[Run], currents: list[Run], alpha: float, metrics: dict):
-        self.values = [[_per_config(r) for r in side] for side in (bases, currents)]
+        self.runs = []  # per side: point -> its runs' values (a row per run)
         self.medians = []
-        for side, values in zip((bases, currents), self.values, strict=True):
-            stacked = pd.concat(values, keys=range(len(values)), names=["run", "point"])
+        for side in (bases, currents):
+            stacked = pd.concat([_per_config(r) for r in side], keys=range(len(side)), names=["run", "point"])
+            self.runs.append({p: g.droplevel("point") for p, g in stacked.groupby(level="point", sort=False)})
             medians = stacked.groupby(level="point", sort=False).median()
             self.medians.append(Run(side[0].path, side[0].scenario, side[0].level, medians, None, side[0].meta))
         common = [p for p in self.medians[0].summary.index if p in self.medians[1].summary.index]
         gated = [m for m, (better, _) in metrics.items()
                  if better is not None and all(m in s.summary for s in self.medians)]
-        self.alpha = alpha
-        spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common
-                   for m in gated if m in METRICS}
+        spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common for m in gated}
         spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > 0}
+        self.alpha = alpha / max(len({_family(m) for _, m in spreads}), 1)
+        spreads = {k: v for k, v in spreads.items() if k[1] in METRICS}
         overall = float(np.median(list(spreads.values()))) if spreads else 0.0
         # a statistic's family (P99 of every latency at every point, ...) spreads alike: its median spread too
         families: dict[str, list[float]] = {}
@@ -337,8 +340,8 @@ class _Runs:
         self.overall = overall
 
     def _samples(self, point: str, metric: str) -> list[np.ndarray]:
-        return [np.array([v.at[point, metric] for v in side if point in v.index and metric in v], dtype=np.float64)
-                for side in self.values]
+        return [side[point][metric].to_numpy(dtype=np.float64) if point in side and metric in side[point]
+                else np.array([]) for side in self.runs]
 
     def p_value(self, point: str, metric: str) -> float | None:
         floor = self.floor.get(_family(metric), self.overall) if metric in METRICS else 0.0
@@ -346,7 +349,10 @@ class _Runs:
 
 
 def _family(metric: str) -> str:
-    """The statistic a latency metric is (mean, median, p90, p99); any other metric is a family of its own."""
+    """The statistic a latency metric is (mean, median, p90, p99); the throughputs are one family; any other metric
+    is a family of its own."""
+    if metric.endswith("_throughput"):
+        return "throughput"
     return metric.split("_")[0] if metric.endswith("_ms") and metric.count("_") == 2 else metric
 
 
@@ -354,7 +360,10 @@ def _per_config(run: Run) -> pd.DataFrame:
     """A run's metrics by configuration: the median over its repeats, or its summary as it is."""
     summary = run.summary.reset_index()
     numeric = [m for m in {**DIRECTION, **dict.fromkeys(SAME_STEPS)} if m in summary]
-    values = summary[numeric].apply(pd.to_numeric, errors="coerce")
+    values = summary[numeric]
+    text = [m for m, dtype in values.dtypes.items() if not pd.api.types.is_numeric_dtype(dtype)]
+    if text:  # a value that is no number is NaN: not compared
+        values = values.assign(**{m: pd.to_numeric(values[m], errors="coerce") for m in text})
     if stats.REPEAT not in summary:
         return values.set_index(summary["point"])
     return values.groupby(stats.config_ids(summary), sort=False).median()
