@@ -313,10 +313,9 @@ def load_pool(pool: Path, level: str, arm_set: dict[str, Arm]) -> dict[str, dict
 def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: int, count: int, seed: int = 0,
            base_runs: int | None = None):
     """Up to `count` draws of b base-arm runs and n current-arm runs from b + n distinct processes (all of them when
-    there are fewer); b is n, or `base_runs` as far as the pool allows (at least n); yields (base runs, current
-    runs)."""
+    there are fewer); b is n, or `base_runs` as far as the pool allows; yields (base runs, current runs)."""
     procs = sorted(set(pool_runs[base]) & set(pool_runs[current]))
-    b = n if base_runs is None else max(n, min(base_runs, len(procs) - n))
+    b = n if base_runs is None else max(1, min(base_runs, len(procs) - n))
     if len(procs) < b + n:
         return
     rng = random.Random(seed)
