@@ -20,12 +20,16 @@ from simharness.gate_report import verdict
 ROOT = Path(__file__).resolve().parents[1]
 # The real level's run-to-run spread in the H100 pools (results/gate/h100/step-gate/power.md, "Run-to-run spread";
 # standard deviations of a run's log value): a run's host speed moves its host time per step by about 19% and its
-# latencies by about 3.5% (they correlate 0.85-0.96); the device time per step spreads by 1.4%, tail latencies by
-# up to 6%; the step counts, tokens per step and acceptance do not move at all (greedy outputs, closed loop).
-HOST, STEP, LATENCY, TAIL = 0.19, 0.014, 0.035, 0.06
+# latencies by about 3.5% (they correlate 0.85-0.96); the device time per step spreads by 1.4% (0.1% at hil), tail
+# latencies by up to 6%; the step counts, tokens per step and acceptance do not move at all (greedy outputs, closed
+# loop). The GPU gate compares n new runs with a committed baseline of ten (docs/ci.md).
+HOST, LATENCY, TAIL = 0.19, 0.035, 0.06
+STEP = {"real": 0.014, "hil": 0.001}
+BASE_RUNS = 10
 
 
-def fake_run(rng: np.random.Generator, *, device: float = 1.0, tokens: float = 20.64, name: str = "r") -> Run:
+def fake_run(rng: np.random.Generator, *, device: float = 1.0, tokens: float = 20.64, level: str = "real",
+             name: str = "r") -> Run:
     """One measured run of one point. `device` scales the device time per step; TPOT moves by the part of it the
     steps do not hide (a third, as the 5% arm's TPOT moved 1.5% in the pools)."""
     host = rng.normal(0.0, 1.0)  # the run's host speed, in standard deviations
@@ -33,7 +37,7 @@ def fake_run(rng: np.random.Generator, *, device: float = 1.0, tokens: float = 2
     row = {"point": "base", "level": "real", "num_steps": 112, "mean_batch_size": 6.75, "tokens_per_step": tokens,
            "syncs_per_step": 2.0, "acceptance_rate": 81.2, "mean_acceptance_length": 4.25,
            "mean_host_ms_per_step": 0.57 * math.exp(HOST * host),
-           "mean_step_ms": 2.18 * device * math.exp(STEP * (0.9 * host + 0.44 * rng.normal())),
+           "mean_step_ms": 2.18 * device * math.exp(STEP[level] * (0.9 * host + 0.44 * rng.normal())),
            "output_throughput": 8500.0 / latency, "request_throughput": 87.0 / latency}
     for kind, ms in {"ttft": 12.0, "tpot": 0.68, "itl": 2.2, "e2el": 80.0}.items():
         for stat, sigma in {"mean": 0.0, "median": 0.01, "p90": 0.02, "p99": TAIL}.items():
@@ -42,44 +46,49 @@ def fake_run(rng: np.random.Generator, *, device: float = 1.0, tokens: float = 2
     return Run(Path(name), "gate-gpu", "real", summary, None, {"scenario": "gate-gpu", "device": "H100"})
 
 
-def fail_rate(n: int, trials: int, seed: int, base_runs: int = 5, threshold: float = 0.02, **current) -> float:
+def fail_rate(n: int, trials: int, seed: int, level: str = "real", threshold: float = 0.02, **current) -> float:
     rng = np.random.default_rng(seed)
     fails = 0
     for _ in range(trials):
-        base = [fake_run(rng) for _ in range(base_runs)]
-        fails += verdict(compare_runs(base, [fake_run(rng, **current) for _ in range(n)],
+        base = [fake_run(rng, level=level) for _ in range(BASE_RUNS)]
+        fails += verdict(compare_runs(base, [fake_run(rng, level=level, **current) for _ in range(n)],
                                       threshold=threshold)) == "fail"
     return fails / trials
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
-def test_a_a_false_alarms_at_most_one_percent_against_a_five_run_baseline(n):
+def test_a_a_false_alarms_at_most_one_percent(n):
     assert fail_rate(n, 300, seed=n) <= 0.01
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_a_five_percent_device_slowdown_is_caught_by_the_step_time(n):
-    # TPOT moves 1.7% under a 3.5% spread: the latencies alone would miss it
-    assert fail_rate(n, 100, seed=40 + n, device=1.05) >= 0.95
+def test_a_five_percent_device_slowdown_is_caught_from_one_run_at_hil():
+    # TPOT moves 1.7% under a 3.5% spread: the latencies alone would miss it; the step time spreads 0.1%
+    assert fail_rate(1, 100, seed=41, level="hil", device=1.05) >= 0.95
+
+
+def test_at_real_the_step_time_spread_costs_runs():
+    # 1.4% a run: one new run catches 5% now and then, five nearly always
+    one, five = (fail_rate(n, 100, seed=50 + n, device=1.05) for n in (1, 5))
+    assert one < 0.8 and five >= 0.9
 
 
 def test_the_step_metrics_are_what_catches_it():
     rng = np.random.default_rng(7)
-    base = [fake_run(rng) for _ in range(5)]
-    rows = compare_runs(base, [fake_run(rng, device=1.05) for _ in range(3)], threshold=0.02)
+    base = [fake_run(rng, level="hil") for _ in range(BASE_RUNS)]
+    rows = compare_runs(base, [fake_run(rng, level="hil", device=1.05) for _ in range(3)], threshold=0.02)
     regressed = {r.metric for r in rows if r.verdict == "regression"}
     assert "mean_step_ms" in regressed and not any(m.endswith("tpot_ms") for m in regressed), regressed
 
 
-def test_a_two_percent_slowdown_is_rarely_caught_but_not_a_false_alarm():
+def test_a_slowdown_of_the_thresholds_size_is_caught_about_half_the_time():
     # 2% is the threshold itself: about half of the observed changes fall short of it
-    assert 0.2 < fail_rate(3, 100, seed=5, device=1.02) < 0.9
+    assert 0.2 < fail_rate(3, 100, seed=5, level="hil", device=1.02) < 0.9
 
 
 def test_device_step_time_of_other_steps_is_a_diagnostic():
     # more tokens per step (better acceptance) make longer device steps: no device regression
     rng = np.random.default_rng(3)
-    base = [fake_run(rng) for _ in range(5)]
+    base = [fake_run(rng) for _ in range(BASE_RUNS)]
     rows = compare_runs(base, [fake_run(rng, device=1.2, tokens=24.0) for _ in range(3)], threshold=0.02)
     step = next(r for r in rows if r.metric == "mean_step_ms")
     assert step.verdict == "changed" and step.change_pct > 15
@@ -88,7 +97,8 @@ def test_device_step_time_of_other_steps_is_a_diagnostic():
 
 def test_step_metrics_are_not_gated_at_the_sim_or_with_one_plain_run_a_side():
     rng = np.random.default_rng(4)
-    one = compare_runs(fake_run(rng), fake_run(rng, device=1.3))
+    with pytest.warns(UserWarning, match="one sample per point"):
+        one = compare_runs(fake_run(rng), fake_run(rng, device=1.3))
     assert not {r.metric for r in one} & set(STEP_METRICS)
     sims = []
     for _ in range(3):
