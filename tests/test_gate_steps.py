@@ -155,3 +155,17 @@ def test_trials_with_a_baseline_of_b_runs():
         for base, current in drawn:
             assert len(base) == b and len(current) == n
             assert len({r[1:] for r in base + current}) == b + n
+
+
+def test_step_metrics_reach_every_output():
+    from simharness.gate_report import junit, markdown, to_json
+
+    rng = np.random.default_rng(9)
+    base = [fake_run(rng, level="hil") for _ in range(BASE_RUNS)]
+    rows = compare_runs(base, [fake_run(rng, level="hil", device=1.1) for _ in range(2)], threshold=0.02)
+    data = to_json(rows)
+    assert "base mean_step_ms" in [e["name"] for e in data["customSmallerIsBetter"]]
+    assert "base tokens_per_step" in [e["name"] for e in data["customBiggerIsBetter"]]
+    assert "mean_step_ms" in [r["metric"] for r in data["regression_rows"]]
+    assert '<testcase classname="base" name="mean_step_ms">\n      <failure' in junit(rows)
+    assert "| base | mean_step_ms |" in markdown(rows).split("#### Changes")[0]
