@@ -169,3 +169,15 @@ def test_step_metrics_reach_every_output():
     assert "mean_step_ms" in [r["metric"] for r in data["regression_rows"]]
     assert '<testcase classname="base" name="mean_step_ms">\n      <failure' in junit(rows)
     assert "| base | mean_step_ms |" in markdown(rows).split("#### Changes")[0]
+
+
+def test_spread_table_gives_a_spread_and_each_arms_change():
+    gp = _benchmark()
+    rng = np.random.default_rng(11)
+    pool = {"A": {p: fake_run(rng, level="hil") for p in range(6)},
+            "slow": {p: fake_run(rng, level="hil", device=1.1) for p in range(6)}}
+    text = gp.spread_table(pool, [("A/A", "A", "A", ""), ("slow", "A", "slow", "")])
+    assert text.splitlines()[0] == "| metric | spread (A) | slow |"
+    step = next(line for line in text.splitlines() if line.startswith("| mean_step_ms |")).split("|")
+    assert 0.0 < float(step[2].strip(" %")) < 0.5 and 9.0 < float(step[3].strip(" %+")) < 11.0
+    assert "| syncs_per_step | 0.00% | +0.0% |" in text
