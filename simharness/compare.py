@@ -5,12 +5,13 @@ beyond the threshold in the bad direction is a regression (LLMServingSim gates i
 clock the same way). Measured runs (hil / real) are judged with the run as the unit of evidence:
 with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of the last N runs) a
 change is a regression only when it is beyond the threshold and the runs' values differ
-(`run_significance`, pooled t-test on logs, p < alpha), and the
-engine's per-step figures are gated too (`STEP_METRICS`: device time and host time per step, tokens per
-step; far steadier run to run than latency); with one run a side that has `repeats: N`
-the repeats are the units (`stats.significance`); with one plain run a side the per-request samples
-are (Mann-Whitney U, p < 0.01), and a warning says that this cannot tell run-to-run noise from a
-change. docs/baselines.md says which test and why, and how the threshold meets the noise.
+(`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
+records' figures are gated too (`STEP_METRICS`: device and host time per step, tokens per step; far
+steadier run to run than latency); with one run a side that has `repeats: N` the repeats are the
+units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
+p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
+and docs/ci.md ("The GPU gate's statistic") say which test and why, and how the threshold meets the
+noise.
 The acceptance rate is always compared: a collapse of acceptance is a regression even when latency
 looks fine (vLLM #37150). The gate's outputs (Markdown, JSON, JUnit) are in `simharness.gate_report`.
 """
@@ -59,9 +60,11 @@ STEP_METRICS: dict[str, tuple[bool | None, str]] = {
 SAME_STEPS = ("num_steps", "mean_batch_size", "tokens_per_step")
 SAME_STEPS_TOL = 0.005
 DIRECTION = {**METRICS, **STEP_METRICS}  # every metric compare may gate: (bigger is better, unit)
+NUMERIC = tuple(dict.fromkeys((*DIRECTION, *SAME_STEPS)))  # the summary columns a side's median is taken of
 FLOAT_TOL = 1e-9
 P_VALUE = 0.01  # one plain run a side: the Mann-Whitney test on per-request samples
-# several runs a side: two-sided, so a regression (a change in the bad direction) is a one-sided 1% test
+# several runs a side: two-sided, for the whole comparison: split over the families of gated metrics that vary
+# (`_Runs`); a regression is a change in the bad direction, so a comparison's false alarms stay near 1%
 RUN_ALPHA = 0.02
 
 
@@ -359,7 +362,7 @@ def _family(metric: str) -> str:
 def _per_config(run: Run) -> pd.DataFrame:
     """A run's metrics by configuration: the median over its repeats, or its summary as it is."""
     summary = run.summary.reset_index()
-    numeric = [m for m in {**DIRECTION, **dict.fromkeys(SAME_STEPS)} if m in summary]
+    numeric = [m for m in NUMERIC if m in summary]
     values = summary[numeric]
     text = [m for m, dtype in values.dtypes.items() if not pd.api.types.is_numeric_dtype(dtype)]
     if text:  # a value that is no number is NaN: not compared
@@ -419,7 +422,7 @@ class _Repeats:
         self.groups, self.medians = [], []
         for run in (base, current):
             summary = run.summary.reset_index()
-            numeric = [m for m in {**DIRECTION, **dict.fromkeys(SAME_STEPS)} if m in summary]
+            numeric = [m for m in NUMERIC if m in summary]
             groups = summary.groupby(stats.config_ids(summary), sort=False)[numeric]
             self.groups.append(groups)
             self.medians.append(Run(run.path, run.scenario, run.level, groups.median(), run.run_dir))
