@@ -6,11 +6,15 @@ catches changes of known size injected into the tree, by runs per side (1, 2, 3,
     python3 benchmarks/gate_power.py --levels hil --scenario scenarios/hil-cpu.yaml --budget-s 120 \\
         --seed-set engine.model=tiny --seed-set engine.device=cpu --seed-set workload.num_requests=6 --out /tmp/g
     python3 benchmarks/gate_power.py --analyse /tmp/g --out /tmp/g                  # the tables again, from the pool
+    python3 benchmarks/gate_power.py --pools results/gate/h100/pool-call*.tgz --base-runs 5 --threshold 0.02 \
+        --out results/gate/h100/step-gate                                          # committed pools, re-analysed
 
 Every run is a process of its own (`--worker`), as a CI job's runs are. A measured level builds a pool: process p
 runs each arm once, in an order shuffled by p, until the time budget is spent. A trial of n runs a side draws 2n
 distinct processes and compares the base arm's runs of n of them with the current arm's runs of the other n; its
-rates are over `--trials` such draws (all of them when there are fewer). With P processes, n is at most P / 2, and
+rates are over `--trials` such draws (all of them when there are fewer). With `--base-runs B` the base side holds B
+runs instead (at most the pool's processes less n), as a CI job compares its n runs with a committed baseline of B
+runs (a seed's comparison keeps n a side: its pool is two or three processes). With P processes, n is at most P / 2, and
 trials reuse runs, so a rate from a small pool is coarser than its trial count says (the tables give P). The sim is
 deterministic: one run per arm, and the verdict is the same for any n (n copies of a run are compared as n runs).
 
@@ -23,20 +27,25 @@ the measured device phases are scaled in virtual time; at real a spin kernel aft
 of the running mean device time; at hil and real 9 in 10 of the GPU proposer's drafts are corrupted.
 
 Writes OUT/<level>.csv (one row per comparison, n and trial: gate verdict), OUT/power-<level>.csv (rates) and
-OUT/power.md (the tables, machine and pool sizes); the pool of runs stays under OUT/pool (small files only).
+OUT/power.md (the tables, machine and pool sizes, and each metric's run-to-run spread and each arm's change:
+`spread_table`); the pool of runs stays under OUT/pool (small files only). `--pools` re-analyses pools packed as
+tarballs (results/gate/h100/) without running anything: they are unpacked into a temporary folder, each one's
+processes numbered after the previous ones'.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
+import math
 import platform
 import random
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
 import warnings
@@ -49,7 +58,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simharness.compare import METRICS, compare_runs, load_run  # noqa: E402
+from simharness.compare import DIRECTION, compare_runs, load_run  # noqa: E402
 from simharness.gate_report import verdict  # noqa: E402
 from simharness.levels import LEVELS  # noqa: E402
 from simharness.overrides import parse_sets  # noqa: E402
@@ -61,7 +70,7 @@ HEAP = {"engine.gc.heap_objects": 500_000}  # every arm: the heap a per-step all
 # measured levels: one point (a value for each field hil.yaml and hil-cpu.yaml sweep), the GPU proposer (the one
 # `inject` corrupts)
 MEASURED = {"engine.speculation.proposer": "ngram_gpu", "scheduler.depth": 2, "scheduler.policy": "optimistic"}
-KEEP = ("summary.json", "meta.json", "scenario.yaml", "requests.parquet", "emissions.parquet")
+KEEP = ("summary.json", "meta.json", "scenario.yaml", "requests.parquet", "emissions.parquet", "steps.parquet")
 
 
 @dataclass(frozen=True)
@@ -299,45 +308,106 @@ def load_pool(pool: Path, level: str, arm_set: dict[str, Arm]) -> dict[str, dict
     return out
 
 
-def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: int, count: int, seed: int = 0):
-    """Up to `count` draws of n base-arm runs and n current-arm runs from 2n distinct processes (all of them when
-    there are fewer); yields (base runs, current runs)."""
+def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: int, count: int, seed: int = 0,
+           base_runs: int | None = None):
+    """Up to `count` draws of b base-arm runs and n current-arm runs from b + n distinct processes (all of them when
+    there are fewer); b is n, or `base_runs` as far as the pool allows; yields (base runs, current runs)."""
     procs = sorted(set(pool_runs[base]) & set(pool_runs[current]))
-    if len(procs) < 2 * n:
+    b = n if base_runs is None else max(1, min(base_runs, len(procs) - n))
+    if len(procs) < b + n:
         return
     rng = random.Random(seed)
     splits = set()
-    total = len(list(itertools.combinations(procs, 2 * n))) * len(list(itertools.combinations(range(2 * n), n)))
+    total = math.comb(len(procs), b + n) * math.comb(b + n, n)
     while len(splits) < min(count, total):
-        chosen = rng.sample(procs, 2 * n)
-        splits.add((tuple(sorted(chosen[:n])), tuple(sorted(chosen[n:]))))
+        chosen = rng.sample(procs, b + n)
+        splits.add((tuple(sorted(chosen[:b])), tuple(sorted(chosen[b:]))))
     for b, c in sorted(splits):
         yield [pool_runs[base][p] for p in b], [pool_runs[current][p] for p in c]
 
 
-def analyse(pool: Path, level: str, count: int, threshold: float) -> pd.DataFrame:
+def analyse(pool: Path, level: str, count: int, threshold: float, base_runs: int | None = None
+            ) -> tuple[pd.DataFrame, str]:
+    """The trials' verdicts (a row each), and the pool's `spread_table`."""
     plan = json.loads((pool / "plan.json").read_text())
     arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     pool_runs = load_pool(pool, level, arm_set)
     rows = []
     for name, base, current, change in comparisons(arm_set):
+        history = None if arm_set[base].seed else base_runs  # a seed's few processes: n a side
         for n in RUNS_PER_SIDE if level != "sim" else (1,):
-            for i, (b, c) in enumerate(trials(pool_runs, base, current, n, count)):
+            for i, (b, c) in enumerate(trials(pool_runs, base, current, n, count, base_runs=history)):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     result = compare_runs(b, c, threshold=threshold)
                 flagged = sorted({r.metric for r in result if r.verdict == "regression"})
                 changed = sum(r.verdict not in ("same", "noise") for r in result)
-                worse = [r.change_pct * (-1 if METRICS[r.metric][0] else 1) for r in result
-                         if r.metric in METRICS and METRICS[r.metric][0] is not None and np.isfinite(r.change_pct)]
-                rows.append({"level": level, "comparison": name, "change": change, "n": n, "trial": i,
+                worse = [r.change_pct * (-1 if DIRECTION[r.metric][0] else 1) for r in result
+                         if r.metric in DIRECTION and DIRECTION[r.metric][0] is not None and np.isfinite(r.change_pct)]
+                rows.append({"level": level, "comparison": name, "change": change, "n": n, "base_runs": len(b),
+                             "trial": i,
                              "processes": len(pool_runs[current]), "verdict": verdict(result),
                              "rows_changed": changed, "worst_pct": max(worse, default=0.0),
                              "regressed": " ".join(flagged)})
     if not rows:
         raise SystemExit(f"gate_power: {level}: no trial: the pool ({pool / level}) has fewer than two processes "
                          "with runs of the compared arms")
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows), spread_table(pool_runs, comparisons(arm_set))
+
+
+# what the spread table shows besides the gated metrics: the step records' diagnostics
+SPREAD_EXTRA = ("num_steps", "gpu_busy_fraction", "mean_bubble_ms", "sync_wait_ms_per_step")
+
+
+def spread_table(pool_runs: dict[str, dict[int, object]], comps: list[tuple[str, str, str, str]]) -> str:
+    """Markdown: per metric, the run-to-run spread of the A arm's runs (the standard deviation of the log of a run's
+    value, in %), and each comparison's change (the median over the current arm's runs against the median over the
+    base arm's, in %). A change the gate can see in n runs a side is several spreads times sqrt(2 / n)."""
+    def values(arm: str, metric: str) -> np.ndarray:
+        return np.array([float(r.summary[metric].iloc[0]) for r in pool_runs[arm].values() if metric in r.summary])
+
+    shown = [c for c in comps if c[0] != "A/A" and pool_runs[c[1]] and pool_runs[c[2]]]
+    lines = ["| metric | spread (A) | " + " | ".join(c[0] for c in shown) + " |",
+             "|---|---:|" + "---:|" * len(shown)]
+    for metric in [m for m, (better, _) in DIRECTION.items() if better is not None] + list(SPREAD_EXTRA):
+        a = values("A", metric)
+        if len(a) < 2:
+            continue
+        spread = f"{100 * np.std(np.log(a), ddof=1):.2f}%" if (a > 0).all() else "n/a"
+        cells = []
+        for _, base, current, _ in shown:
+            b, c = np.median(values(base, metric)), np.median(values(current, metric))
+            cells.append(f"{100 * (c / b - 1):+.1f}%" if b else ("+0.0%" if c == b else "n/a"))
+        lines.append(f"| {metric} | {spread} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def unpack_pools(tarballs: list[Path], dest: Path) -> Path:
+    """The pools packed in `tarballs` (each holding one `*/pool/`), as one pool under dest/pool: each tarball's
+    processes of a level numbered after the previous tarballs' (`pNN`); the first tarball's plan.json."""
+    pool = dest / "pool"
+    offsets: dict[str, int] = {}
+    for i, tarball in enumerate(tarballs):
+        unpacked = dest / f"t{i}"
+        with tarfile.open(tarball) as tar:
+            tar.extractall(unpacked, filter="data")
+        src = next(unpacked.glob("*/pool"), None)
+        if src is None:
+            raise SystemExit(f"gate_power: {tarball}: no */pool/ folder inside")
+        if i == 0:
+            pool.mkdir()
+            shutil.copy(src / "plan.json", pool / "plan.json")
+        for level_dir in (d for d in src.iterdir() if d.is_dir()):
+            offset = offsets.get(level_dir.name, 0)
+            numbers = set()
+            for process in level_dir.glob("*/p*"):
+                number = int(process.name[1:])
+                numbers.add(number)
+                target = pool / level_dir.name / process.parent.name / f"p{number + offset:02d}"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(process, target)
+            offsets[level_dir.name] = offset + max(numbers, default=-1) + 1
+    return pool
 
 
 def rates(trial_rows: pd.DataFrame) -> pd.DataFrame:
@@ -379,7 +449,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=3, metavar=("POOL", "LEVEL", "PROCESS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="where the pool, the CSVs and power.md go")
+<<<<<<< HEAD
     ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(LEVELS))
+=======
+    ap.add_argument("--levels", nargs="+", choices=list(BACKENDS), help="the levels to run (default: sim), or to "
+                    "analyse (default: every level in the pool)")
+>>>>>>> h33f
     ap.add_argument("--scenario", type=Path, help="the gate's scenario (default: scenarios/ci.yaml at sim, "
                     "scenarios/gate-gpu.yaml at hil/real)")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the gate's scenario")
@@ -392,6 +467,10 @@ def main() -> None:
                     "only, analyse it later with --analyse)")
     ap.add_argument("--threshold", type=float, default=0.05, help="the gate's threshold (compare --threshold)")
     ap.add_argument("--analyse", type=Path, metavar="POOL_OUT", help="run nothing: the tables of OUT/pool")
+    ap.add_argument("--pools", type=Path, nargs="+", metavar="TGZ", help="run nothing: the tables of the pools "
+                    "packed in these tarballs, in this order (results/gate/h100/pool-call*.tgz)")
+    ap.add_argument("--base-runs", type=int, metavar="B", help="the base side holds B runs (a committed baseline, "
+                    "`compare --last B`) instead of n")
     args = ap.parse_args()
     if args.worker:
         pool, level, process = args.worker
@@ -399,6 +478,7 @@ def main() -> None:
         return
     if args.out is None:
         ap.error("--out is required")
+<<<<<<< HEAD
     pool = (args.analyse or args.out) / "pool"
     if args.analyse is None:
         default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
@@ -422,18 +502,68 @@ def main() -> None:
         return
     levels = [lv for lv in LEVELS if (pool / lv).is_dir()]
     trial_rows = pd.concat([analyse(pool, lv, args.trials, args.threshold) for lv in levels])
+=======
+    if args.base_runs is not None and args.base_runs < 1:
+        ap.error(f"--base-runs: must be at least 1, got {args.base_runs}")
+    with tempfile.TemporaryDirectory() as unpacked:
+        if args.pools:
+            missing = [str(t) for t in args.pools if not t.is_file()]
+            if missing:
+                ap.error(f"--pools: no such file: {', '.join(missing)}")
+            pool = unpack_pools(args.pools, Path(unpacked))
+        else:
+            pool = (args.analyse or args.out) / "pool"
+            if args.analyse is None:
+                build(args, pool)
+        if args.trials:
+            report(args, pool)
+
+
+def build(args: argparse.Namespace, pool: Path) -> None:
+    """Run the worker processes of every level into `pool`."""
+    args.levels = args.levels or ["sim"]
+    default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
+    scenario = (args.scenario or ROOT / default).resolve()
+    if scenario.is_relative_to(ROOT):  # the pool is analysed on another machine too
+        scenario = scenario.relative_to(ROOT)
+    pool.mkdir(parents=True, exist_ok=True)
+    (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set,
+                                                "seeds": args.seeds, "seed_sets": args.seed_set}, indent=1))
+    start = time.perf_counter()
+    measured = [lv for lv in args.levels if lv != "sim"]
+    for level in args.levels:
+        (pool / level).mkdir(exist_ok=True)
+        if level == "sim":
+            build_pool(pool, level, 0.0, 2)  # A/A needs two processes; every other arm is exact in one
+        else:
+            left = args.budget_s - (time.perf_counter() - start)
+            build_pool(pool, level, left / len(measured), args.max_processes)
+            measured = measured[1:]
+
+
+def report(args: argparse.Namespace, pool: Path) -> None:
+    """The trials of every level in `pool`: OUT/<level>.csv, OUT/power-<level>.csv and OUT/power.md."""
+    levels = [lv for lv in BACKENDS if (pool / lv).is_dir() and lv in (args.levels or BACKENDS)]
+    analysed = {lv: analyse(pool, lv, args.trials, args.threshold, args.base_runs) for lv in levels}
+    trial_rows = pd.concat([rows for rows, _ in analysed.values()])
+>>>>>>> h33f
     args.out.mkdir(parents=True, exist_ok=True)
     power = rates(trial_rows)
+    sides = ("runs per side n" if args.base_runs is None else
+             f"n runs of the current tree against a baseline of {args.base_runs} runs (fewer where the pool lacks "
+             "processes: `base_runs` in the CSV)")
     text = [f"# Gate power ({platform.node()}, {time.strftime('%Y-%m-%d')})", "",
-            f"Fail rate of `compare --threshold {args.threshold:g}` (exit 1) per comparison and runs per side n "
-            "(trials in brackets); A/A is the false-alarm rate. `benchmarks/gate_power.py`; docs/baselines.md "
-            "\"Gate power\".", ""]
+            f"Fail rate of `compare --threshold {args.threshold:g}` (exit 1) per comparison and {sides} (trials in "
+            "brackets); A/A is the false-alarm rate. `benchmarks/gate_power.py`; docs/ci.md \"The GPU gate's "
+            "statistic\".", ""]
     for level in levels:
         trial_rows[trial_rows.level == level].to_csv(args.out / f"{level}.csv", index=False)
         power[power.level == level].to_csv(args.out / f"power-{level}.csv", index=False)
         device = json.loads(next((pool / level).glob("*/p*/*/*/meta.json")).read_text()).get("device")
         text += [f"## {level} ({device}; pool: {power[power.level == level].processes.max()} processes)", "",
                  table(power, level), ""]
+        if level != "sim":
+            text += [f"Run-to-run spread and each arm's change ({level}):", "", analysed[level][1], ""]
     (args.out / "power.md").write_text("\n".join(text))
     print("\n".join(text))
 

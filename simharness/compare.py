@@ -5,10 +5,13 @@ beyond the threshold in the bad direction is a regression (LLMServingSim gates i
 clock the same way). Measured runs (hil / real) are judged with the run as the unit of evidence:
 with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of the last N runs) a
 change is a regression only when it is beyond the threshold and the runs' values differ
-(`run_significance`, pooled t-test on logs, p < alpha); with one run a side that has `repeats: N`
-the repeats are the units (`stats.significance`); with one plain run a side the per-request samples
-are (Mann-Whitney U, p < 0.01), and a warning says that this cannot tell run-to-run noise from a
-change. docs/baselines.md says which test and why, and how the threshold meets the noise.
+(`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
+records' figures are gated too (`STEP_METRICS`: device and host time per step, tokens per step; far
+steadier run to run than latency); with one run a side that has `repeats: N` the repeats are the
+units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
+p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
+and docs/ci.md ("The GPU gate's statistic") say which test and why, and how the threshold meets the
+noise.
 The acceptance rate is always compared: a collapse of acceptance is a regression even when latency
 looks fine (vLLM #37150). The gate's outputs (Markdown, JSON, JUnit) are in `simharness.gate_report`.
 """
@@ -43,9 +46,25 @@ METRICS: dict[str, tuple[bool | None, str]] = {
     "syncs_per_step": (False, "count"),
     "sync_wait_ms_per_step": (None, "ms"),
 }
+# measured levels, with runs or repeats as the units: the step records' figures (engine_metrics). A slower device
+# moves its step time by its own size, but TPOT by less (a slower device hides more of the host's time) and under a
+# run-to-run spread of TPOT several times that of the step time (docs/ci.md, "The GPU gate's statistic"). The sim
+# keeps METRICS' exact verdicts.
+STEP_METRICS: dict[str, tuple[bool | None, str]] = {
+    "mean_step_ms": (False, "ms"),  # device time per step; gated only between runs of the same steps (SAME_STEPS)
+    "mean_host_ms_per_step": (False, "ms"),
+    "tokens_per_step": (True, "tokens"),
+}
+# the steps of two runs are alike when these agree (within SAME_STEPS_TOL): a step that does other work (more
+# requests, more accepted tokens) takes another device time, which is no regression of the device
+SAME_STEPS = ("num_steps", "mean_batch_size", "tokens_per_step")
+SAME_STEPS_TOL = 0.005
+DIRECTION = {**METRICS, **STEP_METRICS}  # every metric compare may gate: (bigger is better, unit)
+NUMERIC = tuple(dict.fromkeys((*DIRECTION, *SAME_STEPS)))  # the summary columns a side's median is taken of
 FLOAT_TOL = 1e-9
 P_VALUE = 0.01  # one plain run a side: the Mann-Whitney test on per-request samples
-# several runs a side: two-sided, so a regression (a change in the bad direction) is a one-sided 1% test
+# several runs a side: two-sided, for the whole comparison: split over the families of gated metrics that vary
+# (`_Runs`); a regression is a change in the bad direction, so a comparison's false alarms stay near 1%
 RUN_ALPHA = 0.02
 
 
@@ -189,7 +208,7 @@ def compare_runs(base: Run | list[Run], current: Run | list[Run], *, threshold: 
     check_comparable(bases, currents, force=force)
     measured = bases[0].level != "sim"
     if len(bases) + len(currents) > 2:
-        samples = _Runs(bases, currents, alpha)
+        samples = _Runs(bases, currents, alpha, {**METRICS, **(STEP_METRICS if measured else {})})
         base_run, current_run = samples.medians
     elif stats.REPEAT in bases[0].summary or stats.REPEAT in currents[0].summary:
         samples = _Repeats(bases[0], currents[0])
@@ -204,16 +223,19 @@ def compare_runs(base: Run | list[Run], current: Run | list[Run], *, threshold: 
         warnings.warn("measured runs with one sample per point: compare cannot tell run-to-run noise from a change "
                       "(the runs' processes differ by more than their requests do); compare several runs a side "
                       "(`compare BASE... CURRENT...`), or run both with `repeats: N`", stacklevel=2)
+    gated = {**METRICS, **(STEP_METRICS if measured and samples is not None and samples.repeated else {})}
     rows = []
     for point in common:
         b, c = base_run.summary.loc[point], current_run.summary.loc[point]
-        for metric, (bigger_better, _) in METRICS.items():
+        for metric, (bigger_better, _) in gated.items():
             if metric not in b or metric not in c or pd.isna(b[metric]) or pd.isna(c[metric]):
                 continue
             try:
                 values = float(b[metric]), float(c[metric])
             except (TypeError, ValueError):
                 raise CompareError(f"point {point}: {metric} is not a number") from None
+            if metric == "mean_step_ms" and not _same_steps(b, c):
+                bigger_better = None  # other work per step: a diagnostic
             rows.append(_verdict(point, metric, *values, bigger_better, threshold, samples))
     if not rows:
         raise CompareError("the two runs have no compared metric in common (see compare.METRICS)")
@@ -227,6 +249,17 @@ def compare_runs(base: Run | list[Run], current: Run | list[Run], *, threshold: 
                 rows.append(Row(f"{run.unfinished} unfinished point(s) of {run.path}", "", nan, nan, nan,
                                 f"missing in {side}"))
     return rows
+
+
+def _same_steps(base: pd.Series, current: pd.Series) -> bool:
+    """Whether the two sides ran alike steps: the same number, batch size and tokens per step (SAME_STEPS)."""
+    for column in SAME_STEPS:
+        if column not in base or column not in current:
+            return False
+        b, c = float(base[column]), float(current[column])
+        if not abs(c - b) <= SAME_STEPS_TOL * abs(b):
+            return False
+    return True
 
 
 def check_comparable(bases: list[Run], currents: list[Run], *, force: bool = False) -> None:
@@ -278,23 +311,29 @@ def _verdict(point, metric, base, cur, bigger_better, threshold, samples) -> Row
 
 class _Runs:
     """Several runs a side: each run's value of a point is its median over its repeats (if any); a side's value is
-    the median over its runs (`medians`), and the runs' values are the samples of `run_significance`, whose spread
-    is at least the median spread of the compared metrics and of the metric's family (`floor`, `_family`)."""
+    the median over its runs (`medians`), and the runs' values are the samples of `run_significance`. A latency's or
+    throughput's spread is at least the median spread of those metrics and of the metric's family (`floor`,
+    `_family`: they all carry the host's run-to-run speed); a step metric's is its own. The level `alpha` is split
+    over the families of the gated metrics that vary (Bonferroni): the metrics of a family move together, the
+    families nearly apart, and a comparison, not a metric, is what raises a false alarm."""
 
     repeated = True
 
-    def __init__(self, bases: list[Run], currents: list[Run], alpha: float):
-        self.alpha = alpha
-        self.values = [[_per_config(r) for r in side] for side in (bases, currents)]
+    def __init__(self, bases: list[Run], currents: list[Run], alpha: float, metrics: dict):
+        self.runs = []  # per side: point -> its runs' values (a row per run)
         self.medians = []
-        for side, values in zip((bases, currents), self.values, strict=True):
-            stacked = pd.concat(values, keys=range(len(values)), names=["run", "point"])
+        for side in (bases, currents):
+            stacked = pd.concat([_per_config(r) for r in side], keys=range(len(side)), names=["run", "point"])
+            self.runs.append({p: g.droplevel("point") for p, g in stacked.groupby(level="point", sort=False)})
             medians = stacked.groupby(level="point", sort=False).median()
             self.medians.append(Run(side[0].path, side[0].scenario, side[0].level, medians, None, side[0].meta))
         common = [p for p in self.medians[0].summary.index if p in self.medians[1].summary.index]
-        spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common
-                   for m, (better, _) in METRICS.items() if better is not None}
+        gated = [m for m, (better, _) in metrics.items()
+                 if better is not None and all(m in s.summary for s in self.medians)]
+        spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common for m in gated}
         spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > 0}
+        self.alpha = alpha / max(len({_family(m) for _, m in spreads}), 1)
+        spreads = {k: v for k, v in spreads.items() if k[1] in METRICS}
         overall = float(np.median(list(spreads.values()))) if spreads else 0.0
         # a statistic's family (P99 of every latency at every point, ...) spreads alike: its median spread too
         families: dict[str, list[float]] = {}
@@ -304,24 +343,30 @@ class _Runs:
         self.overall = overall
 
     def _samples(self, point: str, metric: str) -> list[np.ndarray]:
-        return [np.array([v.at[point, metric] for v in side if point in v.index and metric in v], dtype=np.float64)
-                for side in self.values]
+        return [side[point][metric].to_numpy(dtype=np.float64) if point in side and metric in side[point]
+                else np.array([]) for side in self.runs]
 
     def p_value(self, point: str, metric: str) -> float | None:
-        return run_significance(*self._samples(point, metric),
-                                min_variance=self.floor.get(_family(metric), self.overall))
+        floor = self.floor.get(_family(metric), self.overall) if metric in METRICS else 0.0
+        return run_significance(*self._samples(point, metric), min_variance=floor)
 
 
 def _family(metric: str) -> str:
-    """The statistic a latency metric is (mean, median, p90, p99); any other metric is a family of its own."""
+    """The statistic a latency metric is (mean, median, p90, p99); the throughputs are one family; any other metric
+    is a family of its own."""
+    if metric.endswith("_throughput"):
+        return "throughput"
     return metric.split("_")[0] if metric.endswith("_ms") and metric.count("_") == 2 else metric
 
 
 def _per_config(run: Run) -> pd.DataFrame:
     """A run's metrics by configuration: the median over its repeats, or its summary as it is."""
     summary = run.summary.reset_index()
-    numeric = [m for m in METRICS if m in summary]
-    values = summary[numeric].apply(pd.to_numeric, errors="coerce")
+    numeric = [m for m in NUMERIC if m in summary]
+    values = summary[numeric]
+    text = [m for m, dtype in values.dtypes.items() if not pd.api.types.is_numeric_dtype(dtype)]
+    if text:  # a value that is no number is NaN: not compared
+        values = values.assign(**{m: pd.to_numeric(values[m], errors="coerce") for m in text})
     if stats.REPEAT not in summary:
         return values.set_index(summary["point"])
     return values.groupby(stats.config_ids(summary), sort=False).median()
@@ -377,7 +422,7 @@ class _Repeats:
         self.groups, self.medians = [], []
         for run in (base, current):
             summary = run.summary.reset_index()
-            numeric = [m for m in METRICS if m in summary]
+            numeric = [m for m in NUMERIC if m in summary]
             groups = summary.groupby(stats.config_ids(summary), sort=False)[numeric]
             self.groups.append(groups)
             self.medians.append(Run(run.path, run.scenario, run.level, groups.median(), run.run_dir))

@@ -8,7 +8,7 @@ import math
 import xml.etree.ElementTree as ET
 from dataclasses import asdict
 
-from simharness.compare import METRICS, Row
+from simharness.compare import DIRECTION, Row
 
 CHANGES = ("missing in current", "missing in base", "improvement", "changed")  # in the order they are listed
 QUIET = ("noise", "same")
@@ -74,9 +74,9 @@ def to_json(rows: list[Row], context: str = "") -> dict:
     the rows only)."""
     smaller, bigger = [], []
     for r in rows:
-        if r.metric not in METRICS:  # a missing point's row
+        if r.metric not in DIRECTION:  # a missing point's row
             continue
-        bigger_better, unit = METRICS[r.metric]
+        bigger_better, unit = DIRECTION[r.metric]
         if bigger_better is None:
             continue
         entry = {"name": f"{r.point} {r.metric}", "unit": unit, "value": _finite(r.current)}
