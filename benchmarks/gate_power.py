@@ -449,12 +449,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=3, metavar=("POOL", "LEVEL", "PROCESS"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="where the pool, the CSVs and power.md go")
-<<<<<<< HEAD
-    ap.add_argument("--levels", nargs="+", default=["sim"], choices=list(LEVELS))
-=======
-    ap.add_argument("--levels", nargs="+", choices=list(BACKENDS), help="the levels to run (default: sim), or to "
+    ap.add_argument("--levels", nargs="+", choices=list(LEVELS), help="the levels to run (default: sim), or to "
                     "analyse (default: every level in the pool)")
->>>>>>> h33f
     ap.add_argument("--scenario", type=Path, help="the gate's scenario (default: scenarios/ci.yaml at sim, "
                     "scenarios/gate-gpu.yaml at hil/real)")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the gate's scenario")
@@ -478,31 +474,6 @@ def main() -> None:
         return
     if args.out is None:
         ap.error("--out is required")
-<<<<<<< HEAD
-    pool = (args.analyse or args.out) / "pool"
-    if args.analyse is None:
-        default = "scenarios/ci.yaml" if args.levels == ["sim"] else "scenarios/gate-gpu.yaml"
-        scenario = (args.scenario or ROOT / default).resolve()
-        if scenario.is_relative_to(ROOT):  # the pool is analysed on another machine too
-            scenario = scenario.relative_to(ROOT)
-        pool.mkdir(parents=True, exist_ok=True)
-        (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set,
-                                                    "seeds": args.seeds, "seed_sets": args.seed_set}, indent=1))
-        start = time.perf_counter()
-        measured = [lv for lv in args.levels if lv != "sim"]
-        for level in args.levels:
-            (pool / level).mkdir(exist_ok=True)
-            if level == "sim":
-                build_pool(pool, level, 0.0, 2)  # A/A needs two processes; every other arm is exact in one
-            else:
-                left = args.budget_s - (time.perf_counter() - start)
-                build_pool(pool, level, left / len(measured), args.max_processes)
-                measured = measured[1:]
-    if args.trials == 0:
-        return
-    levels = [lv for lv in LEVELS if (pool / lv).is_dir()]
-    trial_rows = pd.concat([analyse(pool, lv, args.trials, args.threshold) for lv in levels])
-=======
     if args.base_runs is not None and args.base_runs < 1:
         ap.error(f"--base-runs: must be at least 1, got {args.base_runs}")
     with tempfile.TemporaryDirectory() as unpacked:
@@ -543,10 +514,9 @@ def build(args: argparse.Namespace, pool: Path) -> None:
 
 def report(args: argparse.Namespace, pool: Path) -> None:
     """The trials of every level in `pool`: OUT/<level>.csv, OUT/power-<level>.csv and OUT/power.md."""
-    levels = [lv for lv in BACKENDS if (pool / lv).is_dir() and lv in (args.levels or BACKENDS)]
+    levels = [lv for lv in LEVELS if (pool / lv).is_dir() and lv in (args.levels or LEVELS)]
     analysed = {lv: analyse(pool, lv, args.trials, args.threshold, args.base_runs) for lv in levels}
     trial_rows = pd.concat([rows for rows, _ in analysed.values()])
->>>>>>> h33f
     args.out.mkdir(parents=True, exist_ok=True)
     power = rates(trial_rows)
     sides = ("runs per side n" if args.base_runs is None else
