@@ -198,7 +198,8 @@ def _in_flight_counter(steps: pd.DataFrame) -> list[dict]:
 
 
 def _launch_flows(steps: pd.DataFrame) -> list[dict]:
-    """Arrows from each launch slice to its GPU step (both bound at their slices' midpoints)."""
+    """Arrows from each launch slice's start to its GPU step's midpoint (the device may start on a step while the
+    host still enqueues it, as the real level measures and a cost profile replays, so not from the launch's end)."""
     events = []
     columns = ["step", "prep_end", "launch_end", "gpu_start", "gpu_end"]
     for step, prep_end, launch_end, gpu_start, gpu_end in zip(*(steps[c].tolist() for c in columns), strict=True):
@@ -207,7 +208,7 @@ def _launch_flows(steps: pd.DataFrame) -> list[dict]:
         if launch_us[1] <= launch_us[0] or gpu_us[1] <= gpu_us[0]:
             continue
         common = {"name": "launch", "cat": "launch", "id": int(step)}
-        events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": sum(launch_us) / 2})
+        events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": launch_us[0]})
         events.append({**common, "ph": "f", "bp": "e", "pid": GPU_PID, "tid": STREAM_TID,
                        "ts": sum(gpu_us) / 2})
     return events
@@ -215,7 +216,7 @@ def _launch_flows(steps: pd.DataFrame) -> list[dict]:
 
 def _measured_slices_and_flows(steps: pd.DataFrame) -> list[dict]:
     """Each step's measured device phases back to back from its GPU start, and an arrow from its launch
-    slice to the first of them. A phase that did not run (0 s, or not measured) gets no slice."""
+    slice's start to the first of them. A phase that did not run (0 s, or not measured) gets no slice."""
     durations = steps[DEVICE_PHASE_COLUMNS].to_numpy(dtype=np.float64, na_value=0.0)
     start = steps["gpu_start"].to_numpy(dtype=np.float64)
     edges = start[:, None] + np.concatenate([np.zeros((len(steps), 1)), np.cumsum(durations, axis=1)], axis=1)
@@ -229,7 +230,7 @@ def _measured_slices_and_flows(steps: pd.DataFrame) -> list[dict]:
         if not slices or launch_us[1] <= launch_us[0]:
             continue
         common = {"name": "launch", "cat": "measured", "id": MEASURED_FLOW_ID + int(r.step)}
-        events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": sum(launch_us) / 2})
+        events.append({**common, "ph": "s", "pid": HOST_PID, "tid": ENGINE_TID, "ts": launch_us[0]})
         events.append({**common, "ph": "f", "bp": "e", "pid": MEASURED_PID, "tid": DEVICE_PHASES_TID,
                        "ts": slices[0]["ts"] + slices[0]["dur"] / 2})
     return events

@@ -92,7 +92,7 @@ def test_context_is_rebuilt_from_emissions():
 SIM = {"name": "cal", "seed": 3,
        "workload": {"num_requests": 48, "prompt_len": {"dist": "uniform", "min": 32, "max": 128},
                     "output_len": {"dist": "fixed", "value": 64}},
-       "engine": {"model": "llama-3.2-1b", "speculation": {"k": 4, "invalid_slots": "fill"}},
+       "engine": {"model": "llama-3.2-1b", "profile": "none", "speculation": {"k": 4, "invalid_slots": "fill"}},
        "sweep": {"scheduler.depth": [1, 2], "workload.concurrency": [4, 16]},
        "report": {"trace_steps": 10, "timeline_steps": 2}}  # fmt: skip
 H100 = "hil: NVIDIA H100 80GB HBM3, torch 2.11.0, model 16 layers"

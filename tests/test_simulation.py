@@ -33,6 +33,7 @@ def scenario(depth=1, k=4, proposer="ngram_gpu", acceptance=None, host=None, gpu
             "host_costs": host or HOST,
             "gpu_costs": gpu or FAST_GPU,
             "gc": extra.pop("gc", {"probability": 0.0}),
+            "profile": "none",  # the closed forms are the roofline's (no committed cost profile)
         },
         "scheduler": {"depth": depth, **extra},
     }
