@@ -123,3 +123,10 @@ def emitted(backend, rid: int) -> np.ndarray:
     host = backend.host
     p = host.prompt_len[rid]
     return host.history[rid, p : p + host.output_len[rid]]
+
+
+# With the committed H100 cost profiles (docs/validation.md) the sim no longer reproduces two seeds that hil and
+# real reproduce (results/seeds/effects.csv, 10 repeats): #32951 +1.2% where -3.2% was posted (the 8B profile's
+# soft memory/compute overlap charges the filled slots of the optimistic step), #41043's P99 -2.0% where -9.3%
+# was (0.21x). test_seeds marks them strict xfail: it fails the day the profile reproduces them again.
+PROFILE_MISSES = {"32951": "profiled sim: +1.2%, posted -3.2%", "41043": "profiled sim: P99 -2.0%, posted -9.3%"}

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import PROFILE_MISSES
 
 import simharness
 from simharness.engine.torch_backend import TorchBackend, capacity
@@ -16,12 +17,6 @@ from simharness.scenario import ScenarioError, load_scenario, scenario_from_dict
 from simharness.seeds import SEEDS, seed_scenario_path
 from simharness.simulation import Simulation
 from simharness.workload import build_requests
-
-# With the committed H100 cost profiles (docs/validation.md) the sim no longer reproduces two seeds that hil and
-# real reproduce (results/seeds/effects.csv, 10 repeats): #32951 +1.2% where -3.2% was posted (the 8B profile's
-# soft memory/compute overlap charges the filled slots of the optimistic step), #41043's P99 -2.0% where -9.3%
-# was (0.21x). Strict: these fail the day the profile reproduces them again.
-PROFILE_MISSES = {"32951": "profiled sim: +1.2%, posted -3.2%", "41043": "profiled sim: P99 -2.0%, posted -9.3%"}
 
 
 @pytest.mark.parametrize("pr", [pytest.param(pr, marks=pytest.mark.xfail(strict=True, reason=PROFILE_MISSES[pr]))
