@@ -63,7 +63,7 @@ SEARCH = {
     SAMPLER: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
     RANDOM: ("linear", 1.0, (0.0, 100.0), 1.0),
     PROPOSER: ("linear", 1e-9, (0.0, 1e4), 10.0),  # ns per token
-    EXPONENT: ("linear", 1.0, (1.0, 16.0), 4.0),
+    EXPONENT: ("linear", 1.0, (4.0, 16.0), 4.0),
 }
 FITTED = tuple(SEARCH)
 TAIL_BOUNDS_US = (0.0, 1e4)
