@@ -106,7 +106,8 @@ def _facts(name: str, kernel: str, code: str) -> dict:
     return json.loads(nb.cells[-1].outputs[0]["text"])
 
 
-@pytest.mark.xfail(strict=True, reason="with the H100 cost profile the default sim's async gain is 3.0-5.0% (the notebook's text: 5-20%)")
+@pytest.mark.xfail(strict=True, reason="with the H100 cost profile the default sim's async gain is 3.0-5.0% "
+                                       "(the notebook's text: 5-20%)")
 def test_quickstart_shows_what_async_buys(python3_kernel):
     """The three modes at each concurrency: the same acceptance; sync slower than async waiting for the accepted
     counts (one sync more a step), slower than zero-bubble; zero-bubble keeps the GPU busy, and the printed saving
@@ -131,7 +132,8 @@ def test_quickstart_shows_what_async_buys(python3_kernel):
     assert all(5 < v < 20 for v in gain.values()), gain
 
 
-@pytest.mark.xfail(strict=True, reason="with the H100 cost profile, removing the valid-draft-count sync changes TPOT -6.9% at 4 and +4.3% at 32 (the notebook's text: < -10%)")
+@pytest.mark.xfail(strict=True, reason="with the H100 cost profile, removing the valid-draft-count sync changes "
+                                       "TPOT -6.9% at 4 and +4.3% at 32 (the notebook's text: < -10%)")
 def test_sync_points_shows_what_each_sync_costs(python3_kernel):
     """The claims under the what-if table and the GC plot: removing the only sync before prep restores the
     overlap and cuts TPOT while the GPU verifies more tokens; a second sync at the same place, or the swap, costs
