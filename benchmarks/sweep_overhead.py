@@ -27,6 +27,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = {
+    1088: {"scheduler.depth": [1, 2, 3, 4, 5, 6, 7, 8], "workload.concurrency": [1, 2, 4, 8, 16, 32, 64, 128],
+           "engine.speculation.k": list(range(17))},
     256: {"scheduler.depth": [1, 2, 3, 4], "workload.concurrency": [1, 2, 4, 8, 16, 32, 64, 128],
           "engine.speculation.k": [1, 2, 3, 4, 5, 6, 7, 8]},
     64: {"scheduler.depth": [1, 2, 3, 4], "workload.concurrency": [1, 2, 4, 8], "engine.speculation.k": [1, 2, 3, 4]},

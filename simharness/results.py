@@ -10,7 +10,6 @@ rebuilt from the points, one point's table at a time, so they may be larger than
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import platform
@@ -22,12 +21,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
@@ -115,16 +116,61 @@ def finished_points(run_dir: Path) -> set[int]:
     return found
 
 
-def encode_tables(tables: dict[str, pd.DataFrame]) -> dict[str, bytes]:
-    """Each table as the bytes of its parquet file: a worker encodes its point's tables, so the driver only writes
-    them (and pickles bytes, not frames, between processes)."""
-    encoded = {}
-    for name, df in tables.items():
-        buffer = io.BytesIO()
-        table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)  # small tables: no thread pool a call
-        pq.write_table(table, buffer, use_dictionary=_text_columns(table.schema))
-        encoded[name] = buffer.getvalue()
-    return encoded
+FLUSH_S = 2.0  # a batch of finished points is written at least this often: a kill loses at most this much work
+FLUSH_ROWS = 2_000_000  # ... or once the points waiting hold this many table rows (the driver's memory)
+
+
+class PointWriter:
+    """The driver's writer of finished points. Their tables wait in memory and are written together, one parquet
+    file per table, as a batch (`points/batch-<n>/`, atomically), every FLUSH_S seconds, when FLUSH_ROWS rows
+    wait, and when the run stops for any reason (`flush`); then each point's summary row (`write_point`), which
+    marks it finished. A kill loses the points not yet in a batch, and `--resume` runs exactly those."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.pending: list[tuple[int, str, dict, dict[str, pd.DataFrame]]] = []
+        self.rows = 0
+        self.flushed = time.monotonic()
+        self.batches = len(_batch_dirs(run_dir))
+
+    def add(self, index: int, point_id: str, summary: dict, tables: dict[str, pd.DataFrame]) -> None:
+        self.pending.append((index, point_id, summary, tables))
+        self.rows += sum(len(df) for df in tables.values())
+        if time.monotonic() - self.flushed >= FLUSH_S or self.rows >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the waiting points: their tables as one batch, then each point's summary row."""
+        pending = sorted(self.pending, key=lambda p: p[0])
+        self.pending, self.rows, self.flushed = [], 0, time.monotonic()
+        if not pending:
+            return
+        final = self.run_dir / "points" / f"batch-{self.batches:05d}"
+        self.batches += 1
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in dict.fromkeys(name for *_, tables in pending for name in tables):
+            frames = [(pid, tables[name]) for _, pid, _, tables in pending if name in tables]
+            _write_parquet(tmp / f"{name}.parquet", _with_point(frames))
+        (tmp / "points.json").write_text(json.dumps([[index, pid] for index, pid, _, _ in pending]))
+        os.replace(tmp, final)
+        for index, _, summary, _ in pending:
+            write_point(self.run_dir, index, summary)
+
+
+def _with_point(frames: list[tuple[str, pd.DataFrame]]) -> pa.Table:
+    """Points' frames as one table, each row's point id in a `point` column first (built in C++: a Python list of
+    ids took most of a large table's time)."""
+    df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
+    table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)
+    ids = pa.array([pid for pid, _ in frames], pa.string())
+    which = np.repeat(np.arange(len(frames), dtype=np.int32), [len(f) for _, f in frames])
+    return table.add_column(0, "point", pa.DictionaryArray.from_arrays(pa.array(which), ids).cast(pa.string()))
+
+
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    pq.write_table(table, path, use_dictionary=_text_columns(table.schema))
 
 
 def _text_columns(schema: pa.Schema) -> list[str]:
@@ -134,17 +180,14 @@ def _text_columns(schema: pa.Schema) -> list[str]:
     return [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
 
 
-def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, bytes]) -> None:
-    """Write one point's results atomically (temp dir, then rename); a failed record of an earlier try goes.
-    `tables`: each table's parquet bytes (`encode_tables`)."""
+def write_point(run_dir: Path, index: int, summary: dict) -> None:
+    """Write one point's summary row atomically, which marks it finished (its tables are in a batch written
+    before); a failed record of an earlier try goes."""
     final = point_dir(run_dir, index)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, data in tables.items():
-        (tmp / f"{name}.parquet").write_bytes(data)
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
-    os.replace(tmp, final)
+    final.mkdir(exist_ok=True)
+    tmp = final / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1, default=_json_default))
+    os.replace(tmp, final / "summary.json")
     failed_path(run_dir, index).unlink(missing_ok=True)
 
 
@@ -171,11 +214,93 @@ def failed_points(run_dir: Path) -> dict[int, dict]:
     return found
 
 
+def finished_rows(run_dir: Path) -> dict[int, dict]:
+    """The summary rows of the finished points, by index."""
+    return {i: json.loads((point_dir(run_dir, i) / "summary.json").read_text())
+            for i in sorted(finished_points(run_dir))}
+
+
 def point_table(run_dir: Path, index: int, name: str) -> Path | None:
-    """A point's own file of table `name`, or None where it has none (a point that failed, or one run before the
-    table existed)."""
+    """A point's own file of table `name` (a run written before batches), or None where it has none."""
     path = point_dir(run_dir, index) / f"{name}.parquet"
     return path if path.is_file() else None
+
+
+@dataclass
+class _Part:
+    """A file holding rows of table `name` for finished points: a batch (`point` column), or a point's own file
+    (no `point` column: `own` is its point). `keep`: the points its rows are read for, when not all of them (a
+    point run again after a kill between its batch and its summary, a point not finished)."""
+
+    path: Path
+    own: str | None = None
+    keep: list[str] | None = None
+
+
+def _batch_dirs(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "points").glob("batch-[0-9]*") if p.name[6:].isdigit())
+
+
+def _parts(run_dir: Path, name: str, point_of: dict[int, str]) -> list[_Part]:
+    """The files of table `name` that hold the finished points (`point_of`: their ids by index): each point's
+    rows from its own file if it has one, else from the last batch listing it."""
+    own = {i: path for i in sorted(point_of) if (path := point_table(run_dir, i, name))}
+    parts = [_Part(path, own=point_of[i]) for i, path in own.items()]
+    listed = {}
+    batches = _batch_dirs(run_dir)
+    for n, batch in enumerate(batches):
+        for index, _ in json.loads((batch / "points.json").read_text()):
+            listed[index] = n
+    for n, batch in enumerate(batches):
+        manifest = json.loads((batch / "points.json").read_text())
+        keep = [pid for i, pid in manifest if i in point_of and i not in own and listed[i] == n]
+        if keep and (batch / f"{name}.parquet").is_file():
+            parts.append(_Part(batch / f"{name}.parquet", keep=None if len(keep) == len(manifest) else keep))
+    return parts
+
+
+def _read_part(part: _Part, columns: list[str] | None, points: set[str] | None) -> pa.Table:
+    """A part's rows (`point` column first), of `points` only when given."""
+    if part.own is not None:
+        file = pq.ParquetFile(part.path)
+        names = [c for c in columns if c != "point" and c in file.schema_arrow.names] if columns else None
+        table = file.read(columns=names)
+        return table.add_column(0, "point", pa.array(np.full(table.num_rows, part.own, dtype=object), pa.string()))
+    file = pq.ParquetFile(part.path)
+    names = [c for c in (["point", *columns] if columns else file.schema_arrow.names) if c in file.schema_arrow.names]
+    table = file.read(columns=list(dict.fromkeys(names)))
+    if "point" not in table.column_names:
+        return table  # a run-level table no point had rows for: no columns
+    wanted = set(part.keep) if part.keep is not None else None
+    if points is not None:
+        wanted = points if wanted is None else wanted & points
+    if wanted is not None:
+        table = table.filter(pc.is_in(table["point"], value_set=pa.array(sorted(wanted), pa.string())))
+    return table
+
+
+def point_tables(run_dir: Path, name: str, columns: list[str] | None = None,
+                 points: set[str] | None = None) -> Iterator[pa.Table]:
+    """Table `name` of the run's finished points (of `points` only, when given), a file at a time, `point` first:
+    from the points' batches or own files, else (a committed run may keep only those) the run-level table."""
+    point_of = {i: row["point"] for i, row in finished_rows(run_dir).items()}
+    parts = _parts(run_dir, name, point_of)
+    if not parts and (run_dir / f"{name}.parquet").is_file():
+        parts = [_Part(run_dir / f"{name}.parquet")]
+    for part in parts:
+        table = _read_part(part, columns, points)
+        if table.num_rows or part is parts[0]:
+            yield table
+
+
+def read_points(run_dir: Path, name: str, columns: list[str] | None = None,
+                points: set[str] | None = None) -> pd.DataFrame:
+    """`point_tables` as one frame (the union of the files' columns); a frame without columns when no point has
+    the table (a run from before it existed)."""
+    tables = list(point_tables(run_dir, name, columns, points))
+    if not tables:
+        return pd.DataFrame()
+    return pa.concat_tables(tables, promote_options="permissive").to_pandas()
 
 
 def read_table(run_dir: Path, name: str, columns: list[str] | None = None) -> pd.DataFrame:
@@ -194,8 +319,7 @@ def combine(run_dir: Path) -> pd.DataFrame:
 def combine_summary(run_dir: Path) -> pd.DataFrame:
     """Rebuild summary.csv/json (a row per point by index; a `failed` column, only when a point failed, gives
     the reason) from the points; returns it."""
-    indices = sorted(finished_points(run_dir))
-    rows = {i: json.loads((point_dir(run_dir, i) / "summary.json").read_text()) for i in indices}
+    rows = finished_rows(run_dir)
     failed = failed_points(run_dir)
     columns = list(dict.fromkeys(k for row in [*rows.values(), *failed.values()] for k in row if k != "failed"))
     if failed:
@@ -208,37 +332,35 @@ def combine_summary(run_dir: Path) -> pd.DataFrame:
 
 
 def combine_tables(run_dir: Path, summary: pd.DataFrame) -> None:
-    """Rebuild the run-level parquet tables (`TABLES`) from the finished points' tables; `summary` (from
-    `combine_summary`) names each point."""
+    """Rebuild the run-level parquet tables (`TABLES`) from the finished points' batches and own files; `summary`
+    (from `combine_summary`) names each point. A table no point file holds is left as it is (a committed run
+    may keep only the run-level tables)."""
     point_of = dict(zip(summary["index"], summary["point"], strict=True)) if len(summary) else {}
-    points = [(i, point_of[i]) for i in sorted(finished_points(run_dir))]
+    point_of = {i: point_of[i] for i in finished_points(run_dir)}
     # One thread per table: reading, encoding and compressing parquet run outside the GIL.
     with ThreadPoolExecutor(len(TABLES)) as pool:
-        for done in [pool.submit(_combine_table, run_dir, name, points) for name in TABLES]:
+        for done in [pool.submit(_combine_table, run_dir, name, point_of) for name in TABLES]:
             done.result()
 
 
-def _combine_table(run_dir: Path, name: str, points: list[tuple[int, str]]) -> None:
-    """Append every point's table to `<name>.parquet` (`point` first), one point in memory at a time. Columns
-    are the union over points in order of appearance (a point lacking one gets nulls); points with no rows are
-    left out unless no point has any (a point written before the table existed has no file)."""
-    parts = [(path, pid) for i, pid in points if (path := point_table(run_dir, i, name)) is not None]
-    filled = [(path, pid) for path, pid in parts if pq.read_metadata(path).num_rows] or parts[:1]
+def _combine_table(run_dir: Path, name: str, point_of: dict[int, str]) -> None:
+    """Append every part of table `name` to `<name>.parquet` (`point` first), one part in memory at a time.
+    Columns are the union over parts in order of appearance (a part lacking one gets nulls); parts with no rows
+    are left out unless no part has any."""
+    parts = _parts(run_dir, name, point_of)
     final = run_dir / f"{name}.parquet"
     tmp = final.with_name(final.name + ".tmp")
-    if not filled:
+    if not parts:
+        if final.is_file():
+            return  # the run-level table is the only copy
         pd.DataFrame().to_parquet(tmp, index=False)
         os.replace(tmp, final)
         return
-    schema = pa.unify_schemas([pq.read_schema(path).remove_metadata() for path, _ in filled],
-                              promote_options="permissive")
-    schema = pa.schema([pa.field("point", pa.string()), *schema])
+    tables = [_read_part(part, None, None) for part in parts]  # each part is one batch of points: small
+    filled = [t for t in tables if t.num_rows] or tables[:1]
+    schema = pa.unify_schemas([t.schema.remove_metadata() for t in filled], promote_options="permissive")
     with pq.ParquetWriter(tmp, schema, use_dictionary=_text_columns(schema)) as writer:
-        for path, pid in filled:
-            table = pq.read_table(path)
-            # the point's id on every row, built in C++ (a Python list of it took most of a large table's time)
-            ids = pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)), pa.array([pid]))
-            table = table.add_column(0, "point", ids.cast(pa.string()))
+        for table in filled:
             columns = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
                        for f in schema]
             writer.write_table(pa.Table.from_arrays(columns, names=schema.names).cast(schema))
