@@ -36,6 +36,7 @@ from simharness.jit import loaded_digest
 from simharness.scenario import Scenario, ScenarioError, load_scenario
 
 TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
+ROW_GROUP = 1 << 20  # rows a row group of a run-level table holds (points' rows are gathered up to it)
 
 
 def new_run_dir(out: Path, scenario: Scenario) -> Path:
@@ -228,11 +229,13 @@ def point_table(run_dir: Path, index: int, name: str) -> Path | None:
 
 @dataclass
 class _Part:
-    """A file holding rows of table `name` for finished points: a batch (`point` column), or a point's own file
-    (no `point` column: `own` is its point). `keep`: the points its rows are read for, when not all of them (a
-    point run again after a kill between its batch and its summary, a point not finished)."""
+    """A file holding rows of table `name` for finished points (`indices`, in the file's order): a batch, whose
+    `point` column names each row's point, or a point's own file (no `point` column: `own` is its point).
+    `keep`: the points its rows are read for, when not all of them (a point run again after a kill between its
+    batch and its summary, a point not finished)."""
 
     path: Path
+    indices: list[int]
     own: str | None = None
     keep: list[str] | None = None
 
@@ -245,30 +248,25 @@ def _parts(run_dir: Path, name: str, point_of: dict[int, str]) -> list[_Part]:
     """The files of table `name` that hold the finished points (`point_of`: their ids by index): each point's
     rows from its own file if it has one, else from the last batch listing it."""
     own = {i: path for i in sorted(point_of) if (path := point_table(run_dir, i, name))}
-    parts = [_Part(path, own=point_of[i]) for i, path in own.items()]
-    listed = {}
-    batches = _batch_dirs(run_dir)
-    for n, batch in enumerate(batches):
-        for index, _ in json.loads((batch / "points.json").read_text()):
-            listed[index] = n
-    for n, batch in enumerate(batches):
-        manifest = json.loads((batch / "points.json").read_text())
-        keep = [pid for i, pid in manifest if i in point_of and i not in own and listed[i] == n]
-        if keep and (batch / f"{name}.parquet").is_file():
-            parts.append(_Part(batch / f"{name}.parquet", keep=None if len(keep) == len(manifest) else keep))
+    parts = [_Part(path, [i], own=point_of[i]) for i, path in own.items()]
+    manifests = [json.loads((batch / "points.json").read_text()) for batch in _batch_dirs(run_dir)]
+    last = {index: n for n, manifest in enumerate(manifests) for index, _ in manifest}
+    for n, batch in enumerate(_batch_dirs(run_dir)):
+        kept = [(i, pid) for i, pid in manifests[n] if i in point_of and i not in own and last[i] == n]
+        if kept and (batch / f"{name}.parquet").is_file():
+            keep = None if len(kept) == len(manifests[n]) else [pid for _, pid in kept]
+            parts.append(_Part(batch / f"{name}.parquet", [i for i, _ in kept], keep=keep))
     return parts
 
 
 def _read_part(part: _Part, columns: list[str] | None, points: set[str] | None) -> pa.Table:
     """A part's rows (`point` column first), of `points` only when given."""
-    if part.own is not None:
-        file = pq.ParquetFile(part.path)
-        names = [c for c in columns if c != "point" and c in file.schema_arrow.names] if columns else None
-        table = file.read(columns=names)
-        return table.add_column(0, "point", pa.array(np.full(table.num_rows, part.own, dtype=object), pa.string()))
     file = pq.ParquetFile(part.path)
-    names = [c for c in (["point", *columns] if columns else file.schema_arrow.names) if c in file.schema_arrow.names]
-    table = file.read(columns=list(dict.fromkeys(names)))
+    names = file.schema_arrow.names
+    if part.own is not None:
+        table = file.read(columns=[c for c in columns if c in names] if columns else None)
+        return table.add_column(0, "point", pa.array(np.full(table.num_rows, part.own, dtype=object), pa.string()))
+    table = file.read(columns=[c for c in dict.fromkeys(["point", *columns]) if c in names] if columns else None)
     if "point" not in table.column_names:
         return table  # a run-level table no point had rows for: no columns
     wanted = set(part.keep) if part.keep is not None else None
@@ -286,7 +284,7 @@ def point_tables(run_dir: Path, name: str, columns: list[str] | None = None,
     point_of = {i: row["point"] for i, row in finished_rows(run_dir).items()}
     parts = _parts(run_dir, name, point_of)
     if not parts and (run_dir / f"{name}.parquet").is_file():
-        parts = [_Part(run_dir / f"{name}.parquet")]
+        parts = [_Part(run_dir / f"{name}.parquet", [])]
     for part in parts:
         table = _read_part(part, columns, points)
         if table.num_rows or part is parts[0]:
@@ -344,9 +342,10 @@ def combine_tables(run_dir: Path, summary: pd.DataFrame) -> None:
 
 
 def _combine_table(run_dir: Path, name: str, point_of: dict[int, str]) -> None:
-    """Append every part of table `name` to `<name>.parquet` (`point` first), one part in memory at a time.
-    Columns are the union over parts in order of appearance (a part lacking one gets nulls); parts with no rows
-    are left out unless no part has any."""
+    """Write table `name` of the finished points to `<name>.parquet` (`point` first), in point order whatever
+    order they finished in. A file is read when its first point's turn comes and dropped after its last (a few
+    at a time: workers finish points about in order). Columns are the union over files in order of appearance (a
+    file lacking one gets nulls); points with no rows are left out unless none has any."""
     parts = _parts(run_dir, name, point_of)
     final = run_dir / f"{name}.parquet"
     tmp = final.with_name(final.name + ".tmp")
@@ -356,15 +355,50 @@ def _combine_table(run_dir: Path, name: str, point_of: dict[int, str]) -> None:
         pd.DataFrame().to_parquet(tmp, index=False)
         os.replace(tmp, final)
         return
-    tables = [_read_part(part, None, None) for part in parts]  # each part is one batch of points: small
-    filled = [t for t in tables if t.num_rows] or tables[:1]
-    schema = pa.unify_schemas([t.schema.remove_metadata() for t in filled], promote_options="permissive")
+    schemas = [pq.read_schema(part.path).remove_metadata() for part in parts]
+    schemas = [s if part.own is None else pa.schema([pa.field("point", pa.string()), *s])
+               for part, s in zip(parts, schemas, strict=True)]
+    schema = pa.unify_schemas(schemas, promote_options="permissive")
+    part_of = {i: part for part in parts for i in part.indices}
+    left = {id(part): len(part.indices) for part in parts}
+    loaded: dict[int, tuple[pa.Table, dict[str, tuple[int, int]]]] = {}
+    pending: list[pa.Table] = []
     with pq.ParquetWriter(tmp, schema, use_dictionary=_text_columns(schema)) as writer:
-        for table in filled:
-            columns = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-                       for f in schema]
-            writer.write_table(pa.Table.from_arrays(columns, names=schema.names).cast(schema))
+        for index in sorted(part_of):
+            part = part_of[index]
+            if id(part) not in loaded:
+                table = _conform(_read_part(part, None, None), schema)
+                loaded[id(part)] = table, _spans(table)
+            table, spans = loaded[id(part)]
+            start, length = spans.get(point_of[index], (0, 0))
+            if length:
+                pending.append(table.slice(start, length))
+            left[id(part)] -= 1
+            if not left[id(part)]:
+                del loaded[id(part)]
+            if sum(t.num_rows for t in pending) >= ROW_GROUP:
+                writer.write_table(pa.concat_tables(pending))
+                pending = []
+        if pending:
+            writer.write_table(pa.concat_tables(pending))
     os.replace(tmp, final)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` in `schema`: its columns in that order, a missing one all nulls."""
+    columns = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+               for f in schema]
+    return pa.Table.from_arrays(columns, names=schema.names).cast(schema)
+
+
+def _spans(table: pa.Table) -> dict[str, tuple[int, int]]:
+    """Each point's rows in a file (consecutive): (first row, count) by point id."""
+    ids = table.column("point").to_numpy(zero_copy_only=False)
+    if not len(ids):
+        return {}
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    ends = np.r_[starts[1:], len(ids)]
+    return {ids[a]: (int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)}
 
 
 def write_meta(run_dir: Path, scenario: Scenario, device: str | None, extra: dict | None = None) -> None:

@@ -16,7 +16,7 @@ from helpers import SMALL
 from typer.testing import CliRunner
 
 import simharness
-from simharness import results, runner
+from simharness import pointwork, results
 from simharness.cli import app
 from simharness.executors import LocalPool, Serial
 from simharness.results import TABLES
@@ -192,14 +192,14 @@ def test_a_run_refused_after_its_gpu_workers_started_writes_nothing_and_leaves_n
 
 
 def test_a_failed_point_is_recorded_kept_apart_and_retried_by_resume(serial, tmp_path, monkeypatch):
-    original = runner._point_result
+    original = pointwork.point_result
 
     def flaky(point, *args):
         if point.index == 2:
             raise ValueError("boom")
         return original(point, *args)
 
-    monkeypatch.setattr(runner, "_point_result", flaky)
+    monkeypatch.setattr(pointwork, "point_result", flaky)
     sc = scenario_from_dict(SMALL)
     broken = simharness.run(sc, out=tmp_path, retries=0)
     assert broken.failed["point"].tolist() == ["scheduler.depth=2,workload.concurrency=2"]
@@ -211,7 +211,7 @@ def test_a_failed_point_is_recorded_kept_apart_and_retried_by_resume(serial, tmp
                                       "--retries", "0"])  # fmt: skip
     assert result.exit_code == 1 and "failed: scheduler.depth=2,workload.concurrency=2: ValueError: boom" in (
         result.output)
-    monkeypatch.setattr(runner, "_point_result", original)
+    monkeypatch.setattr(pointwork, "point_result", original)
     resumed = simharness.run(sc, resume=broken.run_dir)
     assert resumed.failed.empty and not (broken.run_dir / "points" / "0002.failed.json").exists()
     assert_same_run(serial.run_dir, resumed.run_dir)
@@ -221,7 +221,7 @@ def test_a_run_whose_every_point_failed_still_gets_its_report(tmp_path, monkeypa
     def broken(point, *args):
         raise ValueError("boom")
 
-    monkeypatch.setattr(runner, "_point_result", broken)
+    monkeypatch.setattr(pointwork, "point_result", broken)
     run = simharness.run(scenario_from_dict(SMALL), out=tmp_path, retries=0)
     assert run.failed["failed"].tolist() == ["ValueError: boom"] * 4
     text = run.report.read_text()
@@ -361,7 +361,7 @@ def test_ray_address_that_is_not_a_cluster_exits_2_at_once(tmp_path):
 
 
 def test_a_ray_clusters_address_passes_the_check(cluster):
-    from simharness.executors import _check_reachable
+    from simharness.raycluster import _check_reachable
 
     _check_reachable(ray.get_runtime_context().gcs_address)
 

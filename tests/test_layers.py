@@ -26,7 +26,8 @@ LAYERS = [
     ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
     ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
      "frontier"],  # outputs
-    ["executors"],  # where points run: this process, local workers, a Ray cluster
+    # what a point computes; where points run: this process, local workers, a Ray cluster
+    ["pointwork", "execution", "localpool", "raycluster", "executors"],
     ["runner", "fidelity", "calibration", "profile_fit", "profile_grid"],  # drivers
     ["seeds"],  # the seed changes, run through the driver
     ["cli", "__main__", "__init__"],  # interfaces

@@ -18,7 +18,10 @@ from helpers import SMALL
 
 import simharness
 from simharness.jit import sources_digest
-from simharness.scenario import scenario_from_dict
+from simharness.modes import resolve_mode
+from simharness.pointwork import Workloads, point_result
+from simharness.scenario import scenario_from_dict, sweep_points
+from simharness.trace import trace_events, trace_json, write_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +33,10 @@ def test_run_writes_the_documented_run_directory(tmp_path):
     for name in ("scenario.yaml", "meta.json", "summary.csv", "summary.json", "requests.parquet", "steps.parquet",
                  "syncs.parquet", "emissions.parquet", "report.md"):
         assert (d / name).is_file(), name
-    assert len(list((d / "traces").glob("*.json"))) == 4
+    # traces of the points the report's timeline draws (concurrency 8); the others when asked for
+    assert sorted(p.name for p in (d / "traces").glob("*.json")) == [
+        "0001_scheduler.depth-1_workload.concurrency-8.json", "0003_scheduler.depth-2_workload.concurrency-8.json"]
+    assert len(write_traces(d)) == 4 and len(list((d / "traces").glob("*.json"))) == 4
     assert list(result.summary.point) == [p.id for p in simharness.sweep_points(scenario_from_dict(SMALL))]
     assert {"scheduler.depth", "workload.concurrency", "mean_tpot_ms", "p99_tpot_ms"} <= set(result.summary.columns)
     assert set(result.steps.point) == set(result.summary.point)
@@ -48,11 +54,23 @@ def test_run_writes_the_documented_run_directory(tmp_path):
     assert f"source digest `{meta['source_digest'][:12]}`" in (d / "report.md").read_text()
 
 
+def test_a_trace_written_later_is_the_one_its_point_computed(tmp_path):
+    """A trace written from the run's tables (`write_traces`, after the run) is, byte for byte, the one made from
+    the point's own records as it ran."""
+    sc = scenario_from_dict(SMALL)
+    d = simharness.run(sc, out=tmp_path).run_dir
+    point = sweep_points(sc)[2]
+    result = point_result(point, resolve_mode(point.scenario), Workloads().get(point.scenario), None)
+    events = trace_events(result.tables["steps"], result.tables["syncs"], max_steps=sc.report.trace_steps)
+    (path,) = write_traces(d, {point.id})
+    assert path.name.startswith("0002_") and path.read_text() == trace_json(events, {"point": point.id})
+
+
 def test_only_text_columns_are_dictionary_encoded(tmp_path):
-    """The run's and the points' parquet tables dictionary-encode their text columns and no others (a dictionary
+    """The run's and the batches' parquet tables dictionary-encode their text columns and no others (a dictionary
     on every float column made a large table 4x slower to read)."""
     d = simharness.run(scenario_from_dict(SMALL), out=tmp_path).run_dir
-    for path in [d / "syncs.parquet", d / "points" / "0000" / "syncs.parquet"]:
+    for path in [d / "syncs.parquet", d / "points" / "batch-00000" / "syncs.parquet"]:
         meta = pq.ParquetFile(path).metadata
         schema = pq.read_schema(path)
         for i, field in enumerate(schema):
