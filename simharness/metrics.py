@@ -120,9 +120,10 @@ def engine_metrics(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, float]
 
     Syncs count only for recorded steps (a step launched as the run ends is never settled nor recorded)."""
     n = len(steps)
-    syncs = syncs[syncs["step"].isin(steps["step"])]
-    gpu = _col(steps, "gpu_end") - _col(steps, "gpu_start")
-    span = float(_col(steps, "gpu_end").max() - _col(steps, "gpu_start").min()) if n else 0.0
+    recorded = np.isin(syncs["step"].to_numpy(), steps["step"].to_numpy())
+    gpu_start, gpu_end = _col(steps, "gpu_start"), _col(steps, "gpu_end")
+    gpu = gpu_end - gpu_start
+    span = float(gpu_end.max() - gpu_start.min()) if n else 0.0
     gc = _col(steps, "gc_pause_s")
     wasted = int(_col(steps, "wasted_slots").sum())
     return {
@@ -130,8 +131,9 @@ def engine_metrics(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, float]
         "mean_step_ms": _mean(gpu) * MS,
         "gpu_busy_fraction": _ratio(gpu.sum(), span),
         "mean_bubble_ms": _mean(_col(steps, "bubble_s")) * MS,
-        "syncs_per_step": _ratio(len(syncs), n),
-        "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s") - _col(syncs, "start_s")).sum(), n) * MS,
+        "syncs_per_step": _ratio(np.count_nonzero(recorded), n),
+        "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s")[recorded] - _col(syncs, "start_s")[recorded]).sum(),
+                                        n) * MS,
         "mean_host_ms_per_step": _ratio(_host_work_s(steps, syncs), n) * MS,
         "gc_pauses_per_step": _ratio(np.count_nonzero(gc > 0), n),
         "gc_pause_ms_per_step": _ratio(gc.sum(), n) * MS,
@@ -149,46 +151,11 @@ def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
     name, else the kind), phase and waits_for (syncs only), start_s, end_s. Launch runs from the
     end of prep, or of the step's launch-phase syncs, to launch_end. A GC pause opens the loop
     iteration: it ends where schedule starts, or where the step's first (schedule-phase) sync does."""
-    merged, order = _intervals(steps, syncs)
-    if merged is None:
+    phases = _phases(steps, syncs)
+    n = len(steps)
+    if not n + len(syncs):
         return pd.DataFrame(columns=INTERVAL_COLUMNS)
-    frame = {name: values[order] for name, values in merged.items() if name != "work"}
-    # the dtypes a concatenation of per-phase frames gave: text, and the syncs' own where no step row has None
-    n = len(steps)
-    text = pd.StringDtype(na_value=np.nan)
-    typed = {"kind": text, "name": text, "phase": object if n else syncs["phase"].dtype,
-             "waits_for": object if n else syncs["waits_for"].dtype}
-    return pd.DataFrame({name: pd.Series(values, dtype=typed[name]) if name in typed else values
-                         for name, values in frame.items()})
-
-
-def _host_work_s(steps: pd.DataFrame, syncs: pd.DataFrame) -> float:
-    """The engine thread's time in host work (HOST_WORK phases), summed in `host_intervals`' order."""
-    merged, order = _intervals(steps, syncs)
-    if merged is None:
-        return 0.0
-    order = order[merged["work"][order]]
-    return float(pd.Series(merged["end_s"][order] - merged["start_s"][order]).sum())
-
-
-def _intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> tuple[dict[str, np.ndarray] | None, np.ndarray]:
-    """`host_intervals`' columns as arrays (and `work`: whether a row is host work), and the order of its rows
-    (non-empty intervals by start, outer first at ties); None when there is no interval."""
-    step_ids, sync_steps = steps["step"].to_numpy(), syncs["step"].to_numpy()
-    first_sync = _per_step(step_ids, sync_steps, _col(syncs, "start_s"), np.fmin)
-    launch = (syncs["phase"] == "launch").to_numpy(dtype=bool)
-    launch_sync_end = _per_step(step_ids, sync_steps[launch], _col(syncs, "end_s")[launch], np.fmax)
-    gc_end = np.fmin(_col(steps, "schedule_start"), first_sync)
-    phases = {
-        "gc": (gc_end - _col(steps, "gc_pause_s"), gc_end),
-        "schedule": (_col(steps, "schedule_start"), _col(steps, "schedule_end")),
-        "prep": (_col(steps, "prep_start"), _col(steps, "prep_end")),
-        "launch": (np.fmax(_col(steps, "prep_end"), launch_sync_end), _col(steps, "launch_end")),
-        "update": (_col(steps, "update_start"), _col(steps, "update_end")),
-        "propose": (_col(steps, "propose_start"), _col(steps, "propose_end")),
-    }
     # built as arrays and made a frame once (a frame per phase, concatenated, took most of a small point's time)
-    n = len(steps)
     kinds = np.repeat(np.array(list(phases), dtype=object), n)
     nones = np.full(len(phases) * n, None, dtype=object)
     columns = {
@@ -199,15 +166,51 @@ def _intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> tuple[dict[str, np.n
         "waits_for": [nones, syncs["waits_for"].to_numpy(dtype=object)],
         "start_s": [np.concatenate([start for start, _ in phases.values()]), _col(syncs, "start_s")],
         "end_s": [np.concatenate([end for _, end in phases.values()]), _col(syncs, "end_s")],
-        "work": [np.repeat([kind in HOST_WORK for kind in phases], n), np.zeros(len(syncs), dtype=bool)],
     }
-    if not n + len(syncs):
-        return None, np.zeros(0, dtype=np.int64)
     # each column from the parts that have rows (a part without rows adds no dtype of its own)
     merged = {name: np.concatenate([p for p in parts if len(p)]) for name, parts in columns.items()}
-    start, end = merged["start_s"], merged["end_s"]
+    order = _order(merged["start_s"], merged["end_s"])
+    frame = {name: values[order] for name, values in merged.items()}
+    # the dtypes a concatenation of per-phase frames gave: text, and the syncs' own where no step row has None
+    text = pd.StringDtype(na_value=np.nan)
+    typed = {"kind": text, "name": text, "phase": object if n else syncs["phase"].dtype,
+             "waits_for": object if n else syncs["waits_for"].dtype}
+    return pd.DataFrame({name: pd.Series(values, dtype=typed[name]) if name in typed else values
+                         for name, values in frame.items()})
+
+
+def _host_work_s(steps: pd.DataFrame, syncs: pd.DataFrame) -> float:
+    """The engine thread's time in host work (the HOST_WORK phases), summed in `host_intervals`' order."""
+    work = {kind: bounds for kind, bounds in _phases(steps, syncs).items() if kind in HOST_WORK}
+    start = np.concatenate([s for s, _ in work.values()])
+    end = np.concatenate([e for _, e in work.values()])
+    order = _order(start, end)
+    return float(pd.Series(end[order] - start[order]).sum())
+
+
+def _order(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The non-empty intervals, by start, outer (later end) first at ties; stable."""
     keep = np.flatnonzero(end > start)
-    return merged, keep[np.lexsort((-end[keep], start[keep]))]  # by start, outer (later end) first; stable at ties
+    return keep[np.lexsort((-end[keep], start[keep]))]
+
+
+def _phases(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each host phase's [start, end) per step. Launch runs from the end of prep, or of the step's launch-phase
+    syncs, to launch_end; a GC pause ends where schedule starts, or where the step's first sync does."""
+    step_ids, sync_steps = steps["step"].to_numpy(), syncs["step"].to_numpy()
+    first_sync = _per_step(step_ids, sync_steps, _col(syncs, "start_s"), np.fmin)
+    launch = syncs["phase"].to_numpy(dtype=object) == "launch"
+    launch_sync_end = _per_step(step_ids, sync_steps[launch], _col(syncs, "end_s")[launch], np.fmax)
+    gc_end = np.fmin(_col(steps, "schedule_start"), first_sync)
+    prep_end = _col(steps, "prep_end")
+    return {
+        "gc": (gc_end - _col(steps, "gc_pause_s"), gc_end),
+        "schedule": (_col(steps, "schedule_start"), _col(steps, "schedule_end")),
+        "prep": (_col(steps, "prep_start"), prep_end),
+        "launch": (np.fmax(prep_end, launch_sync_end), _col(steps, "launch_end")),
+        "update": (_col(steps, "update_start"), _col(steps, "update_end")),
+        "propose": (_col(steps, "propose_start"), _col(steps, "propose_end")),
+    }
 
 
 def _per_step(step_ids: np.ndarray, keys: np.ndarray, values: np.ndarray, reduce: np.ufunc) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,9 +43,15 @@ IGNORED = {
 
 def ignored_fields(sc: Scenario, level: str) -> list[str]:
     """The fields a point of `level` ignores that `sc` sets away from their defaults."""
-    default = Scenario(name=sc.name)
+    default = _defaults()
     return [path for path in IGNORED["sim" if level == "sim" else "measured"]
             if getattr(*resolve_field(sc, path)) != getattr(*resolve_field(default, path))]
+
+
+@cache
+def _defaults() -> Scenario:
+    """A scenario of default fields, built once (0.5 ms a point otherwise); only read."""
+    return Scenario(name="defaults")
 
 
 def ignored_message(fields: list[str], level: str) -> str:

@@ -289,8 +289,9 @@ def test_a_run_with_a_process_per_point_gives_the_serial_run_bit_for_bit(serial,
 
 def test_killed_worker_and_killed_driver_then_resume_redoes_nothing_finished(tmp_path):
     """kill -9 a worker mid-sweep (its point is retried), then kill -9 the driver; resume finishes the rest and
-    matches the serial run."""
-    big = {**SMALL, "name": "big", "workload": {**SMALL["workload"], "num_requests": 120},
+    matches the serial run. The points are long enough for the run to span several batches (results.FLUSH_S):
+    the driver's kill loses only the points not yet in one."""
+    big = {**SMALL, "name": "big", "workload": {**SMALL["workload"], "num_requests": 600},
            "sweep": {"scheduler.depth": [1, 2, 3], "workload.concurrency": [2, 4, 8, 16]}}
     scenario = _write(tmp_path, big)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
