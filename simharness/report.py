@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -62,7 +64,7 @@ def write_report(run_dir: Path) -> Path:
     if summary.empty:
         path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n" + failed)
         return path
-    steps_of, measured = _step_index(run_dir)
+    recorded, steps_of, measured = _step_index(run_dir)
     by_concurrency = CONCURRENCY in scenario.sweep
     where, timeline_rows = _timeline_points(summary, by_concurrency)
     hil = _hil_points(summary, measured)
@@ -96,7 +98,7 @@ def write_report(run_dir: Path) -> Path:
         "## Speculation\n",
         _speculation_table(summary),
         "## Host sync points\n",
-        _sync_table(summary, run_dir, steps_of),
+        _sync_table(summary, run_dir, recorded, steps_of),
     ])
     if hil:
         device_syncs = read_points(run_dir, "device_syncs", points=set(hil))
@@ -278,30 +280,30 @@ def _speculation_table(summary: pd.DataFrame) -> str:
     )
 
 
-def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.ndarray]) -> str:
+def _sync_table(summary: pd.DataFrame, run_dir: Path, recorded: pa.Table, steps_of: dict[str, int]) -> str:
     """Per mode, over all its points: how often each sync point fires per step and how long it waits. One file of
     the points' syncs in memory at a time: a large sweep's need not fit."""
     keys = ["name", "phase", "waits_for"]
     mode_of = dict(zip(summary["point"], summary["mode"], strict=True))
-    recorded = pd.MultiIndex.from_arrays([np.repeat(list(steps_of), [len(v) for v in steps_of.values()]),
-                                          np.concatenate([np.zeros(0, np.int64), *steps_of.values()])])
+    recorded_keys = _step_keys(recorded)
     parts = []
-    for table in point_tables(run_dir, "syncs", ["step", *keys, "start_s", "end_s"], set(mode_of)):
-        if not table.num_rows:
-            continue
-        s = table.to_pandas()
-        # recorded steps only, as in metrics
-        s = s[pd.MultiIndex.from_arrays([s["point"], s["step"]]).isin(recorded)]
-        s = s.assign(mode=s["point"].map(mode_of), wait_us=(s["end_s"] - s["start_s"]) * 1e6)
-        parts.append(s.groupby(["mode", *keys], sort=False, dropna=False)["wait_us"].agg(["count", "sum"]))
-    if not parts:
+    for s in point_tables(run_dir, "syncs", ["step", *keys, "start_s", "end_s"], set(mode_of)):
+        # recorded steps only, as in metrics; aggregated in Arrow (a point's syncs are many rows of a few names)
+        s = s.filter(pc.is_in(_step_keys(s), value_set=recorded_keys))
+        wait_us = pc.multiply(pc.subtract(s["end_s"], s["start_s"]), 1e6)
+        g = pa.table([s["point"], *(s[k] for k in keys), wait_us], names=["point", *keys, "wait_us"])
+        g = g.group_by(["point", *keys], use_threads=False).aggregate([("wait_us", "count"), ("wait_us", "sum")])
+        parts.append(g.to_pandas())
+    found = pd.concat(parts) if parts else pd.DataFrame()
+    if found.empty:
         return "No host syncs recorded.\n"
-    g = pd.concat(parts).groupby(level=[0, 1, 2, 3], sort=False, dropna=False)[["count", "sum"]].sum()
+    found["mode"] = found["point"].map(mode_of)
+    g = found.groupby(["mode", *keys], sort=False, dropna=False)[["wait_us_count", "wait_us_sum"]].sum()
     order = {m: i for i, m in enumerate(dict.fromkeys(summary["mode"]))}
     g = g.iloc[np.argsort([order[m] for m in g.index.get_level_values(0)], kind="stable")]
     g.columns = ["size", "sum"]
     mode_of = summary.set_index("point")["mode"]
-    steps_per_mode = pd.Series({p: len(v) for p, v in steps_of.items()}, dtype=np.int64).groupby(mode_of).sum()
+    steps_per_mode = pd.Series(steps_of, dtype=np.int64).groupby(mode_of).sum()
     rows = []
     for (mode, name, phase, waits_for), r in g.iterrows():
         n_steps = steps_per_mode.get(mode, 0)
@@ -313,17 +315,25 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.nda
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
 
 
-def _step_index(run_dir: Path) -> tuple[dict[str, np.ndarray], set[str]]:
-    """Per point, its recorded step numbers, and the points whose steps have measured device phases (hil)."""
-    steps_of: dict[str, np.ndarray] = {}
+def _step_index(run_dir: Path) -> tuple[pa.Table, dict[str, int], set[str]]:
+    """The recorded steps (point, step), each point's number of them, and the points whose steps have measured
+    device phases (hil)."""
+    tables = list(point_tables(run_dir, "steps", ["step", "gpu_verify_s"]))
+    if not tables:
+        return pa.table({"point": pa.array([], pa.string()), "step": pa.array([], pa.int64())}), {}, set()
+    steps = pa.concat_tables(tables, promote_options="permissive")
+    counts = steps.group_by("point", use_threads=False).aggregate([("step", "count")])
     measured = set()
-    for table in point_tables(run_dir, "steps", ["step", "gpu_verify_s"]):
-        df = table.to_pandas()
-        for point, rows in df.groupby("point", sort=False):
-            steps_of[point] = rows["step"].to_numpy()
-            if "gpu_verify_s" in rows and rows["gpu_verify_s"].notna().any():
-                measured.add(point)
-    return steps_of, measured
+    if "gpu_verify_s" in steps.column_names:
+        measured = set(pc.unique(steps.filter(pc.is_valid(steps["gpu_verify_s"]))["point"]).to_pylist())
+    return (steps.select(["point", "step"]), dict(zip(counts["point"].to_pylist(), counts["step_count"].to_pylist(),
+                                                      strict=True)), measured)
+
+
+def _step_keys(table: pa.Table) -> pa.Array:
+    """Each row's (point, step) as one string, to match rows of two tables."""
+    step = pc.cast(table["step"], pa.string())
+    return pc.binary_join_element_wise(pc.cast(table["point"], pa.string()), step, "\x00")
 
 
 def _hil_points(summary: pd.DataFrame, measured: set[str]) -> list[str]:
