@@ -27,8 +27,9 @@ from simharness import profile
 from simharness.frontier import frontier_section
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
+from simharness.pointfiles import point_tables, read_points
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
-from simharness.results import load_run_scenario, point_tables, read_points
+from simharness.results import load_run_scenario
 from simharness.scenario import Scenario, sweep_points
 from simharness.stats import REPEAT, aggregate
 from simharness.trace import write_traces

@@ -23,8 +23,9 @@ import numpy as np
 import pandas as pd
 
 from simharness.metrics import host_intervals
+from simharness.pointfiles import finished_rows, read_points
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
-from simharness.results import finished_rows, load_run_scenario, read_points
+from simharness.results import load_run_scenario
 
 US = 1e6
 HOST_PID, GPU_PID, MEASURED_PID = 1, 2, 3

@@ -24,7 +24,7 @@ LAYERS = [
     ["core"],  # the host's decisions, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench", "vllmhost"],  # set-up of the measured levels, benchmarks (vllmhost: vLLM's own host costs)
-    ["stats", "metrics", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
+    ["stats", "metrics", "pointfiles", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
      "frontier"],  # outputs
     # what a point computes; where points run: this process, local workers, a Ray cluster
     ["pointwork", "execution", "localpool", "raycluster", "executors"],

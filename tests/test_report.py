@@ -13,7 +13,7 @@ import yaml
 from test_trace import as_hil, synthetic_records
 
 import simharness
-from simharness import results
+from simharness import pointfiles, results
 from simharness.metrics import compute_metrics
 from simharness.records import EMISSION_COLUMNS, REQUEST_COLUMNS
 from simharness.report import write_report
@@ -166,7 +166,7 @@ def _as_hil_run(sim_run_dir: Path, tmp_path: Path, device_syncs: pd.DataFrame | 
     summary.loc[0, "level"] = "hil"
     summary.to_csv(run_dir / "summary.csv", index=False)
     point = results.point_dir(run_dir, int(summary.loc[0, "index"]))
-    steps = results.read_points(run_dir, "steps", points={summary.loc[0, "point"]}).drop(columns="point")
+    steps = pointfiles.read_points(run_dir, "steps", points={summary.loc[0, "point"]}).drop(columns="point")
     hil = as_hil(steps)
     hil["harness_s"] = np.arange(len(hil)) * 1e-6  # median: (n - 1) / 2 us
     hil.to_parquet(point / "steps.parquet", index=False)
