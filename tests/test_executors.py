@@ -56,6 +56,37 @@ def test_workers_and_ray_give_the_serial_run_bit_for_bit(serial, cluster, tmp_pa
     assert len(on_ray.steps) == len(serial.steps) > 0 and on_ray.failed.empty
 
 
+class _Counting:
+    """Work whose state, the number of points this process computed with it, does not travel (as PointWork's)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.count = 0
+
+    def __call__(self, point) -> tuple[int, int]:
+        self.count += 1
+        return os.getpid(), self.count
+
+
+def test_a_ray_worker_keeps_its_work_state_between_points(cluster):
+    """A Ray worker process computes its points with one copy of the work: its state (a measured engine) is built
+    once per process, not once per point."""
+    from simharness.raycluster import RayCluster
+
+    done = [e.result for e in RayCluster("local").run(sweep_points(scenario_from_dict(SMALL)), _Counting())
+            if e.kind == "done"]
+    counts: dict[int, list[int]] = {}
+    for pid, count in done:
+        counts.setdefault(pid, []).append(count)
+    assert len(done) == 4 and max(map(len, counts.values())) > 1
+    assert all(sorted(c) == list(range(1, len(c) + 1)) for c in counts.values()), counts
+
+
 def _die_once(marker: Path, point):
     """Work that kills its own process (kill -9) the first time it meets point 1, mid-point."""
     if point.index == 1 and not marker.exists():
