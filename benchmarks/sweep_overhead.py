@@ -1,13 +1,15 @@
-"""Per-point cost of a sweep of tiny sim points: what the harness spends besides the simulation (per-point tables,
-traces, metrics, the run's combined tables and report) bounds a design-space sweep of small points.
+"""Per-point cost of a sweep of tiny sim points: what the harness spends besides the simulation (the points'
+tables, metrics, the run's combined tables and report) bounds a design-space sweep of small points.
 
-The sweep is depth x concurrency x k (4 x 8 x 8 = 256 points, 8 requests each; --points 64 takes 4 x 4 x 4).
-Each source tree given (`--tree`, default this checkout) runs it as `simharness run` in a fresh process, the trees
-taking turns, `--repeats` times: on a shared, noisy machine only figures from one such interleaved run compare. The
-table gives each tree's median wall time per point and its spread (min-max); the runs' summary.csv and trace files
-must be the same bytes in every tree (the change is bookkeeping, not results). Usage:
+The sweep is depth x concurrency x k: 8 x 8 x 17 = 1,088 points of 8 requests each (depth 1-8, concurrency 1-128,
+k 0-16; --points 256 takes depth 1-4 and k 1-8, --points 64 depth 1-4, concurrency 1-8, k 1-4). Each source tree
+given (`--tree`, default this checkout) runs it as `simharness run` in a fresh process, the trees taking turns,
+`--repeats` times: on a shared, noisy machine only figures from one such interleaved run compare. The table gives
+each tree's median wall time per point and its spread (min-max). The runs' results must agree in every tree (the
+change is bookkeeping, not results): summary.csv's bytes, the run-level tables' contents, and every trace file that
+two runs both wrote (a tree may write traces for fewer points). Usage:
 
-    python benchmarks/sweep_overhead.py --tree /tmp/base --tree . [--repeats 3] [--points 256]
+    python benchmarks/sweep_overhead.py --tree /tmp/base --tree . [--repeats 3] [--points 1088]
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
 SWEEPS = {
+    1088: {"scheduler.depth": [1, 2, 3, 4, 5, 6, 7, 8], "workload.concurrency": [1, 2, 4, 8, 16, 32, 64, 128],
+           "engine.speculation.k": list(range(17))},
     256: {"scheduler.depth": [1, 2, 3, 4], "workload.concurrency": [1, 2, 4, 8, 16, 32, 64, 128],
           "engine.speculation.k": [1, 2, 3, 4, 5, 6, 7, 8]},
     64: {"scheduler.depth": [1, 2, 3, 4], "workload.concurrency": [1, 2, 4, 8], "engine.speculation.k": [1, 2, 3, 4]},
@@ -52,11 +58,16 @@ def timed_run(tree: Path, scenario_path: Path, out: Path) -> tuple[float, Path]:
     return time.perf_counter() - start, next(out.glob("*/*/"))
 
 
-def fingerprint(run_dir: Path) -> str:
-    """A digest of the run's results: summary.csv and every trace."""
+def fingerprint(run_dir: Path, traces: dict[str, set[str]]) -> str:
+    """A digest of the run's results: summary.csv and the run-level tables' contents; each trace file's digest is
+    added to `traces` (by file name)."""
     digest = hashlib.sha256((run_dir / "summary.csv").read_bytes())
+    for name in TABLES:
+        table = pd.read_parquet(run_dir / f"{name}.parquet")
+        digest.update(",".join(f"{c}:{t}" for c, t in table.dtypes.items()).encode())
+        digest.update(pd.util.hash_pandas_object(table, index=False).to_numpy().tobytes())
     for path in sorted((run_dir / "traces").iterdir()):
-        digest.update(path.read_bytes())
+        traces.setdefault(path.name, set()).add(hashlib.sha256(path.read_bytes()).hexdigest()[:16])
     return digest.hexdigest()[:16]
 
 
@@ -64,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", type=Path, action="append", help="a source tree to time (repeatable)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--points", type=int, choices=sorted(SWEEPS), default=256)
+    parser.add_argument("--points", type=int, choices=sorted(SWEEPS), default=1088)
     args = parser.parse_args()
     trees = [t.resolve() for t in args.tree or [ROOT]]
     work = Path(tempfile.mkdtemp(prefix="sweep-overhead-"))
@@ -77,13 +88,15 @@ def main() -> None:
         shutil.rmtree(work / "warm-up")
     walls: dict[Path, list[float]] = {tree: [] for tree in trees}
     prints: set[str] = set()
+    traces: dict[str, set[str]] = {}
     for repeat in range(args.repeats):
         for tree in trees:
             out = work / f"run-{repeat}"
             wall, run_dir = timed_run(tree, scenario_path, out)
             walls[tree].append(wall)
-            prints.add(fingerprint(run_dir))
-            print(f"  run {repeat + 1}, {tree}: {wall:.1f} s ({wall / args.points * 1e3:.1f} ms a point)", flush=True)
+            prints.add(fingerprint(run_dir, traces))
+            print(f"  run {repeat + 1}, {tree}: {wall:.1f} s ({wall / args.points * 1e3:.1f} ms a point; load average "
+                  f"{os.getloadavg()[0]:.2f} after)", flush=True)
             shutil.rmtree(out)
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the end")
     print("| tree | median ms a point | min-max |")
@@ -92,6 +105,9 @@ def main() -> None:
         per_point = [t / args.points * 1e3 for t in times]
         print(f"| {tree} | {statistics.median(per_point):.1f} | {min(per_point):.1f}-{max(per_point):.1f} |")
     print(f"results identical in every run: {'yes' if len(prints) == 1 else 'NO: ' + ', '.join(sorted(prints))}")
+    differ = sorted(name for name, digests in traces.items() if len(digests) > 1)
+    same = "the same bytes in every run that wrote it" if not differ else "DIFFER: " + ", ".join(differ)
+    print(f"{len(traces)} trace files: {same}")
     shutil.rmtree(work)
 
 

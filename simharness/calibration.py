@@ -33,6 +33,7 @@ from simharness.costmodel import GPUS
 from simharness.jit import loaded_digest
 from simharness.levels import LEVELS
 from simharness.overrides import parse_value
+from simharness.pointfiles import read_points
 from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
 from simharness.stats import REFERENCE, config_ids
 
@@ -165,24 +166,20 @@ def point_scenario(sc: Scenario, row: pd.Series) -> Scenario:
 
 
 class _Tables:
-    """A run's tables of one point: its own files, or the run's combined tables (a committed run keeps only
-    those), read once."""
+    """A run's tables of one point, each table read once for all points (`pointfiles.read_points`: the points'
+    batches or own files, or the run's combined tables, which a committed run may keep alone)."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.combined: dict[str, pd.DataFrame] = {}
 
     def get(self, name: str, index: int, point: str) -> pd.DataFrame:
-        path = results.point_table(self.run_dir, index, name)
-        if path is not None:
-            return pd.read_parquet(path)
-        if name not in self.combined:
-            path = self.run_dir / f"{name}.parquet"
-            if not path.is_file():
-                raise ScenarioError(f"{self.run_dir}: no {name} records (neither per point nor {path.name})")
-            self.combined[name] = pd.read_parquet(path)
+        if name not in self.combined:  # the points' batches or own files, else the run-level table
+            self.combined[name] = read_points(self.run_dir, name)
+            if self.combined[name].columns.empty:
+                raise ScenarioError(f"{self.run_dir}: no {name} records (neither per point nor {name}.parquet)")
         table = self.combined[name]
-        return table[table["point"] == point].drop(columns="point")
+        return table[table["point"] == point].drop(columns="point").reset_index(drop=True)
 
 
 TABLES = ("steps", "requests", "emissions", "syncs")

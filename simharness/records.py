@@ -161,10 +161,9 @@ class Records:
         host = pd.DataFrame.from_records(self.steps, columns=HOST_COLUMNS)
         counts = self.step_counts[: len(self.steps)]
         columns = {c: counts[:, i] for i, c in enumerate(COUNT_COLUMNS)}
-        df = pd.DataFrame({c: columns[c] if c in columns else host[c] for c in STEP_COLUMNS})
-        for i in range(self.k):
-            df[f"acc_pos_{i}"] = counts[:, N_COUNTS + i]
-        return df
+        columns = {c: columns[c] if c in columns else host[c].to_numpy() for c in STEP_COLUMNS}
+        columns.update({f"acc_pos_{i}": counts[:, N_COUNTS + i] for i in range(self.k)})
+        return pd.DataFrame(columns)
 
     def syncs_frame(self) -> pd.DataFrame:
         return pd.DataFrame.from_records(self.syncs, columns=SYNC_COLUMNS)
@@ -239,4 +238,4 @@ def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:
     """The device-syncs table from (step, phase, site, wait_s) rows; empty at the sim level."""
     columns = list(zip(*rows, strict=True)) if rows else [()] * len(DEVICE_SYNC_DTYPES)
     dtypes = DEVICE_SYNC_DTYPES.items()
-    return pd.DataFrame({c: pd.Series(v, dtype=t) for (c, t), v in zip(dtypes, columns, strict=True)})
+    return pd.DataFrame({c: pd.array(v, dtype=t) for (c, t), v in zip(dtypes, columns, strict=True)})

@@ -1,8 +1,9 @@
 """The run report: `report.md` with a summary table, PNG plots and the host sync points.
 
-Rendered only from the files of a run directory (scenario.yaml, summary.csv, meta.json and each point's
-steps, syncs and device_syncs under points/), so `simharness report RUN_DIR` can redo it at any time,
-and a run renders it while the run-level tables are being combined. A "mode" is one combination of the
+Rendered only from the files of a run directory (scenario.yaml, summary.csv, meta.json and the points' steps,
+syncs and device_syncs under points/), so `simharness report RUN_DIR` can redo it at any time, and a run renders
+it while the run-level tables are being combined. It writes the Perfetto traces of the points its timeline
+draws (`trace.write_traces` writes any other's). A "mode" is one combination of the
 swept values other than concurrency; plots draw one line per mode against concurrency when concurrency
 is swept, and bars per point otherwise. Points measured on hardware (hil) add two sections: the
 synchronizing CUDA operations caught, and measured vs modelled.
@@ -18,7 +19,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -28,10 +28,12 @@ from simharness.frontier import frontier_section
 from simharness.levels import LEVELS
 from simharness.metrics import host_intervals
 from simharness.modes import OUTPUT_READBACK
+from simharness.pointfiles import point_tables, read_points
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
-from simharness.results import load_run_scenario, point_table
+from simharness.results import load_run_scenario
 from simharness.scenario import Scenario, sweep_points
 from simharness.stats import REPEAT, aggregate
+from simharness.trace import write_traces
 
 CONCURRENCY = "workload.concurrency"
 # Timeline colours: host phases, avoidable syncs in red, the by-design output wait in grey.
@@ -64,13 +66,13 @@ def write_report(run_dir: Path) -> Path:
     if summary.empty:
         path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n" + failed)
         return path
-    index_of = _point_indices(run_dir)
-    steps_of, measured = _step_index(run_dir, index_of)
+    recorded, steps_of, measured = _step_index(run_dir)
     by_concurrency = CONCURRENCY in scenario.sweep
     where, timeline_rows = _timeline_points(summary, by_concurrency)
     hil = _hil_points(summary, measured)
-    steps = _read_points(run_dir, "steps", {*timeline_rows["point"], *hil}, index_of)
-    syncs = _read_points(run_dir, "syncs", {*timeline_rows["point"], *hil}, index_of)
+    steps = read_points(run_dir, "steps", points={*timeline_rows["point"], *hil})
+    syncs = read_points(run_dir, "syncs", points={*timeline_rows["point"], *hil})
+    write_traces(run_dir, set(timeline_rows["point"]))
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     _plot_tpot(summary, by_concurrency, plots / "tpot.png")
@@ -92,15 +94,16 @@ def write_report(run_dir: Path) -> Path:
         "![GPU busy](plots/gpu_busy.png)\n",
         "## Timeline\n",
         f"{n} consecutive steps from about a third into the run{where}, one panel per mode. Host lane: sync waits "
-        "in red, the wait for a step's output in grey; gaps in the GPU lane are bubbles.\n",
+        "in red, the wait for a step's output in grey; gaps in the GPU lane are bubbles. These points' Perfetto "
+        "traces are in `traces/` (`simharness.trace.write_traces(RUN_DIR)` writes every point's).\n",
         "![Timeline](plots/timeline.png)\n",
         "## Speculation\n",
         _speculation_table(summary),
         "## Host sync points\n",
-        _sync_table(summary, run_dir, steps_of, index_of),
+        _sync_table(summary, run_dir, recorded, steps_of),
     ])
     if hil:
-        device_syncs = _read_points(run_dir, "device_syncs", set(hil), index_of)
+        device_syncs = read_points(run_dir, "device_syncs", points=set(hil))
         device_syncs = device_syncs if len(device_syncs.columns) else None
         text += "\n".join([
             "\n## Device sync sites\n",
@@ -280,28 +283,30 @@ def _speculation_table(summary: pd.DataFrame) -> str:
     )
 
 
-def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.ndarray],
-                index_of: dict[str, int]) -> str:
-    """Per mode, over all its points: how often each sync point fires per step and how long it waits. One point's
-    syncs in memory at a time: a large sweep's need not fit."""
+def _sync_table(summary: pd.DataFrame, run_dir: Path, recorded: pa.Table, steps_of: dict[str, int]) -> str:
+    """Per mode, over all its points: how often each sync point fires per step and how long it waits. One file of
+    the points' syncs in memory at a time: a large sweep's need not fit."""
     keys = ["name", "phase", "waits_for"]
+    mode_of = dict(zip(summary["point"], summary["mode"], strict=True))
+    recorded_keys = _step_keys(recorded)
     parts = []
-    for point, mode in zip(summary["point"], summary["mode"], strict=True):
-        path = point_table(run_dir, index_of[point], "syncs")
-        if path is None:
-            continue
-        s = pq.read_table(path, columns=["step", *keys, "start_s", "end_s"])
+    for s in point_tables(run_dir, "syncs", ["step", *keys, "start_s", "end_s"], set(mode_of)):
         # recorded steps only, as in metrics; aggregated in Arrow (a point's syncs are many rows of a few names)
-        s = s.filter(pc.is_in(s["step"], value_set=pa.array(steps_of.get(point, []), type=s["step"].type)))
+        s = s.filter(pc.is_in(_step_keys(s), value_set=recorded_keys))
         wait_us = pc.multiply(pc.subtract(s["end_s"], s["start_s"]), 1e6)
-        g = pa.table([*(s[k] for k in keys), wait_us], names=[*keys, "wait_us"]).group_by(keys, use_threads=False)
-        parts.append(g.aggregate([("wait_us", "count"), ("wait_us", "sum")]).to_pandas().assign(mode=mode))
-    if not parts:
+        g = pa.table([s["point"], *(s[k] for k in keys), wait_us], names=["point", *keys, "wait_us"])
+        g = g.group_by(["point", *keys], use_threads=False).aggregate([("wait_us", "count"), ("wait_us", "sum")])
+        parts.append(g.to_pandas())
+    found = pd.concat(parts) if parts else pd.DataFrame()
+    if found.empty:
         return "No host syncs recorded.\n"
-    g = pd.concat(parts).groupby(["mode", *keys], sort=False)[["wait_us_count", "wait_us_sum"]].sum()
+    found["mode"] = found["point"].map(mode_of)
+    g = found.groupby(["mode", *keys], sort=False, dropna=False)[["wait_us_count", "wait_us_sum"]].sum()
+    order = {m: i for i, m in enumerate(dict.fromkeys(summary["mode"]))}
+    g = g.iloc[np.argsort([order[m] for m in g.index.get_level_values(0)], kind="stable")]
     g.columns = ["size", "sum"]
     mode_of = summary.set_index("point")["mode"]
-    steps_per_mode = pd.Series({p: len(v) for p, v in steps_of.items()}, dtype=np.int64).groupby(mode_of).sum()
+    steps_per_mode = pd.Series(steps_of, dtype=np.int64).groupby(mode_of).sum()
     rows = []
     for (mode, name, phase, waits_for), r in g.iterrows():
         n_steps = steps_per_mode.get(mode, 0)
@@ -313,39 +318,25 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, steps_of: dict[str, np.nda
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
 
 
-def _point_indices(run_dir: Path) -> dict[str, int]:
-    """Each point's index, by point id (summary.csv)."""
-    rows = pd.read_csv(run_dir / "summary.csv", usecols=["point", "index"])
-    return dict(zip(rows["point"], rows["index"].astype(int), strict=True))
-
-
-def _step_index(run_dir: Path, index_of: dict[str, int]) -> tuple[dict[str, np.ndarray], set[str]]:
-    """Per point, its recorded step numbers, and the points whose steps have measured device phases (hil)."""
-    steps_of: dict[str, np.ndarray] = {}
+def _step_index(run_dir: Path) -> tuple[pa.Table, dict[str, int], set[str]]:
+    """The recorded steps (point, step), each point's number of them, and the points whose steps have measured
+    device phases (hil)."""
+    tables = list(point_tables(run_dir, "steps", ["step", "gpu_verify_s"]))
+    if not tables:
+        return pa.table({"point": pa.array([], pa.string()), "step": pa.array([], pa.int64())}), {}, set()
+    steps = pa.concat_tables(tables, promote_options="permissive")
+    counts = steps.group_by("point", use_threads=False).aggregate([("step", "count")])
     measured = set()
-    for point in index_of:
-        path = point_table(run_dir, index_of[point], "steps")
-        if path is None:
-            continue
-        file = pq.ParquetFile(path)
-        columns = ["step"] + (["gpu_verify_s"] if "gpu_verify_s" in file.schema_arrow.names else [])
-        df = file.read(columns=columns).to_pandas()
-        steps_of[point] = df["step"].to_numpy()
-        if "gpu_verify_s" in df and df["gpu_verify_s"].notna().any():
-            measured.add(point)
-    return steps_of, measured
+    if "gpu_verify_s" in steps.column_names:
+        measured = set(pc.unique(steps.filter(pc.is_valid(steps["gpu_verify_s"]))["point"]).to_pylist())
+    return (steps.select(["point", "step"]), dict(zip(counts["point"].to_pylist(), counts["step_count"].to_pylist(),
+                                                      strict=True)), measured)
 
 
-def _read_points(run_dir: Path, name: str, points: set[str], index_of: dict[str, int]) -> pd.DataFrame:
-    """The rows of `points` (a `point` column first), in point order, from each point's own table; a frame without
-    columns when no point has the table (a run from before it existed)."""
-    frames = []
-    for point in sorted(points, key=index_of.__getitem__):
-        path = point_table(run_dir, index_of[point], name)
-        if path is not None:
-            df = pd.read_parquet(path)
-            frames.append(df.assign(point=point)[["point", *df.columns]])
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+def _step_keys(table: pa.Table) -> pa.Array:
+    """Each row's (point, step) as one string, to match rows of two tables."""
+    step = pc.cast(table["step"], pa.string())
+    return pc.binary_join_element_wise(pc.cast(table["point"], pa.string()), step, "\x00")
 
 
 def _hil_points(summary: pd.DataFrame, measured: set[str]) -> list[str]:

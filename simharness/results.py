@@ -1,16 +1,16 @@
 """The run directory: `results/<scenario>/<run-id>/`, written so nothing is ever lost.
 
-Each finished sweep point is written to `points/<index>/` through a temporary directory and an
-atomic rename, so a killed sweep keeps every finished point and `--resume` skips them. A point that
-failed for good leaves `points/<index>.failed.json` (its reason and traceback) instead, which
-`--resume` retries. The run's combined tables (`summary.csv`, `summary.json`, `*.parquet`) are
-rebuilt from the points, one point's table at a time, so they may be larger than memory.
+Finished sweep points are written in batches (`PointWriter`): their tables together, then each point's summary
+row, which marks it finished, each file through a temporary name and an atomic rename; so a killed sweep keeps
+every point of a written batch and `--resume` runs the others (`pointfiles` says where they live). A point that
+failed for good leaves `points/<index>.failed.json` (its reason and traceback) instead, which `--resume`
+retries. The run's combined tables (`summary.csv`, `summary.json`, `*.parquet`) are rebuilt from the points, a
+batch at a time, so they may be larger than memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import platform
@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -32,9 +31,10 @@ import pyarrow.parquet as pq
 import yaml
 
 from simharness.jit import loaded_digest
+from simharness.pointfiles import TABLES as TABLES
+from simharness.pointfiles import batch_dirs, combine_tables, finished_points, finished_rows, point_dir, text_columns
+from simharness.pointfiles import point_table as point_table
 from simharness.scenario import Scenario, ScenarioError, load_scenario
-
-TABLES = ("requests", "steps", "syncs", "emissions", "device_syncs")
 
 
 def new_run_dir(out: Path, scenario: Scenario) -> Path:
@@ -102,49 +102,71 @@ def load_run_scenario(run_dir: Path) -> Scenario:
     return load_scenario(path)
 
 
-def point_dir(run_dir: Path, index: int) -> Path:
-    return run_dir / "points" / f"{index:04d}"
+FLUSH_S = 2.0  # a batch of finished points is written at least this often: a kill loses at most this much work
+FLUSH_ROWS = 2_000_000  # ... or once the points waiting hold this many table rows (the driver's memory)
 
 
-def finished_points(run_dir: Path) -> set[int]:
-    """Indices of the points whose results are complete on disk."""
-    found = set()
-    for p in (run_dir / "points").glob("[0-9]*"):  # not a `.tmp` directory that a kill during a write left
-        if p.name.isdigit() and (p / "summary.json").is_file():
-            found.add(int(p.name))
-    return found
+class PointWriter:
+    """The driver's writer of finished points. Their tables wait in memory and are written together, one parquet
+    file per table, as a batch (`points/batch-<n>/`, atomically), every FLUSH_S seconds, when FLUSH_ROWS rows
+    wait, and when the run stops for any reason (`flush`); then each point's summary row (`write_point`), which
+    marks it finished. A kill loses the points not yet in a batch, and `--resume` runs exactly those."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.pending: list[tuple[int, str, dict, dict[str, pd.DataFrame]]] = []
+        self.rows = 0
+        self.flushed = time.monotonic()
+        self.batches = len(batch_dirs(run_dir))
+
+    def add(self, index: int, point_id: str, summary: dict, tables: dict[str, pd.DataFrame]) -> None:
+        self.pending.append((index, point_id, summary, tables))
+        self.rows += sum(len(df) for df in tables.values())
+        if time.monotonic() - self.flushed >= FLUSH_S or self.rows >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the waiting points: their tables as one batch, then each point's summary row."""
+        pending = sorted(self.pending, key=lambda p: p[0])
+        self.pending, self.rows, self.flushed = [], 0, time.monotonic()
+        if not pending:
+            return
+        final = self.run_dir / "points" / f"batch-{self.batches:05d}"
+        self.batches += 1
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in dict.fromkeys(name for *_, tables in pending for name in tables):
+            frames = [(pid, tables[name]) for _, pid, _, tables in pending if name in tables]
+            _write_parquet(tmp / f"{name}.parquet", _with_point(frames))
+        (tmp / "points.json").write_text(json.dumps([[index, pid] for index, pid, _, _ in pending]))
+        os.replace(tmp, final)
+        for index, _, summary, _ in pending:
+            write_point(self.run_dir, index, summary)
 
 
-def encode_tables(tables: dict[str, pd.DataFrame]) -> dict[str, bytes]:
-    """Each table as the bytes of its parquet file: a worker encodes its point's tables, so the driver only writes
-    them (and pickles bytes, not frames, between processes)."""
-    encoded = {}
-    for name, df in tables.items():
-        buffer = io.BytesIO()
-        table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)  # small tables: no thread pool a call
-        pq.write_table(table, buffer, use_dictionary=_text_columns(table.schema))
-        encoded[name] = buffer.getvalue()
-    return encoded
+def _with_point(frames: list[tuple[str, pd.DataFrame]]) -> pa.Table:
+    """Points' frames as one table, each row's point id in a `point` column first (built in C++: a Python list of
+    ids took most of a large table's time)."""
+    df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
+    table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)
+    ids = pa.array([pid for pid, _ in frames], pa.string())
+    which = np.repeat(np.arange(len(frames), dtype=np.int32), [len(f) for _, f in frames])
+    return table.add_column(0, "point", pa.DictionaryArray.from_arrays(pa.array(which), ids).cast(pa.string()))
 
 
-def _text_columns(schema: pa.Schema) -> list[str]:
-    """The columns worth dictionary-encoding: text (a point's id, a sync's name). pyarrow's default tries a
-    dictionary on every column; on the float and counter columns of a large table it made writing 2.5x and
-    reading 4x slower, and the file larger."""
-    return [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    pq.write_table(table, path, use_dictionary=text_columns(table.schema))
 
 
-def write_point(run_dir: Path, index: int, summary: dict, tables: dict[str, bytes]) -> None:
-    """Write one point's results atomically (temp dir, then rename); a failed record of an earlier try goes.
-    `tables`: each table's parquet bytes (`encode_tables`)."""
+def write_point(run_dir: Path, index: int, summary: dict) -> None:
+    """Write one point's summary row atomically, which marks it finished (its tables are in a batch written
+    before); a failed record of an earlier try goes."""
     final = point_dir(run_dir, index)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, data in tables.items():
-        (tmp / f"{name}.parquet").write_bytes(data)
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=1, default=_json_default))
-    os.replace(tmp, final)
+    final.mkdir(exist_ok=True)
+    tmp = final / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1, default=_json_default))
+    os.replace(tmp, final / "summary.json")
     failed_path(run_dir, index).unlink(missing_ok=True)
 
 
@@ -171,13 +193,6 @@ def failed_points(run_dir: Path) -> dict[int, dict]:
     return found
 
 
-def point_table(run_dir: Path, index: int, name: str) -> Path | None:
-    """A point's own file of table `name`, or None where it has none (a point that failed, or one run before the
-    table existed)."""
-    path = point_dir(run_dir, index) / f"{name}.parquet"
-    return path if path.is_file() else None
-
-
 def read_table(run_dir: Path, name: str, columns: list[str] | None = None) -> pd.DataFrame:
     """A combined table of the run (`point` column first), or an empty frame when the run has none."""
     path = run_dir / f"{name}.parquet"
@@ -194,8 +209,7 @@ def combine(run_dir: Path) -> pd.DataFrame:
 def combine_summary(run_dir: Path) -> pd.DataFrame:
     """Rebuild summary.csv/json (a row per point by index; a `failed` column, only when a point failed, gives
     the reason) from the points; returns it."""
-    indices = sorted(finished_points(run_dir))
-    rows = {i: json.loads((point_dir(run_dir, i) / "summary.json").read_text()) for i in indices}
+    rows = finished_rows(run_dir)
     failed = failed_points(run_dir)
     columns = list(dict.fromkeys(k for row in [*rows.values(), *failed.values()] for k in row if k != "failed"))
     if failed:
@@ -205,44 +219,6 @@ def combine_summary(run_dir: Path) -> pd.DataFrame:
     summary.to_csv(run_dir / "summary.csv", index=False)
     (run_dir / "summary.json").write_text(json.dumps(records, indent=1, default=_json_default))
     return summary
-
-
-def combine_tables(run_dir: Path, summary: pd.DataFrame) -> None:
-    """Rebuild the run-level parquet tables (`TABLES`) from the finished points' tables; `summary` (from
-    `combine_summary`) names each point."""
-    point_of = dict(zip(summary["index"], summary["point"], strict=True)) if len(summary) else {}
-    points = [(i, point_of[i]) for i in sorted(finished_points(run_dir))]
-    # One thread per table: reading, encoding and compressing parquet run outside the GIL.
-    with ThreadPoolExecutor(len(TABLES)) as pool:
-        for done in [pool.submit(_combine_table, run_dir, name, points) for name in TABLES]:
-            done.result()
-
-
-def _combine_table(run_dir: Path, name: str, points: list[tuple[int, str]]) -> None:
-    """Append every point's table to `<name>.parquet` (`point` first), one point in memory at a time. Columns
-    are the union over points in order of appearance (a point lacking one gets nulls); points with no rows are
-    left out unless no point has any (a point written before the table existed has no file)."""
-    parts = [(path, pid) for i, pid in points if (path := point_table(run_dir, i, name)) is not None]
-    filled = [(path, pid) for path, pid in parts if pq.read_metadata(path).num_rows] or parts[:1]
-    final = run_dir / f"{name}.parquet"
-    tmp = final.with_name(final.name + ".tmp")
-    if not filled:
-        pd.DataFrame().to_parquet(tmp, index=False)
-        os.replace(tmp, final)
-        return
-    schema = pa.unify_schemas([pq.read_schema(path).remove_metadata() for path, _ in filled],
-                              promote_options="permissive")
-    schema = pa.schema([pa.field("point", pa.string()), *schema])
-    with pq.ParquetWriter(tmp, schema, use_dictionary=_text_columns(schema)) as writer:
-        for path, pid in filled:
-            table = pq.read_table(path)
-            # the point's id on every row, built in C++ (a Python list of it took most of a large table's time)
-            ids = pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)), pa.array([pid]))
-            table = table.add_column(0, "point", ids.cast(pa.string()))
-            columns = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-                       for f in schema]
-            writer.write_table(pa.Table.from_arrays(columns, names=schema.names).cast(schema))
-    os.replace(tmp, final)
 
 
 def write_meta(run_dir: Path, scenario: Scenario, device: str | None, extra: dict | None = None) -> None:

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 import pandas as pd
 
 from simharness import results
 from simharness.executors import Event, Executor, LocalPool, make_executor, ray_stopped
-from simharness.gcwatch import GC_COLUMNS
-from simharness.metrics import compute_metrics
-from simharness.model_backend import model_backend
-from simharness.models import checkpoint_dir
 from simharness.modes import Mode, resolve_mode
-from simharness.profile import summary_columns as profile_columns
-from simharness.records import device_syncs_frame
+from simharness.pointwork import LEVELS, PointWork, ignored_fields, ignored_message
 from simharness.scenario import (
     Point,
     Scenario,
@@ -35,12 +26,6 @@ from simharness.scenario import (
     scenario_diff,
     sweep_points,
 )
-from simharness.simulation import Simulation
-from simharness.trace import trace_events, trace_json
-from simharness.workload import Requests, build_requests
-
-if TYPE_CHECKING:
-    from simharness.measured import MeasuredEngine
 
 
 @dataclass
@@ -126,9 +111,9 @@ def run(
 
 
 def combine_and_report(run_dir: Path) -> pd.DataFrame:
-    """Rebuild a run's summary and run-level tables from its points and render its report; returns the summary.
-    The report reads the points' own tables, so it renders while another thread combines the run-level ones
-    (parquet's reading and encoding run outside the GIL)."""
+    """Rebuild a run's summary and run-level tables from its points and render its report (with the Perfetto
+    traces of the points it draws); returns the summary. The report reads the points' batches, so it renders
+    while another thread combines the run-level tables (parquet's reading and encoding run outside the GIL)."""
     from simharness.report import write_report  # matplotlib: ~0.5 s that a worker process, which draws nothing, skips
 
     with results.writing(run_dir, fresh=False):
@@ -205,6 +190,7 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
     if progress is not None:
         progress(status)
     described = False
+    writer = results.PointWriter(run_dir)
     try:
         with closing(executor.run(todo, PointWork(modes, measured))) as events:
             for event in events:
@@ -213,15 +199,14 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
                     results.write_meta(run_dir, scenario, device=event.result.device,
                                        extra={"checkpoint_load": loaded} if loaded else None)
                     described = True
-                _record(run_dir, event, status)
+                _record(writer, event, status)
                 if progress is not None:
                     progress(status)
     finally:
-        global _state
-        _state = None  # a serial run's requests and model go with it
+        writer.flush()  # whatever stopped the run, the points it finished are kept
 
 
-def _record(run_dir: Path, event: Event, status: SweepStatus) -> None:
+def _record(writer: results.PointWriter, event: Event, status: SweepStatus) -> None:
     """Write what an executor reports (a finished point, a failed one) and count it."""
     point = event.point
     status.point_id, status.message = point.id, ""
@@ -231,16 +216,12 @@ def _record(run_dir: Path, event: Event, status: SweepStatus) -> None:
         status.running -= 1
         status.message = f"{point.id}: {event.reason}; retrying"
     elif event.kind == "done":
-        result = event.result
-        trace_dir = run_dir / "traces"
-        trace_dir.mkdir(exist_ok=True)
-        (trace_dir / f"{point.index:04d}_{_slug(point.id)}.json").write_text(result.trace)
-        results.write_point(run_dir, point.index, result.summary, result.tables)
+        writer.add(point.index, point.id, event.result.summary, event.result.tables)
         status.running, status.done = status.running - 1, status.done + 1
     else:
         level = LEVELS[point.scenario.engine.backend]
         record = {"point": point.id, "index": point.index, "level": level, **point.values, "failed": event.reason}
-        results.write_failed(run_dir, point.index, record, event.detail)
+        results.write_failed(writer.run_dir, point.index, record, event.detail)
         status.running, status.done, status.failed = status.running - 1, status.done + 1, status.failed + 1
         status.message = f"{point.id}: failed: {event.reason}"
 
@@ -261,89 +242,6 @@ def _require_devices(points: list[Point]) -> None:
             if not torch.cuda.is_available():
                 raise ScenarioError(f"sweep point {p.id}: engine.device: cuda was asked for (engine.backend: "
                                     f"{p.scenario.engine.backend}) but torch sees no CUDA device here")
-
-
-class _Workloads:
-    """Each point's requests, built from its workload section and seed (in a checkpoint's tokens when the model is
-    one); one is kept in memory, since sweeps usually vary the workload last."""
-
-    def __init__(self) -> None:
-        self.key: str | None = None
-        self.requests: Requests | None = None
-
-    def get(self, sc: Scenario) -> Requests:
-        # what build_requests reads: concurrency and the count fields only through total_requests
-        w = sc.workload
-        key = w.model_dump_json(exclude={"concurrency", "cap_concurrency", "num_requests", "requests_per_user"})
-        key += f"{w.total_requests},{sc.seed},{sc.engine.model}"
-        if key != self.key:
-            self.key, self.requests = key, build_requests(sc.workload, sc.seed, checkpoint_dir(sc.engine.model))
-        return self.requests
-
-
-@dataclass
-class PointResult:
-    """One finished point as a worker hands it to the driver: its summary row, its tables as parquet bytes and its
-    trace as JSON (encoded where the point ran: the driver only writes them), and for a measured point the device
-    that ran it and the checkpoint's load statistics (meta.json)."""
-
-    summary: dict
-    tables: dict[str, bytes]
-    trace: str
-    device: str | None = None
-    checkpoint_load: dict | None = None
-
-
-@dataclass
-class PointWork:
-    """Computes one point wherever an executor calls it (this process, a worker process, a Ray task). Picklable;
-    within a process it keeps the last point's requests and the measured engine (sized for every measured point
-    of the run, built on the first one) for the next call."""
-
-    modes: dict[int, Mode]  # each point's mode by index, resolved once when the run was validated
-    measured: list[tuple[Scenario, Mode]]
-    key: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    def __call__(self, point: Point) -> PointResult:
-        global _state
-        if _state is None or _state[0] != self.key:
-            _state = (self.key, _Workloads(), None)
-        key, workloads, engine = _state
-        if engine is None and point.scenario.engine.backend != "model":
-            from simharness.measured import MeasuredEngine  # torch and Triton: only where a point runs on them
-
-            engine = MeasuredEngine(self.measured, workloads.get)
-            _state = (key, workloads, engine)
-        result = _point_result(point, self.modes[point.index], workloads.get(point.scenario), engine)
-        if engine is not None:
-            result.device, result.checkpoint_load = engine.describe(), engine.model.load_stats
-        return result
-
-
-_state: tuple[str, _Workloads, MeasuredEngine | None] | None = None  # this process's PointWork: (key, ...)
-
-
-# The level of each engine.backend.
-LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
-# Fields a level reads nowhere: a measured point's device and step times are measured and its acceptance is the
-# sampler's; a sim point runs no decode loop and has no host to gauge.
-IGNORED = {
-    "measured": ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration",
-                 "engine.profile", "engine.gc.full_every", "engine.host_costs.gc_ns_per_object"),
-    "sim": ("engine.device", "engine.cuda_graphs", "engine.steer", "engine.host_slowdown"),
-}
-
-
-def ignored_fields(sc: Scenario, level: str) -> list[str]:
-    """The fields a point of `level` ignores that `sc` sets away from their defaults."""
-    default = Scenario(name=sc.name)
-    return [path for path in IGNORED["sim" if level == "sim" else "measured"]
-            if getattr(*resolve_field(sc, path)) != getattr(*resolve_field(default, path))]
-
-
-def ignored_message(fields: list[str], level: str) -> str:
-    reason = "runs no decode loop" if level == "sim" else "measures what they model"
-    return f"{', '.join(fields)}: set, but a {level} point {reason}; ignored"
 
 
 def note_ignored(points: list[Point]) -> None:
@@ -367,54 +265,3 @@ def without_ignored(sc: Scenario, level: str) -> None:
     for path in ignored_fields(sc, level):
         section, name = resolve_field(sc, path)
         setattr(section, name, getattr(*resolve_field(default, path)))
-
-
-def _point_result(point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> PointResult:
-    sc = point.scenario
-    notes = [mode.note]
-    level = LEVELS[sc.engine.backend]
-    if level != "sim":
-        run = measured.run(sc, requests, mode)
-        records, duration, backend = run.records, run.duration, run.backend
-        host = {"host_slowdown": run.host_slowdown, "host_attempts": run.host_attempts, **run.gc.summary()}
-        limit = sc.engine.host_slowdown
-        if limit is not None and (run.host_attempts > 1 or run.host_slowdown > limit):
-            notes.append(f"measured {run.host_attempts} times: the host was {run.host_slowdown:.2f}x slower than its "
-                         f"fastest around the run kept (engine.host_slowdown: {limit})")
-        device_syncs = backend.syncs.frame()
-        if level == "hil" and backend.starved_steps:
-            notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
-                         "may include launch gaps)")
-    else:
-        records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
-        # the same columns at every level (a sim point's GC pauses are modelled, in its steps' gc_pause_s)
-        host = dict.fromkeys(["host_slowdown", "host_attempts", *GC_COLUMNS], np.nan)
-        device_syncs = device_syncs_frame([])
-    ignored = ignored_fields(sc, level)
-    if ignored:
-        notes.append(ignored_message(ignored, level))
-    steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
-    metrics = compute_metrics(
-        records.requests,
-        emissions,
-        steps,
-        syncs,
-        duration_s=duration,
-        percentiles=sc.report.percentiles,
-        goodput=sc.report.goodput,
-        k=mode.k,
-    )
-    summary = {"point": point.id, "index": point.index, "level": level}
-    summary.update(point.values)
-    summary.update(effective_depth=mode.depth, note="; ".join(filter(None, notes)))
-    summary.update(metrics)
-    summary.update(host)
-    summary.update(profile_columns(sc.engine, level))
-    trace = trace_json(trace_events(steps, syncs, max_steps=sc.report.trace_steps), {"point": point.id})
-    tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
-              "device_syncs": device_syncs}
-    return PointResult(summary, results.encode_tables(tables), trace)
-
-
-def _slug(point_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", point_id.replace("=", "-"))[:120] or "base"

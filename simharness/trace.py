@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from simharness.metrics import host_intervals
+from simharness.pointfiles import finished_rows, read_points
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
+from simharness.results import load_run_scenario
 
 US = 1e6
 HOST_PID, GPU_PID, MEASURED_PID = 1, 2, 3
@@ -103,6 +107,40 @@ def trace_events(steps: pd.DataFrame, syncs: pd.DataFrame, *, max_steps: int) ->
         ]
         events += _measured_slices_and_flows(steps)
     return events
+
+
+def write_traces(run_dir: Path, points: set[str] | None = None) -> list[Path]:
+    """Write `traces/<index>_<point>.json` for the finished points of `points` (every one when None) from the run's
+    steps and syncs; returns their paths. A run writes them for the points its report draws; the others cost
+    ~10 ms each, so they are written when asked for (a sweep of tiny points would spend most of its time on
+    them)."""
+    rows = finished_rows(run_dir)
+    wanted = {row["point"] for row in rows.values()} if points is None else points
+    default = load_run_scenario(run_dir).report.trace_steps
+    steps = read_points(run_dir, "steps", points=wanted)
+    syncs = read_points(run_dir, "syncs", points=wanted)
+    directory = run_dir / "traces"
+    directory.mkdir(exist_ok=True)
+    paths = []
+    for index, row in rows.items():
+        point = row["point"]
+        if point not in wanted or steps.empty:
+            continue
+        limit = int(row.get("report.trace_steps", default))  # swept, or the run's
+        events = trace_events(_of(steps, point), _of(syncs, point), max_steps=limit)
+        path = directory / f"{index:04d}_{_slug(point)}.json"
+        path.write_text(trace_json(events, {"point": point}))
+        paths.append(path)
+    return paths
+
+
+def _of(table: pd.DataFrame, point: str) -> pd.DataFrame:
+    """A point's rows of a table read with `point` first, as the point recorded them."""
+    return table[table["point"] == point].drop(columns="point").reset_index(drop=True)
+
+
+def _slug(point_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", point_id.replace("=", "-"))[:120] or "base"
 
 
 def has_measured_phases(steps: pd.DataFrame) -> bool:

@@ -100,11 +100,10 @@ H100 = "hil: NVIDIA H100 80GB HBM3, torch 2.11.0, model 16 layers"
 
 def as_measured(run_dir: Path, device: str = H100) -> Path:
     """Relabel a sim run as a hil run on `device` whose prep, launch, device and readback were measured."""
-    for point in (run_dir / "points").iterdir():
-        summary = json.loads((point / "summary.json").read_text())
-        (point / "summary.json").write_text(json.dumps({**summary, "level": "hil"}))
-        steps = pd.read_parquet(point / "steps.parquet")
-        steps.assign(measured="prep,launch,gpu,readback").to_parquet(point / "steps.parquet", index=False)
+    for path in (run_dir / "points").glob("*/summary.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "level": "hil"}))
+    for path in [*(run_dir / "points").glob("*/steps.parquet"), *run_dir.glob("steps.parquet")]:  # batches, run's
+        pd.read_parquet(path).assign(measured="prep,launch,gpu,readback").to_parquet(path, index=False)
     meta = json.loads((run_dir / "meta.json").read_text())
     (run_dir / "meta.json").write_text(json.dumps({**meta, "device": device}))
     return run_dir
@@ -249,7 +248,7 @@ def test_check_warns_when_this_machines_sim_does_not_reproduce_the_runs_own(sim_
     silently where they agree, with a warning naming the difference where they do not (the requests rebuilt here
     differ: another Python's corpus, numpy's random streams, another source)."""
     measured = as_measured(shutil.copytree(sim_run, tmp_path / "run"))
-    points = sorted((measured / "points").iterdir())
+    points = sorted(path.parent for path in (measured / "points").glob("*/summary.json"))
     twins = []
     for i, point in enumerate(points):  # each hil point's sim twin: the same values, as the same code gives
         summary = json.loads((point / "summary.json").read_text())

@@ -182,10 +182,10 @@ def test_read_only_out_exits_2(tmp_path, monkeypatch):
 def test_full_file_system_exits_2(tmp_path, monkeypatch, failing_point):
     write_point = results.write_point
 
-    def full(run_dir, index, summary, tables):
+    def full(run_dir, index, summary):
         if index == failing_point:
             raise OSError(errno.ENOSPC, "No space left on device")
-        write_point(run_dir, index, summary, tables)
+        write_point(run_dir, index, summary)
 
     monkeypatch.setattr(results, "write_point", full)
     r = invoke("run", scenario_file(tmp_path), "--out", tmp_path / "out")
@@ -312,10 +312,10 @@ def test_output_not_in_a_terminal_is_not_wrapped(tmp_path, monkeypatch):
     sets = ["--set", "workload.num_requests=3", "--set", "workload.output_len={dist: fixed, value: 6}"]
     write_point = results.write_point
 
-    def interrupted(run_dir, index, summary, tables):
+    def interrupted(run_dir, index, summary):
         if index == 1:
             raise KeyboardInterrupt
-        write_point(run_dir, index, summary, tables)
+        write_point(run_dir, index, summary)
 
     monkeypatch.setattr(results, "write_point", interrupted)
     r = invoke("run", scenario_file(tmp_path), "--out", out, *sets)

@@ -237,11 +237,10 @@ def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkey
         "engine.level": "sim", "engine.profile": str(source), "workload.requests_per_user": 1,
         "workload.output_len": {"dist": "fixed", "value": 16}})
     run_dir = execute(scenario, points, tmp_path / "runs")
-    for point in (run_dir / "points").iterdir():
-        summary = json.loads((point / "summary.json").read_text())
-        (point / "summary.json").write_text(json.dumps({**summary, "level": "real"}))
-        steps = pd.read_parquet(point / "steps.parquet")
-        steps.assign(measured="prep,launch,gpu,readback").to_parquet(point / "steps.parquet", index=False)
+    for path in (run_dir / "points").glob("*/summary.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "level": "real"}))
+    for path in [*(run_dir / "points").glob("*/steps.parquet"), *run_dir.glob("steps.parquet")]:  # batches, run's
+        pd.read_parquet(path).assign(measured="prep,launch,gpu,readback").to_parquet(path, index=False)
     meta = json.loads((run_dir / "meta.json").read_text())
     (run_dir / "meta.json").write_text(json.dumps({**meta, "device": "real: NVIDIA H100 80GB HBM3, torch 2"}))
     out = tmp_path / "fitted.yaml"

@@ -13,7 +13,7 @@ import yaml
 from test_trace import as_hil, synthetic_records
 
 import simharness
-from simharness import results
+from simharness import pointfiles, results
 from simharness.metrics import compute_metrics
 from simharness.records import EMISSION_COLUMNS, REQUEST_COLUMNS
 from simharness.report import write_report
@@ -39,6 +39,7 @@ def make_run(root: Path, sweep: dict) -> Path:
     scenario = scenario_from_dict({"name": "demo", "seed": 7, "sweep": sweep, "report": {"timeline_steps": 6}})
     run_dir = results.new_run_dir(root, scenario)
     results.write_meta(run_dir, scenario, device="sim (virtual time, cost model)")
+    writer = results.PointWriter(run_dir)
     for point in sweep_points(scenario):
         sc = point.scenario
         depth = 1 if sc.engine.speculation.proposer == "ngram_cpu" else sc.scheduler.depth
@@ -50,7 +51,8 @@ def make_run(root: Path, sweep: dict) -> Path:
         summary = {"point": point.id, "index": point.index, **point.values, "effective_depth": depth, "note": note,
                    **metrics}
         tables = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
-        results.write_point(run_dir, point.index, summary, results.encode_tables(tables))
+        writer.add(point.index, point.id, summary, tables)
+    writer.flush()
     results.combine(run_dir)
     return run_dir
 
@@ -157,14 +159,15 @@ def sim_run_dir(tmp_path_factory) -> Path:
 
 
 def _as_hil_run(sim_run_dir: Path, tmp_path: Path, device_syncs: pd.DataFrame | None) -> tuple[Path, pd.DataFrame]:
-    """A copy of the run whose first point (depth=1) is made a hil point (its own files, which the report reads);
-    returns it and that point's steps."""
+    """A copy of the run whose first point (depth=1) is made a hil point (files of its own, as a run written
+    before batches kept them: the report reads them before the batch); returns it and that point's steps."""
     run_dir = Path(shutil.copytree(sim_run_dir, tmp_path / sim_run_dir.name))
     summary = pd.read_csv(run_dir / "summary.csv")
     summary.loc[0, "level"] = "hil"
     summary.to_csv(run_dir / "summary.csv", index=False)
     point = results.point_dir(run_dir, int(summary.loc[0, "index"]))
-    hil = as_hil(pd.read_parquet(point / "steps.parquet"))
+    steps = pointfiles.read_points(run_dir, "steps", points={summary.loc[0, "point"]}).drop(columns="point")
+    hil = as_hil(steps)
     hil["harness_s"] = np.arange(len(hil)) * 1e-6  # median: (n - 1) / 2 us
     hil.to_parquet(point / "steps.parquet", index=False)
     (point / "device_syncs.parquet").unlink(missing_ok=True)
@@ -217,7 +220,7 @@ def test_hil_run_without_device_syncs(sim_run_dir, tmp_path) -> None:
     assert section.strip() == (f"No synchronizing CUDA operation outside the by-design readback in {len(hil):,} "
                                "steps: torch's sync debug mode caught none (the readback waits on a CUDA event, "
                                "which that mode does not report).")
-    for path in (run_dir / "points").glob("*/device_syncs.parquet"):
+    for path in [*(run_dir / "points").glob("*/device_syncs.parquet"), run_dir / "device_syncs.parquet"]:
         path.unlink()  # a run from before the table existed
     text = write_report(run_dir).read_text()
     assert "Not recorded: these points have no `device_syncs.parquet`." in text

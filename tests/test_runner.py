@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -17,8 +18,14 @@ import pytest
 from helpers import SMALL
 
 import simharness
+from simharness import results
+from simharness.compare import load_run
 from simharness.jit import sources_digest
-from simharness.scenario import scenario_from_dict
+from simharness.modes import resolve_mode
+from simharness.pointwork import PointWork, Workloads, point_result
+from simharness.runner import combine_and_report
+from simharness.scenario import scenario_from_dict, sweep_points
+from simharness.trace import trace_events, trace_json, write_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +37,10 @@ def test_run_writes_the_documented_run_directory(tmp_path):
     for name in ("scenario.yaml", "meta.json", "summary.csv", "summary.json", "requests.parquet", "steps.parquet",
                  "syncs.parquet", "emissions.parquet", "report.md"):
         assert (d / name).is_file(), name
-    assert len(list((d / "traces").glob("*.json"))) == 4
+    # traces of the points the report's timeline draws (concurrency 8); the others when asked for
+    assert sorted(p.name for p in (d / "traces").glob("*.json")) == [
+        "0001_scheduler.depth-1_workload.concurrency-8.json", "0003_scheduler.depth-2_workload.concurrency-8.json"]
+    assert len(write_traces(d)) == 4 and len(list((d / "traces").glob("*.json"))) == 4
     assert list(result.summary.point) == [p.id for p in simharness.sweep_points(scenario_from_dict(SMALL))]
     assert {"scheduler.depth", "workload.concurrency", "mean_tpot_ms", "p99_tpot_ms"} <= set(result.summary.columns)
     assert set(result.steps.point) == set(result.summary.point)
@@ -48,11 +58,23 @@ def test_run_writes_the_documented_run_directory(tmp_path):
     assert f"source digest `{meta['source_digest'][:12]}`" in (d / "report.md").read_text()
 
 
+def test_a_trace_written_later_is_the_one_its_point_computed(tmp_path):
+    """A trace written from the run's tables (`write_traces`, after the run) is, byte for byte, the one made from
+    the point's own records as it ran."""
+    sc = scenario_from_dict(SMALL)
+    d = simharness.run(sc, out=tmp_path).run_dir
+    point = sweep_points(sc)[2]
+    result = point_result(point, resolve_mode(point.scenario), Workloads().get(point.scenario), None)
+    events = trace_events(result.tables["steps"], result.tables["syncs"], max_steps=sc.report.trace_steps)
+    (path,) = write_traces(d, {point.id})
+    assert path.name.startswith("0002_") and path.read_text() == trace_json(events, {"point": point.id})
+
+
 def test_only_text_columns_are_dictionary_encoded(tmp_path):
-    """The run's and the points' parquet tables dictionary-encode their text columns and no others (a dictionary
+    """The run's and the batches' parquet tables dictionary-encode their text columns and no others (a dictionary
     on every float column made a large table 4x slower to read)."""
     d = simharness.run(scenario_from_dict(SMALL), out=tmp_path).run_dir
-    for path in [d / "syncs.parquet", d / "points" / "0000" / "syncs.parquet"]:
+    for path in [d / "syncs.parquet", d / "points" / "batch-00000" / "syncs.parquet"]:
         meta = pq.ParquetFile(path).metadata
         schema = pq.read_schema(path)
         for i, field in enumerate(schema):
@@ -101,23 +123,76 @@ def test_repeats_are_bit_identical_for_a_seed_and_each_is_its_seeds_run(tmp_path
 
 
 def test_resume_finishes_missing_points_without_redoing_others(tmp_path):
+    """What a kill between a batch and its points' summaries leaves: the batch lists points 2 and 3, which are not
+    finished. Resume runs exactly those, into a batch of their own, and the run's tables hold each point once, in
+    point order: as the uninterrupted run's."""
     sc = scenario_from_dict(SMALL)
-    full = simharness.run(sc, out=tmp_path)
-    points = full.run_dir / "points"
+    full = simharness.run(sc, out=tmp_path / "full")
+    cut = simharness.run(sc, out=tmp_path / "cut")
+    points = cut.run_dir / "points"
     kept = points / "0000"
     kept_mtime = (kept / "summary.json").stat().st_mtime_ns
     shutil.rmtree(points / "0002")
     shutil.rmtree(points / "0003")
-    resumed = simharness.run(sc, resume=full.run_dir)
+    assert results.finished_points(cut.run_dir) == {0, 1}
+    resumed = simharness.run(sc, resume=cut.run_dir)
     assert (kept / "summary.json").stat().st_mtime_ns == kept_mtime  # not redone
+    assert [json.loads((p / "points.json").read_text()) for p in sorted(points.glob("batch-*"))][1] == [
+        [2, "scheduler.depth=2,workload.concurrency=2"], [3, "scheduler.depth=2,workload.concurrency=8"]]
     pd.testing.assert_frame_equal(resumed.summary, full.summary)
+    for name in results.TABLES:
+        pd.testing.assert_frame_equal(results.read_table(cut.run_dir, name), results.read_table(full.run_dir, name))
+
+
+def test_points_written_a_batch_each_give_the_same_run(tmp_path, monkeypatch):
+    """Batches as small as one point (a flush after every point, as for points that take seconds) give the run
+    of one batch: the batch boundary is bookkeeping."""
+    sc = scenario_from_dict(SMALL)
+    one = simharness.run(sc, out=tmp_path / "one")
+    monkeypatch.setattr(results, "FLUSH_S", 0.0)
+    each = simharness.run(sc, out=tmp_path / "each")
+    assert len(list((each.run_dir / "points").glob("batch-*"))) == 4
+    assert len(list((one.run_dir / "points").glob("batch-*"))) == 1
+    assert (each.run_dir / "summary.csv").read_bytes() == (one.run_dir / "summary.csv").read_bytes()
+    for name in results.TABLES:
+        pd.testing.assert_frame_equal(results.read_table(each.run_dir, name), results.read_table(one.run_dir, name))
+
+
+@pytest.mark.parametrize("committed", ["quickstart/20261123-082759", "hil/20261123-171526"])
+def test_a_committed_run_of_the_old_layout_reports_and_keeps_its_tables(tmp_path, committed):
+    """Runs on disk from before batches still report and compare: one with a directory of tables per point, one
+    that kept only its run-level tables (whose report must not empty them)."""
+    run_dir = Path(shutil.copytree(ROOT / "results" / committed, tmp_path / "run"))
+    before = {name: results.read_table(run_dir, name) for name in results.TABLES}
+    summary = combine_and_report(run_dir)
+    assert len(summary) == len(json.loads((ROOT / "results" / committed / "summary.json").read_text()))
+    for name, table in before.items():
+        if len(table.columns):
+            pd.testing.assert_frame_equal(results.read_table(run_dir, name), table)
+    assert "## Host sync points" in (run_dir / "report.md").read_text()
+    assert load_run(run_dir).summary.equals(load_run(ROOT / "results" / committed).summary)
+
+
+def test_point_work_travels_without_its_state_and_keeps_it_between_points():
+    """A worker process gets the work pickled, with a fresh state; within the process the state (the last requests,
+    the measured engine) is kept from one point to the next."""
+    sc = scenario_from_dict(SMALL)
+    points = sweep_points(sc)
+    work = PointWork({p.index: resolve_mode(p.scenario) for p in points}, [])
+    work(points[0])
+    requests = work.state.workloads.requests
+    assert requests is not None
+    copy = pickle.loads(pickle.dumps(work))
+    assert copy.key == work.key and copy.state.workloads.requests is None
+    work(points[2])  # the same workload section and seed (depth differs): the requests are kept
+    assert work.state.workloads.requests is requests
 
 
 def test_killed_cli_sweep_keeps_finished_points_and_resumes(tmp_path):
     scenario = tmp_path / "s.yaml"
-    # Enough points (about 0.2 s each here) that the 34 left after the second cannot all finish before the signal
+    # Enough points (about 0.5 s each here) that the 34 left after the second cannot all finish before the signal
     # lands, even on a loaded machine: with 12 points a run once exited 0, as one that finished first would.
-    big = {**SMALL, "workload": {**SMALL["workload"], "num_requests": 150},
+    big = {**SMALL, "workload": {**SMALL["workload"], "num_requests": 600},
            "sweep": {"scheduler.depth": [1, 2, 3], "workload.concurrency": [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32]}}
     import yaml
 
