@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from simharness.levels import LEVELS
 from simharness.scenario import Point
 
 Work = Callable[[Point], Any]
@@ -37,4 +38,4 @@ def describe_error(e: BaseException) -> str:
 def wants_gpu(point: Point) -> bool:
     """A measured point (hil or real) that runs on a CUDA device: it gets a GPU of its own."""
     engine = point.scenario.engine
-    return engine.backend != "model" and engine.device != "cpu"
+    return LEVELS[engine.level].measured and engine.device != "cpu"

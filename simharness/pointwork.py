@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from simharness.model_backend import model_backend
 from simharness.gcwatch import GC_COLUMNS
+from simharness.levels import LEVELS
 from simharness.metrics import compute_metrics
+from simharness.model_backend import model_backend
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode
 from simharness.profile import summary_columns as profile_columns
@@ -30,21 +31,10 @@ from simharness.workload import Requests, build_requests
 if TYPE_CHECKING:
     from simharness.measured import MeasuredEngine
 
-# The level of each engine.backend.
-LEVELS = {"model": "sim", "torch": "hil", "real": "real"}
-# Fields a level reads nowhere: a measured point's device and step times are measured and its acceptance is the
-# sampler's; a sim point runs no decode loop and has no host to gauge.
-IGNORED = {
-    "measured": ("engine.gpu", "engine.gpu_costs", "engine.speculation.acceptance", "engine.calibration",
-                 "engine.profile", "engine.gc.full_every", "engine.host_costs.gc_ns_per_object"),
-    "sim": ("engine.device", "engine.cuda_graphs", "engine.steer", "engine.host_slowdown"),
-}
-
-
 def ignored_fields(sc: Scenario, level: str) -> list[str]:
     """The fields a point of `level` ignores that `sc` sets away from their defaults."""
     default = _defaults()
-    return [path for path in IGNORED["sim" if level == "sim" else "measured"]
+    return [path for path in LEVELS[level].ignores
             if getattr(*resolve_field(sc, path)) != getattr(*resolve_field(default, path))]
 
 
@@ -55,7 +45,7 @@ def _defaults() -> Scenario:
 
 
 def ignored_message(fields: list[str], level: str) -> str:
-    reason = "runs no decode loop" if level == "sim" else "measures what they model"
+    reason = "measures what they model" if LEVELS[level].measured else "runs no decode loop"
     return f"{', '.join(fields)}: set, but a {level} point {reason}; ignored"
 
 
@@ -116,7 +106,7 @@ class PointWork:
 
     def __call__(self, point: Point) -> PointResult:
         state = self.state
-        if state.engine is None and point.scenario.engine.backend != "model":
+        if state.engine is None and LEVELS[point.scenario.engine.level].measured:
             from simharness.measured import MeasuredEngine  # torch and Triton: only where a point runs on them
 
             state.engine = MeasuredEngine(self.measured, state.workloads.get)
@@ -131,8 +121,8 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     its tables."""
     sc = point.scenario
     notes = [mode.note]
-    level = LEVELS[sc.engine.backend]
-    if level != "sim":
+    level = sc.engine.level
+    if LEVELS[level].measured:
         run = measured.run(sc, requests, mode)
         records, duration, backend = run.records, run.duration, run.backend
         host = {"host_slowdown": run.host_slowdown, "host_attempts": run.host_attempts, **run.gc.summary()}

@@ -28,7 +28,7 @@ from simharness.scenario import Scheduler as SchedulerConfig
 
 # Rows of a batch table. The scheduler fills REQ to VERIFIED (VERIFIED = SLOTS until prep trims); the
 # outcome rows are filled when the step runs, per request, 0 where they do not apply (a prefill's drafts).
-# The compiled functions of other modules (engine.backend, records, engine.torch_backend) bake these in; their
+# The compiled functions of other modules (model_backend, records, engine.torch_backend) bake these in; their
 # disk cache is dropped when they change (simharness/jit.py).
 REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALID, WASTED = range(10)
 BATCH_ROWS = 10

@@ -14,8 +14,9 @@ import pandas as pd
 
 from simharness import results
 from simharness.executors import Event, Executor, LocalPool, make_executor, ray_stopped
+from simharness.levels import LEVELS
 from simharness.modes import Mode, resolve_mode
-from simharness.pointwork import LEVELS, PointWork, ignored_fields, ignored_message
+from simharness.pointwork import PointWork, ignored_fields, ignored_message
 from simharness.scenario import (
     Point,
     Scenario,
@@ -146,10 +147,10 @@ def execute(
             modes[p.index] = resolve_mode(p.scenario)
         except ScenarioError as e:
             raise ScenarioError(f"sweep point {p.id}: {e}") from None
-    _check_one_engine([p.scenario for p in points if p.scenario.engine.backend != "model"])
+    _check_one_engine([p.scenario for p in points if LEVELS[p.scenario.engine.level].measured])
     note_ignored(points)
     # a cluster may have GPUs this machine lacks: only a local run checks its device
-    local = [p for p in points if p.scenario.engine.backend != "model" and ray in (None, "local")]
+    local = [p for p in points if LEVELS[p.scenario.engine.level].measured and ray in (None, "local")]
     try:
         executor = make_executor(points, workers=workers, ray=ray, retries=retries, process_per_point=process_per_point)
     except ScenarioError:
@@ -184,7 +185,7 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
     """The points of `points` not yet finished in `run_dir`, run by `executor`; this process writes each."""
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
-    measured = [(p.scenario, modes[p.index]) for p in todo if p.scenario.engine.backend != "model"]
+    measured = [(p.scenario, modes[p.index]) for p in todo if LEVELS[p.scenario.engine.level].measured]
     results.write_meta(run_dir, scenario, device=None if measured else "sim (virtual time, cost model)")
     status = SweepStatus(run_dir, total=len(points), done=len(points) - len(todo))
     if progress is not None:
@@ -219,7 +220,7 @@ def _record(writer: results.PointWriter, event: Event, status: SweepStatus) -> N
         writer.add(point.index, point.id, event.result.summary, event.result.tables)
         status.running, status.done = status.running - 1, status.done + 1
     else:
-        level = LEVELS[point.scenario.engine.backend]
+        level = point.scenario.engine.level
         record = {"point": point.id, "index": point.index, "level": level, **point.values, "failed": event.reason}
         results.write_failed(writer.run_dir, point.index, record, event.detail)
         status.running, status.done, status.failed = status.running - 1, status.done + 1, status.failed + 1
@@ -240,8 +241,8 @@ def _require_devices(points: list[Point]) -> None:
             import torch
 
             if not torch.cuda.is_available():
-                raise ScenarioError(f"sweep point {p.id}: engine.device: cuda was asked for (engine.backend: "
-                                    f"{p.scenario.engine.backend}) but torch sees no CUDA device here")
+                raise ScenarioError(f"sweep point {p.id}: engine.device: cuda was asked for (engine.level: "
+                                    f"{p.scenario.engine.level}) but torch sees no CUDA device here")
 
 
 def note_ignored(points: list[Point]) -> None:
@@ -249,7 +250,7 @@ def note_ignored(points: list[Point]) -> None:
     how many points; each point's summary also notes it."""
     where: dict[str, int] = {}
     for p in points:
-        level = LEVELS[p.scenario.engine.backend]
+        level = p.scenario.engine.level
         fields = ignored_fields(p.scenario, level)
         if fields:
             message = ignored_message(fields, level)

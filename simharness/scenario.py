@@ -332,11 +332,6 @@ class Engine(Strict):
     host_costs: HostCosts = HostCosts()
     gc: GcPauses = GcPauses()
 
-    @property
-    def backend(self) -> str:
-        """The level's old name (`engine.backend`), for runner.py and executors.py until they read `level`."""
-        return LEVELS[self.level].old_name
-
     @model_validator(mode="before")
     @classmethod
     def _old_name(cls, data: Any) -> Any:
