@@ -29,7 +29,8 @@ import pandas as pd
 import yaml
 
 from simharness import stats
-from simharness.results import finished_points, point_dir, point_table
+from simharness.pointfiles import read_points
+from simharness.results import finished_points, point_dir
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")
@@ -492,14 +493,13 @@ def _read_parquet(path: Path) -> pd.DataFrame:
 
 
 def _points_table(run: Run, name: str) -> pd.DataFrame | None:
-    """Table `name` of a killed run, from its finished points' own files (`point` added from their summaries)."""
-    parts = []
-    for index, point in zip(run.summary["index"], run.summary.index, strict=True):
-        path = point_table(run.run_dir, int(index), name)
-        if path is None:
-            return None
-        parts.append(_read_parquet(path).assign(point=point))
-    return pd.concat(parts, ignore_index=True)
+    """Table `name` of a killed run, from its finished points' files (batches or per-point files, `point` first);
+    None where no point has it."""
+    try:
+        table = read_points(run.run_dir, name)
+    except (OSError, ValueError) as e:
+        raise CompareError(f"{run.run_dir}: the finished points' {name} table cannot be read ({e})") from None
+    return None if table.columns.empty else table
 
 
 def _latency_samples(tables: dict[str, pd.DataFrame], point: str, kind: str) -> np.ndarray:
