@@ -50,6 +50,8 @@ def drift(summary: pd.DataFrame, sims: pd.DataFrame) -> str | None:
     then = summary[summary["level"] == "sim"].set_index("config")["mean_tpot_ms"]
     now = sims[sims["level"] == "sim"].set_index("config")["mean_tpot_ms"].reindex(then.index)
     moved = (now / then - 1).abs()
+    if moved.isna().any():
+        return f"{int(moved.isna().sum())} of the run's sim points have no counterpart here"
     return f"the sim's mean TPOT moved by up to {moved.max():.2%} since the run" if moved.max() > 1e-9 else None
 
 
