@@ -437,8 +437,9 @@ def compare_cmd(
         "folder of run directories (all its runs)", metavar="RUN")],
     threshold: Annotated[float, typer.Option("--threshold", help="relative change that counts as a regression",
                                              metavar="FRACTION")] = 0.05,
-    alpha: Annotated[float, typer.Option("--alpha", help="significance level of the test over runs (several runs "
-                                         "a side; two-sided)", metavar="P")] = 0.02,
+    alpha: Annotated[float, typer.Option("--alpha", help="family significance level of the test over runs "
+                                         "(several runs a side; two-sided), split over the groups of related metrics "
+                                         "that vary (docs/ci.md)", metavar="P")] = 0.02,
     last: Annotated[int | None, typer.Option("--last", help="rolling baseline: the median of the N newest "
                                              "baseline runs", metavar="N")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the verdicts as JSON (with "
