@@ -17,11 +17,10 @@ import pandas as pd
 import yaml
 
 from simharness import results
-from simharness.calibration import load_fit_data, point_scenario
-from simharness.fidelity import sim_drift
+from simharness.calibration import load_fit_data
+from simharness.fidelity import sim_checks, sim_drift
 from simharness.profile_fit import fit_profile
-from simharness.runner import execute, without_ignored
-from simharness.scenario import Point
+from simharness.runner import execute
 from simharness.stats import error_stats, error_table
 
 
@@ -39,14 +38,7 @@ def main() -> None:
     path.write_text(yaml.safe_dump(profile, sort_keys=False))
     points, measured = [], []
     for _run_dir, sc, rows in data.held_out:
-        for config, group in rows.groupby("config", sort=False):
-            for level, choice in (("sim", "none"), ("sim-profiled", str(path))):
-                scenario = point_scenario(sc, group.iloc[0])
-                scenario.engine.level = "sim"
-                without_ignored(scenario, "sim")
-                scenario.engine.profile = choice
-                points.append(Point(id=f"{level},{config}", index=len(points),
-                                    values={"config": config, "level": level}, scenario=scenario))
+        points += sim_checks(sc, rows, {"sim": "none", "sim-profiled": str(path)}, first_index=len(points))
         measured.append(rows.assign(level="real"))
     run_dir = execute(data.held_out[0][1], points, args.out)
     summary = results.combine(run_dir)

@@ -17,9 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 from simharness import results
-from simharness.calibration import point_scenario
-from simharness.runner import execute, without_ignored
-from simharness.scenario import Point
+from simharness.fidelity import sim_checks
+from simharness.runner import execute
 from simharness.stats import error_stats, error_table
 
 METRICS = ("mean_tpot_ms", "p99_tpot_ms", "output_throughput", "mean_ttft_ms")
@@ -31,15 +30,7 @@ def family_errors(run_dir: Path, out: Path) -> tuple[pd.DataFrame, str | None]:
     sc = results.load_run_scenario(run_dir)
     summary = pd.read_csv(run_dir / "summary.csv")
     real = summary[summary["level"] == "real"]
-    points = []
-    for config, group in real.groupby("config", sort=False):
-        for level, profile in SIMS.items():
-            scenario = point_scenario(sc, group.iloc[0])
-            scenario.engine.level = "sim"
-            without_ignored(scenario, "sim")
-            scenario.engine.profile = profile
-            points.append(Point(id=f"{level},{config}", index=len(points),
-                                values={"config": config, "level": level}, scenario=scenario))
+    points = sim_checks(sc, real, SIMS)
     sims = results.combine(execute(sc, points, out))
     stats = error_stats(error_table(pd.concat([real, sims], ignore_index=True)))
     return stats[stats["metric"].isin(METRICS)], drift(summary, sims)

@@ -74,6 +74,21 @@ def fidelity_points(sc: Scenario, levels: list[str]) -> list[Point]:
     return points
 
 
+def sim_checks(sc: Scenario, rows: pd.DataFrame, profiles: dict[str, str], first_index: int = 0) -> list[Point]:
+    """Sim points that check a measured run's configurations (`rows`: its summary rows, `config` naming each): one
+    per configuration and labelled cost profile (label -> `engine.profile`), the label as the point's level."""
+    points = []
+    for config, group in rows.groupby("config", sort=False):
+        for level, profile in profiles.items():
+            scenario = point_scenario(sc, group.iloc[0])
+            scenario.engine.level = "sim"
+            without_ignored(scenario, "sim")
+            scenario.engine.profile = profile
+            points.append(Point(id=f"{level},{config}", index=first_index + len(points),
+                                values={"config": config, "level": level}, scenario=scenario))
+    return points
+
+
 def run_fidelity(sc: Scenario, out: str | Path = "results/fidelity", *, levels: list[str] | None = None,
                  resume: str | Path | None = None, progress=None, workers: int | str | None = None,
                  ray: str | None = None, retries: int = 2, process_per_point: bool = False) -> FidelityResult:
