@@ -325,8 +325,8 @@ def profile_cmd(
                                        metavar="MODEL")] = "llama-3.2-1b",
     grid: Annotated[Path | None, typer.Option("--grid", help="the designed grid (default: "
                                               "scenarios/profile/grid.yaml)", metavar="FILE")] = None,
-    out_path: Annotated[Path | None, typer.Option("--out", help="the profile YAML to write (default: "
-                                                  "results/profiles/<gpu>-<model>.yaml)", metavar="FILE")] = None,
+    out_path: Annotated[Path | None, typer.Option("--out", help="the profile YAML to write (default: simharness/"
+                                                  "data/profiles/<gpu>-<model>.yaml)", metavar="FILE")] = None,
     runs: Annotated[Path, typer.Option("--runs", help="results root of the grid's run",
                                        metavar="DIR")] = Path("results/profile-runs"),
     from_runs: Annotated[list[Path], typer.Option("--from", help="fit from this grid run instead of measuring "

@@ -13,6 +13,7 @@ it ends (`overlap`, per depth), which the fit models instead of folding into the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from simharness.jit import njit
 from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_config
 
 FORMAT = "simharness-profile-1"
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "results" / "profiles"  # the committed profiles
+PROFILES_DIR = Path(__file__).resolve().parent / "data" / "profiles"  # the committed profiles (package data)
 # What the sim without a profile (the roofline) carried against the real level on the validation families
 # (docs/validation.md, results/validation/validation.md: H100, medians per family).
 UNCALIBRATED_ERROR = ("mean TPOT median |error| 32-33% (llama-3.2-1b) and 17.6% (llama-3-8b) on the H100 validation "
@@ -139,7 +140,7 @@ class Profile:
 
 
 def default_path(gpu: str, model: str) -> Path | None:
-    """The committed profile of a catalogue GPU and model, e.g. results/profiles/h100-llama-3.2-1b.yaml."""
+    """The committed profile of a catalogue GPU and model, e.g. simharness/data/profiles/h100-llama-3.2-1b.yaml."""
     name = catalogue_name(model)
     return None if name is None else PROFILES_DIR / f"{gpu.lower()}-{name}.yaml"
 
@@ -154,6 +155,9 @@ def resolve(engine) -> Profile | None:
     if path is None or (engine.profile == "auto" and not path.is_file()):
         return None
     profile = load_profile(path)
+    package = Path(__file__).resolve().parent
+    if path.resolve().is_relative_to(package):  # a shipped profile: named as in the package, not by its install path
+        profile = dataclasses.replace(profile, path=f"simharness/{path.resolve().relative_to(package)}")
     unknown = sorted(set(profile.host_costs) - set(type(engine.host_costs).model_fields))
     if unknown:
         raise ProfileError(f"{path}: field host_costs.{unknown[0]}: not a host cost")

@@ -118,7 +118,7 @@ def _key(value) -> object:
 def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, runs: Path = RUNS,
                     sets: dict | None = None, from_runs: list[Path] | None = None) -> ProfileResult:
     """Run the grid for `model` at the real level (or take the grid runs `from_runs`) and fit its profile, written
-    to `out` (default: results/profiles/<gpu>-<model>.yaml)."""
+    to `out` (default: simharness/data/profiles/<gpu>-<model>.yaml)."""
     if from_runs:
         run_dirs = list(from_runs)
     else:

@@ -308,7 +308,8 @@ class Engine(Strict):
     )
     profile: str = Field(
         "auto", description="sim level: the cost profile (`simharness profile`, docs/calibration.md): auto = the "
-        "committed results/profiles/<gpu>-<model>.yaml where there is one, none = the roofline, or a profile file; "
+        "committed simharness/data/profiles/<gpu>-<model>.yaml where there is one, none = the roofline, or a profile "
+        "file; "
         "engine.calibration, when set, is used instead"
     )
     gpu: str = Field("H100", description="roofline GPU: H100, H200, A100, L40S")
