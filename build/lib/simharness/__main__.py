@@ -1,0 +1,3 @@
+from simharness.cli import main
+
+main()

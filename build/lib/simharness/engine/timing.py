@@ -1,0 +1,97 @@
+"""Device timing: the parts of a launch on CUDA (with the hil level's gate), and the real level's device clock.
+
+A launch enqueues its parts one after another: each prefill chunk, then the decode step (whose phases the
+decode loop's own events time). With the gate (hil) the device waits in front of each part until the host has
+enqueued all of it (`kernels.gate`), so the part's events time the device work alone, not gaps where the
+device waited for eager launches, a compile or a blocked host; docs/hil.md says why a gate and not a spin of
+fixed length. Without it (the real level) the device runs each kernel as it arrives and the events time what
+really happened. Either way the timing's own host time is harness time, kept in `host_s` and left out of the
+measured launch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from simharness.kernels.gate import MAX_POLLS, Gate
+
+# An enqueue longer than this may have outlasted the gate's polls (about 4 us each on the H100; 1 us is taken as
+# the fastest a poll could be).
+STARVED_S = MAX_POLLS * 1e-6
+
+
+class PartTiming:
+    """Times the parts of each launch on one CUDA stream; `gate` (hil) closes a gate in front of each part."""
+
+    def __init__(self, gate: bool):
+        self.gate = Gate() if gate else None
+        self.host_s = 0.0  # host time of the timing itself in the current launch (harness time)
+        self.starved = False  # the current launch had a part whose enqueue may have outlasted its gate
+
+    def start_launch(self) -> None:
+        self.host_s, self.starved = 0.0, False
+
+    def before(self, events: list | None) -> None:
+        """Before a part is enqueued: close the gate (hil) and, given `events`, record the part's start there.
+        From the third prefill chunk of a launch on, the host first waits for the end of the chunk two back, so
+        that a host far ahead of the device does not fill the stream's launch queue and block in its enqueue."""
+        t = time.perf_counter()
+        if self.gate is not None:
+            if events is not None and len(events) >= 4:
+                events[-3].synchronize()  # the end of the chunk two back
+            self.gate.close()
+        if events is not None:
+            record(events)
+        self.host_s += time.perf_counter() - t
+
+    def after(self, enqueue_s: float) -> None:
+        """The host enqueued the part in `enqueue_s`: open the gate (hil)."""
+        if self.gate is not None:
+            t = time.perf_counter()
+            self.gate.open()
+            self.starved |= enqueue_s > STARVED_S
+            self.host_s += time.perf_counter() - t
+
+    def mark(self, events: list) -> None:
+        """Record the end of a part (or of the launch) in `events`."""
+        t = time.perf_counter()
+        record(events)
+        self.host_s += time.perf_counter() - t
+
+
+def record(events: list) -> None:
+    """Record a new timing event on the current stream and append it to `events`."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    events.append(event)
+
+
+class DeviceClock:
+    """Device timestamps on the host's clock (`time.perf_counter` seconds; the real level): CUDA events timed from a
+    reference event recorded, on an idle device, when the clock started; on the CPU, where the work runs
+    inside the host's calls, the host's own clock."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        if cuda:
+            torch.cuda.synchronize()
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+            self.reference.synchronize()
+            self.reference_s = time.perf_counter()
+
+    def mark(self):
+        """A mark at this point of the stream (an event recorded on it), or of the host on the CPU."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        """When the device passed `mark` (it must have: wait for it first)."""
+        if not self.cuda:
+            return mark
+        return self.reference_s + self.reference.elapsed_time(mark) / 1e3

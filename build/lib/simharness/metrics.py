@@ -1,0 +1,245 @@
+"""Numbers from run records: serving metrics with `vllm bench serve` definitions and key names,
+vLLM's spec-decode counters, and engine-loop metrics (GPU busy, bubbles, syncs, host time).
+
+Latencies are reported in ms, throughputs per second of (virtual) run time. Everything is
+vectorised over the record tables so that a long run costs milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from simharness.scenario import Goodput
+
+MS = 1e3
+HOST_WORK = ("schedule", "prep", "launch", "update", "propose")  # host phases that are engine work
+INTERVAL_COLUMNS = ["step", "kind", "name", "phase", "waits_for", "start_s", "end_s"]
+
+
+def compute_metrics(
+    requests: pd.DataFrame,
+    emissions: pd.DataFrame,
+    steps: pd.DataFrame,
+    syncs: pd.DataFrame,
+    *,
+    duration_s: float,
+    percentiles: Sequence[float],
+    goodput: Goodput,
+    k: int,
+) -> dict[str, float]:
+    """All metrics of one sweep point; counts are ints, everything else floats.
+
+    Latency and throughput metrics cover finished requests (last_token_s set), as vLLM's cover
+    successful ones; the spec-decode and engine metrics cover every recorded step."""
+    done = requests[requests["last_token_s"].notna()]
+    ttft = _col(done, "first_token_s") - _col(done, "arrival_s")
+    e2el = _col(done, "last_token_s") - _col(done, "arrival_s")
+    in_tokens = _col(done, "prompt_tokens")
+    out_tokens = _col(done, "output_tokens")
+    multi = out_tokens > 1
+    tpot = (e2el[multi] - ttft[multi]) / (out_tokens[multi] - 1)
+
+    metrics: dict[str, float] = {
+        "completed": len(done),
+        "total_input_tokens": int(in_tokens.sum()),
+        "total_output_tokens": int(out_tokens.sum()),
+        "duration_s": float(duration_s),
+        "request_throughput": _ratio(len(done), duration_s),
+        "output_throughput": _ratio(out_tokens.sum(), duration_s),
+        "total_token_throughput": _ratio(out_tokens.sum() + in_tokens.sum(), duration_s),
+    }
+    itl = pooled_itl(emissions, done["request_id"])
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        metrics.update(latency_stats(name, values * MS, percentiles))
+    if any(slo is not None for slo in (goodput.ttft_ms, goodput.tpot_ms, goodput.e2el_ms)):
+        tpot_all = np.where(multi, (e2el - ttft) / np.maximum(out_tokens - 1, 1), 0.0)
+        good = _meets_slos(ttft * MS, tpot_all * MS, e2el * MS, goodput)
+        metrics["request_goodput"] = _ratio(good, duration_s)
+    metrics.update(speculation_metrics(requests, steps, k))
+    metrics.update(engine_metrics(steps, syncs))
+    return metrics
+
+
+def pooled_itl(emissions: pd.DataFrame, request_ids: pd.Series) -> np.ndarray:
+    """Gaps (s) between consecutive token-bearing emissions of each request, pooled over requests.
+
+    One emission is one streamed chunk and may carry several tokens, so ITL is per chunk, as in
+    vLLM's client."""
+    e = emissions[emissions["request_id"].isin(request_ids) & (emissions["tokens"] > 0)]
+    rid = e["request_id"].to_numpy()
+    t = e["time_s"].to_numpy(dtype=np.float64)
+    order = np.lexsort((t, rid))
+    rid, t = rid[order], t[order]
+    return np.diff(t)[rid[1:] == rid[:-1]]
+
+
+def latency_stats(name: str, values_ms: np.ndarray, percentiles: Sequence[float]) -> dict[str, float]:
+    """mean/median/std (population) and linear-interpolated percentiles; an empty list gives 0s."""
+    empty = len(values_ms) == 0
+    stats = {
+        f"mean_{name}_ms": 0.0 if empty else float(np.mean(values_ms)),
+        f"median_{name}_ms": 0.0 if empty else float(np.median(values_ms)),
+        f"std_{name}_ms": 0.0 if empty else float(np.std(values_ms)),
+    }
+    for p in percentiles:
+        stats[f"{percentile_label(p)}_{name}_ms"] = 0.0 if empty else float(np.percentile(values_ms, p))
+    return stats
+
+
+def percentile_label(p: float) -> str:
+    """vLLM's key spelling: 99 -> 'p99', 99.9 -> 'p99.9'."""
+    return f"p{int(p)}" if int(p) == p else f"p{p}"
+
+
+def speculation_metrics(requests: pd.DataFrame, steps: pd.DataFrame, k: int) -> dict[str, float]:
+    """vLLM spec-decode counters: drafts are request-steps with >= 1 draft; acceptance rate in %.
+
+    `scheduled_draft_tokens` counts the placeholder slots the scheduler reserved, which is what
+    vLLM's async path reports as drafts (the dilution of issue #37150)."""
+    num_drafts = int(_col(requests, "num_drafts").sum())
+    draft_tokens = int(_col(requests, "draft_tokens").sum())
+    accepted = int(_col(requests, "accepted_tokens").sum())
+    metrics: dict[str, float] = {
+        "num_drafts": num_drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "scheduled_draft_tokens": int(_col(steps, "drafts_scheduled").sum()),
+        "acceptance_rate": _ratio(accepted, draft_tokens) * 100,
+        "mean_acceptance_length": 1 + accepted / num_drafts if num_drafts else 0.0,
+    }
+    for i in range(k):
+        metrics[f"acceptance_rate_pos_{i}"] = _ratio(_col(steps, f"acc_pos_{i}").sum(), num_drafts)
+    return metrics
+
+
+def engine_metrics(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, float]:
+    """Per-step engine-loop figures: GPU time and busy fraction, bubbles, syncs, host phases, GC.
+
+    Syncs count only for recorded steps (a step launched as the run ends is never settled nor recorded)."""
+    n = len(steps)
+    recorded = np.isin(syncs["step"].to_numpy(), steps["step"].to_numpy())
+    gpu_start, gpu_end = _col(steps, "gpu_start"), _col(steps, "gpu_end")
+    gpu = gpu_end - gpu_start
+    span = float(gpu_end.max() - gpu_start.min()) if n else 0.0
+    gc = _col(steps, "gc_pause_s")
+    wasted = int(_col(steps, "wasted_slots").sum())
+    return {
+        "num_steps": n,
+        "mean_step_ms": _mean(gpu) * MS,
+        "gpu_busy_fraction": _ratio(gpu.sum(), span),
+        "mean_bubble_ms": _mean(_col(steps, "bubble_s")) * MS,
+        "syncs_per_step": _ratio(np.count_nonzero(recorded), n),
+        "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s")[recorded] - _col(syncs, "start_s")[recorded]).sum(),
+                                        n) * MS,
+        "mean_host_ms_per_step": _ratio(_host_work_s(steps, syncs), n) * MS,
+        "gc_pauses_per_step": _ratio(np.count_nonzero(gc > 0), n),
+        "gc_pause_ms_per_step": _ratio(gc.sum(), n) * MS,
+        "wasted_slots": wasted,
+        "wasted_slot_fraction": _ratio(wasted, _col(steps, "decode_tokens").sum()),
+        "mean_batch_size": _mean(_col(steps, "n_reqs")),
+        "tokens_per_step": _mean(_col(steps, "emitted")),
+    }
+
+
+def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
+    """Every non-empty interval of the engine thread, sorted by start (outer first at ties).
+
+    Columns: step, kind (gc, schedule, prep, launch, update, propose, sync), name (the sync's
+    name, else the kind), phase and waits_for (syncs only), start_s, end_s. Launch runs from the
+    end of prep, or of the step's launch-phase syncs, to launch_end. A GC pause opens the loop
+    iteration: it ends where schedule starts, or where the step's first (schedule-phase) sync does."""
+    phases = _phases(steps, syncs)
+    n = len(steps)
+    if not n + len(syncs):
+        return pd.DataFrame(columns=INTERVAL_COLUMNS)
+    # built as arrays and made a frame once (a frame per phase, concatenated, took most of a small point's time)
+    kinds = np.repeat(np.array(list(phases), dtype=object), n)
+    nones = np.full(len(phases) * n, None, dtype=object)
+    columns = {
+        "step": [np.tile(steps["step"].to_numpy(), len(phases)), syncs["step"].to_numpy()],
+        "kind": [kinds, np.full(len(syncs), "sync", dtype=object)],
+        "name": [kinds, syncs["name"].to_numpy(dtype=object)],
+        "phase": [nones, syncs["phase"].to_numpy(dtype=object)],
+        "waits_for": [nones, syncs["waits_for"].to_numpy(dtype=object)],
+        "start_s": [np.concatenate([start for start, _ in phases.values()]), _col(syncs, "start_s")],
+        "end_s": [np.concatenate([end for _, end in phases.values()]), _col(syncs, "end_s")],
+    }
+    # each column from the parts that have rows (a part without rows adds no dtype of its own)
+    merged = {name: np.concatenate([p for p in parts if len(p)]) for name, parts in columns.items()}
+    order = _order(merged["start_s"], merged["end_s"])
+    frame = {name: values[order] for name, values in merged.items()}
+    # the dtypes a concatenation of per-phase frames gave: text, and the syncs' own where no step row has None
+    text = pd.StringDtype(na_value=np.nan)
+    typed = {"kind": text, "name": text, "phase": object if n else syncs["phase"].dtype,
+             "waits_for": object if n else syncs["waits_for"].dtype}
+    return pd.DataFrame({name: pd.Series(values, dtype=typed[name]) if name in typed else values
+                         for name, values in frame.items()})
+
+
+def _host_work_s(steps: pd.DataFrame, syncs: pd.DataFrame) -> float:
+    """The engine thread's time in host work (the HOST_WORK phases), summed in `host_intervals`' order."""
+    work = {kind: bounds for kind, bounds in _phases(steps, syncs).items() if kind in HOST_WORK}
+    start = np.concatenate([s for s, _ in work.values()])
+    end = np.concatenate([e for _, e in work.values()])
+    order = _order(start, end)
+    return float(pd.Series(end[order] - start[order]).sum())
+
+
+def _order(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The non-empty intervals, by start, outer (later end) first at ties; stable."""
+    keep = np.flatnonzero(end > start)
+    return keep[np.lexsort((-end[keep], start[keep]))]
+
+
+def _phases(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each host phase's [start, end) per step. Launch runs from the end of prep, or of the step's launch-phase
+    syncs, to launch_end; a GC pause ends where schedule starts, or where the step's first sync does."""
+    step_ids, sync_steps = steps["step"].to_numpy(), syncs["step"].to_numpy()
+    first_sync = _per_step(step_ids, sync_steps, _col(syncs, "start_s"), np.fmin)
+    launch = syncs["phase"].to_numpy(dtype=object) == "launch"
+    launch_sync_end = _per_step(step_ids, sync_steps[launch], _col(syncs, "end_s")[launch], np.fmax)
+    gc_end = np.fmin(_col(steps, "schedule_start"), first_sync)
+    prep_end = _col(steps, "prep_end")
+    return {
+        "gc": (gc_end - _col(steps, "gc_pause_s"), gc_end),
+        "schedule": (_col(steps, "schedule_start"), _col(steps, "schedule_end")),
+        "prep": (_col(steps, "prep_start"), prep_end),
+        "launch": (np.fmax(prep_end, launch_sync_end), _col(steps, "launch_end")),
+        "update": (_col(steps, "update_start"), _col(steps, "update_end")),
+        "propose": (_col(steps, "propose_start"), _col(steps, "propose_end")),
+    }
+
+
+def _per_step(step_ids: np.ndarray, keys: np.ndarray, values: np.ndarray, reduce: np.ufunc) -> np.ndarray:
+    """For each step of `step_ids`, `reduce` (np.fmin, np.fmax) over the `values` whose key is that step; NaN for a
+    step with none (a groupby and a map, in numpy: a pandas groupby took a tenth of a small point's time)."""
+    order = np.argsort(step_ids, kind="stable")
+    pos = np.minimum(np.searchsorted(step_ids[order], keys), max(len(step_ids) - 1, 0))
+    found = step_ids[order][pos] == keys if len(step_ids) else np.zeros(len(keys), dtype=bool)
+    out = np.full(len(step_ids), np.nan)
+    reduce.at(out, order[pos[found]], values[found])  # fmin/fmax: NaN gives way to the first value
+    return out
+
+
+def _meets_slos(ttft_ms: np.ndarray, tpot_ms: np.ndarray, e2el_ms: np.ndarray, goodput: Goodput) -> int:
+    """Requests within every SLO that is set (a metric equal to its SLO passes, as in vLLM)."""
+    ok = np.ones(len(ttft_ms), dtype=bool)
+    for values, slo in ((ttft_ms, goodput.ttft_ms), (tpot_ms, goodput.tpot_ms), (e2el_ms, goodput.e2el_ms)):
+        if slo is not None:
+            ok &= values <= slo
+    return int(ok.sum())
+
+
+def _col(df: pd.DataFrame, name: str) -> np.ndarray:
+    return df[name].to_numpy(dtype=np.float64)
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(values.mean()) if len(values) else 0.0
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else 0.0

@@ -1,0 +1,269 @@
+"""The sim level's backend (`backend.Backend`): step outcomes from the acceptance model, durations from the cost model.
+
+It keeps the device-side truth of every request (prompt tokens in the KV cache, committed output tokens, the valid
+drafts the proposer holds) and advances it one step at a time in compiled code (`_run_step`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance
+from simharness.backend import Enqueue, StepTiming
+from simharness.costmodel import CostModel, fitted_seconds, gpu_seconds
+from simharness.jit import njit
+from simharness.modes import Mode
+from simharness.policy import (
+    ACCEPTED,
+    COMPLETES,
+    DRAFTS_VALID,
+    EMITTED,
+    PREFILL,
+    REQ,
+    TOKENS,
+    VERIFIED,
+    WASTED,
+)
+from simharness.profile import profile_seconds
+from simharness.records import Step
+from simharness.scenario import Scenario
+from simharness.workload import ACCEPTANCE_STREAM, HEAP_STREAM, Requests
+
+# Rows of the device truth, a column per request: prompt tokens, prompt tokens in the KV cache, context
+# (prompt + committed output tokens, which ends at END = prompt + output) and the valid drafts the
+# proposer holds at that context (0 once finished).
+PROMPT, PREFILLED, CONTEXT, END, HELD = range(5)
+# Uniform draws of the acceptance stream taken at a time: one block is a prefix of the stream, so the
+# draws are those of one call per step.
+UNIFORM_BLOCK = 4096
+
+
+def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
+    """The sim level's backend of one point: its acceptance model, cost model and acceptance stream (seeded by
+    the scenario's seed alone, so that every point of a sweep sees the same random numbers)."""
+    acceptance = make_acceptance(sc.engine.speculation, requests)
+    cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
+    rng = np.random.default_rng(np.random.SeedSequence([sc.seed, ACCEPTANCE_STREAM]))
+    backend = ModelBackend(requests, acceptance, cost, mode.k, rng, sc.engine.gc.allocations_per_step,
+                           sc.engine.gc.full_every)
+    if cost.profile is not None:
+        backend.overlap = cost.profile.overlap_at(mode.depth)
+    if backend.allocations_per_step:
+        # the process's earlier allocations left the collector's count anywhere (the seed's own stream)
+        backend.allocated = int(np.random.default_rng(np.random.SeedSequence([sc.seed, HEAP_STREAM])).integers(
+            sc.engine.gc.full_every))
+    return backend
+
+
+class ModelBackend:
+    """The sim level (`engine.level: sim`): outcomes from the acceptance model, durations from the cost model."""
+
+    measured = ""
+
+    def __init__(self, requests, acceptance: AcceptanceModel, cost: CostModel, k: int, rng: np.random.Generator,
+                 allocations_per_step: int = 0, full_every: int = 1):
+        n = len(requests.prompt_len)
+        # rows sampled at a temperature take the sampler's random path
+        self.random = requests.random if requests.random is not None else np.zeros(n, dtype=bool)
+        # prep's per-step allocations: a full collection pauses prep whenever they pass `full_every` more
+        self.allocations_per_step, self.full_every = allocations_per_step, full_every
+        self.allocated = 0
+        self.acc = acceptance
+        self.cost = cost
+        self.readback_s = cost.sync()
+        # the launch's cost, unless it varies with the batch (a calibration's per-request and per-prefill terms)
+        self.launch_s = None if cost.h.launch_per_req_us or cost.h.launch_per_prefill_us else cost.launch(0, 0)
+        self.k = k
+        self.rng = rng
+        self.truth = np.zeros((5, n), dtype=np.int64)
+        self.truth[PROMPT] = self.truth[CONTEXT] = requests.prompt_len
+        self.truth[END] = self.truth[PROMPT] + requests.output_len
+        _hold_initial(self.truth, k, acceptance.survival, acceptance.offset, acceptance.valid)
+        self.held = self.truth[HELD]  # a view: indexing one row is several times cheaper than the table
+        # only the drawn models read uniforms
+        self.draws = k > 0 and len(acceptance.survival) > 0
+        self.uniforms = np.zeros(0, dtype=np.float64)
+        self.next_uniform = 0
+        # a profile's launch overlap at this depth (lead, tail seconds): the device starts `lead` into the launch
+        # and ends no earlier than `tail` after it (None: the step starts once its launch ends)
+        self.overlap: tuple[float, float] | None = None
+
+    def valid_drafts(self) -> np.ndarray:
+        """Valid drafts the proposer holds now, per request id (0 for finished ones); a view to read, not keep."""
+        return self.held
+
+    def prep(self, step: Step) -> float:
+        seconds = self.cost.prep(step.batch.size, step.batch.n_tokens)
+        if self.allocations_per_step:
+            self.allocated += self.allocations_per_step
+            if self.allocated >= self.full_every:
+                self.allocated -= self.full_every
+                seconds += self.cost.full_gc_s
+        return seconds
+
+    def sync_op(self, step: Step, name: str) -> float | None:
+        return None  # every sync point is modelled here
+
+    def launch(self, step: Step) -> tuple[float, Enqueue]:
+        seconds = self.launch_s
+        if seconds is None:
+            seconds = self.cost.launch(step.batch.size, step.batch.n_prefill)
+        if self.overlap is not None:  # one part, enqueued over the launch (simulation._overlapped_end)
+            lead, tail = self.overlap
+            return seconds, ((min(lead, seconds), seconds + tail),)
+        return seconds, None
+
+    def propose(self, rids: np.ndarray) -> float:
+        # the proposer scans each request's whole history: its context (only at depth 1, so the host's view)
+        return self.cost.ngram_cpu(len(rids), int(self.truth[CONTEXT][rids].sum()))
+
+    def release(self, rids: np.ndarray) -> None:
+        pass  # the cost model holds nothing per request
+
+    def run(self, step: Step) -> StepTiming:
+        """Advance the device truth by one step and write its outcome into the batch table; returns its GPU time
+        and the modelled readback."""
+        b = step.batch
+        if self.draws and self.next_uniform + b.size > len(self.uniforms):
+            fresh = self.rng.random(max(UNIFORM_BLOCK, b.size))
+            self.uniforms = np.concatenate((self.uniforms[self.next_uniform :], fresh))
+            self.next_uniform = 0
+        acc = self.acc
+        seconds, self.next_uniform = _run_step(
+            b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
+            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
+            self.cost.prof,
+        )
+        if self.overlap is not None:  # the launch's one part (`launch`)
+            return StepTiming(seconds, self.readback_s, (seconds,))
+        return StepTiming(seconds, self.readback_s)
+
+
+@njit
+def _hold_initial(truth: np.ndarray, k: int, survival: np.ndarray, offset: np.ndarray, valid: np.ndarray) -> None:
+    """Drafts held before the first token, read only by a trimming host whose sync did not wait for the
+    prefill: the proposer's at committed length 1, the first a decode reads."""
+    for rid in range(truth.shape[1]):
+        output_len = truth[END, rid] - truth[PROMPT, rid]
+        truth[HELD, rid] = held_drafts(survival, offset, valid, rid, min(1, output_len - 1)) if k else 0
+
+
+@njit
+def _run_step(
+    table: np.ndarray,
+    trimmed: bool,
+    k: int,
+    truth: np.ndarray,
+    survival: np.ndarray,
+    offset: np.ndarray,
+    valid: np.ndarray,
+    accepted: np.ndarray,
+    uniforms: np.ndarray,
+    next_uniform: int,
+    sizes: np.ndarray,
+    rates: np.ndarray,
+    random: np.ndarray,
+    fit: np.ndarray,
+    prof: np.ndarray,
+) -> tuple[float, int]:
+    """One step on the device truth: fills the batch's outcome rows, returns its GPU seconds (from its query
+    tokens, KV tokens after the step, twice the attention pairs and the history the proposer scans; or, with a
+    calibration's `fit`, from its decode rows, tokens and context and its prefill chunks and tokens) and the
+    next unread uniform.
+
+    Twice the pairs of a row with query q over context c is q * (2 * c + q + 1): an integer, so the
+    totals do not depend on the order of the rows. Acceptance and the drafts held are separate passes:
+    numba keeps their calls cheap only in short loops."""
+    size = table.shape[1]
+    tokens = kv_tokens = pairs2 = history = random_tokens = 0
+    decode_rows = decode_context = prefill_reqs = prefill_tokens = 0
+    any_drafts = False
+    for i in range(size):
+        rid = table[REQ, i]
+        if table[PREFILL, i]:
+            t = table[TOKENS, i]
+            c = truth[PREFILLED, rid]  # a chunk's context is the prompt prefilled before it
+            truth[PREFILLED, rid] = c + t
+            tokens += t
+            kv_tokens += c + t
+            pairs2 += t * (2 * c + t + 1)
+            prefill_reqs += 1
+            prefill_tokens += t
+            if table[COMPLETES, i]:  # the last prefill chunk samples the first token
+                truth[CONTEXT, rid] += 1
+                table[EMITTED, i] = 1
+            history += truth[CONTEXT, rid]
+            continue
+        # a decode: query 1 + slots over the context
+        slots, c = table[VERIFIED, i], truth[CONTEXT, rid]
+        tokens += 1 + slots
+        if random[rid]:
+            random_tokens += 1 + slots
+        kv_tokens += c + 1 + slots
+        decode_rows += 1
+        decode_context += c
+        pairs2 += (1 + slots) * (2 * c + 2 + slots)
+        history += c
+        if c < truth[END, rid]:
+            # trimmed slots carry valid drafts only; otherwise the proposer's drafts fill the first slots
+            n_drafts = slots if trimmed else min(truth[HELD, rid], slots)
+            table[DRAFTS_VALID, i] = n_drafts
+            any_drafts |= n_drafts > 0
+        else:
+            # a request that finished in an earlier step but sits in this one wastes its slots
+            table[WASTED, i] = 1 + slots
+    if k and any_drafts:
+        next_uniform = _accept(table, truth, survival, offset, accepted, uniforms, next_uniform)
+    for i in range(size):
+        if not table[PREFILL, i]:
+            rid = table[REQ, i]
+            c = truth[CONTEXT, rid]
+            emitted = min(table[ACCEPTED, i] + 1, truth[END, rid] - c)  # 0 for a finished request
+            table[EMITTED, i] = emitted
+            truth[CONTEXT, rid] = c + emitted
+            history += emitted
+    _hold(table, truth, k, survival, offset, valid)
+    decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
+    if len(fit):
+        seconds = fitted_seconds(fit, decode_rows, decode_tokens, decode_context, prefill_reqs, prefill_tokens)
+        return seconds, next_uniform
+    if len(prof):
+        seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
+                                  prefill_tokens, random_tokens, history)
+        return seconds, next_uniform
+    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens), next_uniform
+
+
+@njit
+def _accept(
+    table: np.ndarray, truth: np.ndarray, survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray,
+    uniforms: np.ndarray, next_uniform: int,
+) -> int:
+    """Accepted drafts of the batch's live decoding requests (its ACCEPTED row); a drawn model reads one
+    uniform per decoding request. Returns the next unread uniform."""
+    draws = len(survival) > 0
+    for i in range(table.shape[1]):
+        if table[PREFILL, i]:
+            continue
+        rid = table[REQ, i]
+        c = truth[CONTEXT, rid]
+        if c < truth[END, rid]:
+            u = uniforms[next_uniform] if draws else 0.0
+            table[ACCEPTED, i] = accepted_drafts(survival, offset, accepted, rid, c - truth[PROMPT, rid],
+                                                 table[DRAFTS_VALID, i], u)
+        if draws:
+            next_uniform += 1
+    return next_uniform
+
+
+@njit
+def _hold(table: np.ndarray, truth: np.ndarray, k: int, survival: np.ndarray, offset: np.ndarray,
+          valid: np.ndarray) -> None:
+    """The drafts held by the batch's requests whose context moved: the proposer's at the new committed
+    length, 0 once finished."""
+    for i in range(table.shape[1]):
+        if table[EMITTED, i]:
+            rid = table[REQ, i]
+            c = truth[CONTEXT, rid]
+            live = c < truth[END, rid]
+            truth[HELD, rid] = held_drafts(survival, offset, valid, rid, c - truth[PROMPT, rid]) if k and live else 0

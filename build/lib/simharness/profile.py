@@ -1,0 +1,246 @@
+"""A cost profile: one per GPU and model, physical device terms with fitted efficiencies (docs/calibration.md,
+"Profiles").
+
+A step's device time is a fixed cost, a cost per forward pass (the decode forward and each prefill chunk), each
+forward's weight and KV reads against its FLOPs (a smooth max: a forward is bound by memory or by compute), the
+sampler's logit reads (rows x tokens x vocabulary, plus the random path's extra) and the GPU proposer's scan. The
+datasheet's bandwidth and peak are the prior; the profile fits by how much each term is slower than the
+roofline. Because each term grows with what drives it physically (context, tokens verified, rows), the fit
+extrapolates to batch sizes, k and contexts it saw only partly. At the real level a step's device window also
+holds the host's launch: the device starts `lead` after the launch starts and ends no earlier than `tail` after
+it ends (`overlap`, per depth), which the fit models instead of folding into the device terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from pydantic import BaseModel
+
+from simharness.jit import njit
+from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_config
+
+FORMAT = "simharness-profile-1"
+PROFILES_DIR = Path(__file__).resolve().parent / "data" / "profiles"  # the committed profiles (package data)
+# What the sim without a profile (the roofline) carried against the real level on the validation families
+# (docs/validation.md, results/validation/validation.md: H100, medians per family).
+UNCALIBRATED_ERROR = ("mean TPOT median |error| 32-33% (llama-3.2-1b) and 17.6% (llama-3-8b) on the H100 validation "
+                      "families (docs/validation.md)")
+
+# The device terms, in the order of the coefficient array (`profile_seconds`): seconds per step and per forward,
+# the datasheet's seconds per byte and per FLOP, the slowdowns against it of memory traffic, compute and the
+# sampler's logit reads, the random path's extra (in logit reads), seconds per history token the GPU proposer
+# scans, and the exponent of the memory/compute overlap (large: a hard max).
+TERMS = ("fixed_us", "per_forward_us", "datasheet_s_per_byte", "datasheet_s_per_flop", "memory_slowdown",
+         "compute_slowdown", "sampler_slowdown", "random_sampler_extra", "proposer_ns_per_token", "overlap_exponent")
+FIXED, PER_FORWARD, S_PER_BYTE, S_PER_FLOP, MEMORY, COMPUTE, SAMPLER, RANDOM, PROPOSER, EXPONENT = range(len(TERMS))
+UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0)  # seconds (or 1) per unit of each term in the file
+# What a step holds (columns of `step_features`, arguments of `profile_seconds`).
+FEATURES = ("decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_tokens", "random_tokens",
+            "history")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the field."""
+
+
+def shape_sizes(shape: ModelConfig) -> np.ndarray:
+    """The model's sizes the terms scale: weight bytes, KV bytes per token, linear FLOPs per token, attention FLOPs
+    per (query, key) pair, fp32 logit bytes per sampled position."""
+    return np.array([shape.weight_bytes, shape.kv_bytes_per_token, shape.linear_flops_per_token,
+                     shape.attn_flops_per_pair, shape.vocab_size * 4], dtype=np.float64)
+
+
+@njit
+def _forward(coef: np.ndarray, memory_bytes: float, flops: float) -> float:
+    """One forward's time: its memory and compute times at the fitted slowdowns, overlapped (a p-norm)."""
+    m = coef[MEMORY] * memory_bytes * coef[S_PER_BYTE]
+    c = coef[COMPUTE] * flops * coef[S_PER_FLOP]
+    hi, lo = max(m, c), min(m, c)
+    if hi <= 0.0:
+        return 0.0
+    return hi * (1.0 + (lo / hi) ** coef[EXPONENT]) ** (1.0 / coef[EXPONENT])
+
+
+@njit
+def profile_seconds(coef: np.ndarray, sizes: np.ndarray, decode_rows: float, decode_tokens: float,
+                    decode_context: float, prefill_reqs: float, prefill_tokens: float, random_tokens: float,
+                    history: float) -> float:
+    """A step's device time from what it holds: decode rows, their tokens and context (KV tokens before the step),
+    prefill chunks and tokens, verified tokens of rows sampled at a temperature, history the GPU proposer scans.
+    Attention pairs are taken at the mean row (decode) and chunk (prefill), so the fit and the sim see the same
+    features."""
+    weights, kv, linear, attention, logits = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]
+    t = coef[FIXED] + coef[PER_FORWARD] * prefill_reqs + coef[PROPOSER] * history
+    if decode_rows > 0:
+        q, c = decode_tokens / decode_rows, decode_context / decode_rows
+        pairs = decode_tokens * (c + (q + 1.0) / 2.0)
+        t += coef[PER_FORWARD] + _forward(coef, weights + kv * (decode_context + decode_tokens),
+                                          linear * decode_tokens + attention * pairs)
+    if prefill_reqs > 0:
+        pairs = prefill_tokens * (prefill_tokens / prefill_reqs + 1.0) / 2.0
+        t += _forward(coef, weights * prefill_reqs + kv * prefill_tokens, linear * prefill_tokens + attention * pairs)
+    sampled = decode_tokens + prefill_reqs  # each verified position, and a prompt's last
+    return t + (coef[SAMPLER] * sampled + coef[RANDOM] * random_tokens) * logits * coef[S_PER_BYTE]
+
+
+@njit
+def profile_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`profile_seconds` of every row of `x` (columns: FEATURES)."""
+    out = np.empty(x.shape[0])
+    for i in range(x.shape[0]):
+        out[i] = profile_seconds(coef, sizes, x[i, 0], x[i, 1], x[i, 2], x[i, 3], x[i, 4], x[i, 5], x[i, 6])
+    return out
+
+
+def prior_coefficients(gpu: str, g: BaseModel) -> np.ndarray:
+    """The roofline as a profile: the datasheet's rates and the efficiencies of `g` (the scenario defaults'
+    `scenario.GpuCosts`), so that a term the profile's grid cannot separate stays where the roofline puts it."""
+    spec = gpu_spec(gpu)
+    coef = np.zeros(len(TERMS))
+    coef[FIXED] = (g.step_overhead_us + g.sampler_overhead_us) * 1e-6
+    coef[S_PER_BYTE], coef[S_PER_FLOP] = 1 / (spec.mem_bandwidth_gbs * 1e9), 1 / (spec.bf16_tflops * 1e12)
+    coef[MEMORY], coef[COMPUTE], coef[SAMPLER] = 1 / g.mem_efficiency, 1 / g.compute_efficiency, 1 / g.mem_efficiency
+    coef[RANDOM] = (g.sampler_random_factor - 1) / g.mem_efficiency
+    coef[PROPOSER] = g.ngram_gpu_per_token_ns * 1e-9
+    coef[EXPONENT] = 4.0
+    return coef
+
+
+# ------------------------------------------------------------------------------------------------ the file
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A loaded profile: where it was measured, its device coefficients (`TERMS`, seconds), the launch overlap per
+    measured depth ((lead, tail) seconds), the fitted host costs (fields of `engine.host_costs`) and the validation
+    error it carried (a sentence, or None before validation)."""
+
+    path: str
+    device: str
+    gpu: str
+    model: str
+    coef: tuple[float, ...]
+    overlap: dict[int, tuple[float, float]]
+    host_costs: dict[str, float]
+    validation: str | None
+
+    def overlap_at(self, depth: int) -> tuple[float, float]:
+        """(lead, tail) seconds at `depth`, or at the nearest depth measured."""
+        return self.overlap[min(self.overlap, key=lambda d: (abs(d - depth), d))]
+
+    def describe(self) -> str:
+        error = self.validation or "not yet validated (scenarios/validation)"
+        return f"{self.path} (measured on {self.device}; validation: {error})"
+
+
+def default_path(gpu: str, model: str) -> Path | None:
+    """The committed profile of a catalogue GPU and model, e.g. simharness/data/profiles/h100-llama-3.2-1b.yaml."""
+    name = catalogue_name(model)
+    return None if name is None else PROFILES_DIR / f"{gpu.lower()}-{name}.yaml"
+
+
+def resolve(engine) -> Profile | None:
+    """The profile a sim-level engine runs on: none with `engine.calibration` or `engine.profile: none`, the file
+    `engine.profile` names, or (`auto`) the committed profile of `engine.gpu` and `engine.model` if there is one.
+    ProfileError names the file and field of one that does not fit."""
+    if engine.calibration is not None or engine.profile == "none":
+        return None
+    path = default_path(engine.gpu, engine.model) if engine.profile == "auto" else Path(engine.profile)
+    if path is None or (engine.profile == "auto" and not path.is_file()):
+        return None
+    profile = load_profile(path)
+    package = Path(__file__).resolve().parent
+    if path.resolve().is_relative_to(package):  # a shipped profile: named as in the package, not by its install path
+        profile = dataclasses.replace(profile, path=f"simharness/{path.resolve().relative_to(package)}")
+    unknown = sorted(set(profile.host_costs) - set(type(engine.host_costs).model_fields))
+    if unknown:
+        raise ProfileError(f"{path}: field host_costs.{unknown[0]}: not a host cost")
+    if profile.gpu.lower() != engine.gpu.lower():
+        raise ProfileError(f"{path}: field gpu: measured on {profile.gpu!r}, the scenario models {engine.gpu!r} "
+                           "(engine.gpu)")
+    if profile.model.lower() != engine.model.lower():
+        raise ProfileError(f"{path}: field model: fitted for {profile.model!r}, the scenario runs {engine.model!r} "
+                           "(engine.model)")
+    return profile
+
+
+def describe(engine) -> str:
+    """Which cost profile a sim point of `engine` runs on, and the error it carried in validation."""
+    if engine.calibration is not None:
+        return f"calibration {engine.calibration} (no profile)"
+    profile = resolve(engine)
+    if profile is None:
+        return f"none: the sim is uncalibrated (roofline), which carried {UNCALIBRATED_ERROR}"
+    return profile.describe()
+
+
+def summary_columns(engine, level: str) -> dict[str, str]:
+    """A point's summary columns: the cost profile its sim ran on (a path, `none`, or the calibration's path) and
+    the error that carried in validation; empty at the measured levels, which measure their costs."""
+    if level != "sim":
+        return {"cost_profile": "", "cost_profile_validation": ""}
+    if engine.calibration is not None:
+        return {"cost_profile": f"calibration {engine.calibration}", "cost_profile_validation": ""}
+    profile = resolve(engine)
+    if profile is None:
+        return {"cost_profile": "none", "cost_profile_validation": f"uncalibrated: {UNCALIBRATED_ERROR}"}
+    return {"cost_profile": profile.path, "cost_profile_validation": profile.validation or "not yet validated"}
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and check a profile file (cached per path and modification time)."""
+    path = Path(path)
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read profile file ({e.strerror})") from None
+    return _load(str(path), mtime)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime: int) -> Profile:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ProfileError(f"{path}: not a readable YAML file ({type(e).__name__})") from None
+    if not isinstance(data, dict) or "format" not in data:
+        raise ProfileError(f"{path}: field format: missing; not a simharness profile (`format: {FORMAT}`)")
+    if data["format"] != FORMAT:
+        raise ProfileError(f"{path}: field format: {data['format']!r} is not {FORMAT!r} (another file kind or an "
+                           "older profile: measure it again with `simharness profile`)")
+    field = "gpu"
+    try:
+        gpu, model, device = str(data["gpu"]), str(data["model"]), str(data["device"])
+        field = "device_step"
+        step = data["device_step"]
+        coef = []
+        for name, unit in zip(TERMS, UNITS, strict=True):
+            field = f"device_step.{name}"
+            value = float(step[name]) * unit
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"{value} is not a finite non-negative number")
+            coef.append(value)
+        field = "overlap"
+        overlap = {int(d): (float(v["lead_us"]) * 1e-6, float(v["tail_us"]) * 1e-6) for d, v in data["overlap"].items()}
+        if not overlap:
+            raise ValueError("no depth")
+        field = "host_costs"
+        host = {str(k): float(v) for k, v in (data.get("host_costs") or {}).items()}
+        field = "validation"
+        validation = data.get("validation")
+        validation = None if validation is None else str(validation["summary"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ProfileError(f"{path}: field {field}: malformed ({type(e).__name__}: {e})") from None
+    if coef[EXPONENT] < 1:
+        raise ProfileError(f"{path}: field device_step.overlap_exponent: {coef[EXPONENT]} is below 1")
+    try:
+        model_config(model)
+    except ValueError:
+        raise ProfileError(f"{path}: field model: {model!r} is not a catalogue model") from None
+    return Profile(path, device, gpu, model, tuple(coef), overlap, host, validation)

@@ -1,0 +1,209 @@
+"""Fit a cost profile (simharness.profile) from measured step records: the device terms from each step's device
+window, the launch overlap per depth, the host phases affine in requests and tokens.
+
+The device window of a step runs from its first kernel to its last (`gpu_end - gpu_start`), not from the launch's
+end: at the real level the device starts while the host still enqueues, so the window is the step's device work
+or, where the host's enqueue is the slower, the launch's end plus a tail (`max(work, launch_end + tail -
+gpu_start)`). The fit models that max, so launch-bound steps bound the work from above without being mistaken for
+it. Fitting is bounded robust least squares on relative errors (scipy's `least_squares`, soft-L1), with a weak
+pull of every term towards the roofline's (`profile.prior_coefficients`): a term the grid cannot separate
+stays at the roofline instead of wandering.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from simharness.calibration import FOLDS, FitData, fit_host
+from simharness.jit import loaded_digest
+from simharness.models import model_config
+from simharness.profile import (
+    COMPUTE,
+    EXPONENT,
+    FIXED,
+    FORMAT,
+    MEMORY,
+    PER_FORWARD,
+    PROPOSER,
+    RANDOM,
+    SAMPLER,
+    TERMS,
+    UNITS,
+    prior_coefficients,
+    profile_times,
+    shape_sizes,
+)
+from simharness.scenario import GpuCosts, ScenarioError
+
+PRIOR_WEIGHT = 0.01  # a term one prior width off the roofline costs as much as a 1% error on one step
+ROBUST_SCALE = 0.05  # relative errors beyond this count linearly, not squared (soft-L1)
+MIN_STEPS = 200
+
+
+def step_features(steps: pd.DataFrame) -> np.ndarray:
+    """The FEATURES of each step (calibration.point_steps' rows); the random path's tokens at the point's share of
+    rows sampled at a temperature."""
+    x = steps[["decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_tokens"]].to_numpy(float)
+    random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
+    history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
+    return np.column_stack([x, random_tokens, history])
+
+
+# The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds
+# and the width of its prior, in parameter units.
+SEARCH = {
+    FIXED: ("linear", 1e-6, (0.0, 1e5), 200.0),  # µs
+    PER_FORWARD: ("linear", 1e-6, (0.0, 1e5), 200.0),  # µs
+    MEMORY: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
+    COMPUTE: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
+    SAMPLER: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
+    RANDOM: ("linear", 1.0, (0.0, 100.0), 1.0),
+    PROPOSER: ("linear", 1e-9, (0.0, 1e4), 10.0),  # ns per token
+    EXPONENT: ("linear", 1.0, (4.0, 16.0), 4.0),
+}
+FITTED = tuple(SEARCH)
+TAIL_BOUNDS_US = (0.0, 1e4)
+
+
+@dataclass
+class DeviceFit:
+    """The fitted device coefficients (`profile.TERMS`, seconds), each depth's launch tail (seconds) and the
+    parameters they came from (a warm start for the k-fold refits)."""
+
+    coef: np.ndarray
+    tails: dict[int, float]
+    params: np.ndarray
+
+
+def fit_device(x: np.ndarray, window: np.ndarray, launch: np.ndarray | None, depth: np.ndarray,
+               sizes: np.ndarray, prior: np.ndarray, start: np.ndarray | None = None) -> DeviceFit:
+    """Fit the device terms to each step's device `window` (seconds) from its FEATURES `x`. With `launch` (the
+    launch's end less the device start, seconds: the real level), a step's window is modelled as
+    max(work, launch + tail of its depth); without (hil, gated), as the work alone."""
+    from scipy.optimize import least_squares  # a second to import: only when fitting
+
+    depths = sorted(set(depth.tolist())) if launch is not None else []
+    column = np.searchsorted(depths, depth) if depths else None
+    kinds = [SEARCH[t] for t in FITTED]
+    theta0 = np.array([np.log(prior[t]) if kind == "log" else prior[t] / scale
+                       for t, (kind, scale, _, _) in zip(FITTED, kinds, strict=True)] + [100.0] * len(depths))
+    lower = np.array([b[0] for _, _, b, _ in kinds] + [TAIL_BOUNDS_US[0]] * len(depths))
+    upper = np.array([b[1] for _, _, b, _ in kinds] + [TAIL_BOUNDS_US[1]] * len(depths))
+    widths = np.array([w for _, _, _, w in kinds])
+    prior_theta = theta0[: len(FITTED)]
+
+    def coefficients(theta: np.ndarray) -> np.ndarray:
+        coef = prior.copy()
+        for t, (kind, scale, _, _), p in zip(FITTED, kinds, theta, strict=False):
+            coef[t] = np.exp(p) if kind == "log" else p * scale
+        return coef
+
+    def predict(theta: np.ndarray) -> np.ndarray:
+        work = profile_times(coefficients(theta), sizes, x)
+        if launch is None:
+            return work
+        tails = theta[len(FITTED):] * 1e-6
+        return np.maximum(work, launch + tails[column])
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        pull = PRIOR_WEIGHT * (theta[: len(FITTED)] - prior_theta) / widths
+        return np.concatenate([predict(theta) / window - 1.0, pull])
+
+    first = theta0 if start is None else np.clip(start, lower, upper)
+    fit = least_squares(residuals, first, bounds=(lower, upper), loss="soft_l1", f_scale=ROBUST_SCALE,
+                        x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
+    tails = {d: float(fit.x[len(FITTED) + i] * 1e-6) for i, d in enumerate(depths)}
+    return DeviceFit(coefficients(fit.x), tails, fit.x)
+
+
+def predict_window(fit: DeviceFit, x: np.ndarray, launch: np.ndarray | None, depth: np.ndarray,
+                   sizes: np.ndarray) -> np.ndarray:
+    """The device window a fit gives each step (as `fit_device` models it)."""
+    work = profile_times(fit.coef, sizes, x)
+    if launch is None:
+        return work
+    return np.maximum(work, launch + np.array([fit.tails[d] for d in depth.tolist()]))
+
+
+def device_samples(steps: pd.DataFrame) -> pd.DataFrame:
+    """The steps whose device window was measured (finite, positive), with their launch start."""
+    measured = steps["measured"].str.split(",").map(lambda m: "gpu" in m).astype(bool)
+    window = steps["gpu_end_s"] - steps["gpu_start_s"]
+    ok = steps[measured & np.isfinite(window) & (window > 0)].copy()
+    ok["window_s"] = ok["gpu_end_s"] - ok["gpu_start_s"]
+    ok["launch_start_s"] = ok["launch_end_s"] - ok["launch_s"]
+    return ok
+
+
+def fit_overlap(ok: pd.DataFrame, tails: dict[int, float], censored: bool) -> dict[int, dict[str, float]]:
+    """Per depth: the device's lead after the launch starts (median over the steps that found the device idle at
+    their launch's start, so that the lead is not a wait for the previous step) and the fitted tail."""
+    idle = ok[ok["prev_gpu_end_s"].isna() | (ok["prev_gpu_end_s"] <= ok["launch_start_s"])]
+    lead_all = float(np.median(idle["gpu_start_s"] - idle["launch_start_s"])) if len(idle) else 0.0
+    out = {}
+    for depth in sorted(set(ok["depth"].astype(int))):
+        at = idle[idle["depth"] == depth]
+        lead = float(np.median(at["gpu_start_s"] - at["launch_start_s"])) if len(at) else lead_all
+        out[depth] = {"lead_us": max(lead, 0.0) * 1e6, "tail_us": tails.get(depth, 0.0) * 1e6 if censored else 0.0,
+                      "idle_steps": int(len(at))}
+    return out
+
+
+def kfold_errors(x, window, launch, depth, sizes, prior, start, folds: int = FOLDS, seed: int = 0) -> np.ndarray:
+    """|predicted / measured - 1| of every step's window, each predicted by a fit on the other folds."""
+    order = np.random.default_rng(seed).permutation(len(window))
+    errors = np.empty(len(window))
+    for fold in np.array_split(order, folds):
+        train = np.ones(len(window), dtype=bool)
+        train[fold] = False
+        cut = (lambda a, m: None if a is None else a[m])  # noqa: E731
+        fit = fit_device(x[train], window[train], cut(launch, train), depth[train], sizes, prior, start)
+        errors[fold] = np.abs(predict_window(fit, x[fold], cut(launch, fold), depth[fold], sizes) / window[fold] - 1)
+    return errors
+
+
+def fit_profile(data: FitData) -> dict:
+    """The profile (a YAML-ready mapping) from a measured grid's steps (calibration.load_fit_data)."""
+    try:
+        prior = prior_coefficients(data.gpu, GpuCosts())
+    except ValueError:
+        raise ScenarioError(f"device {data.device!r}: field gpu: a profile needs a catalogue GPU's datasheet "
+                            "(H100, H200, A100, L40S)") from None
+    ok = device_samples(data.steps)
+    if len(ok) < MIN_STEPS:
+        raise ScenarioError(f"too few steps to fit a profile: {len(ok)} have a device window, need {MIN_STEPS}")
+    sizes = shape_sizes(model_config(data.model))
+    x, window = step_features(ok), ok["window_s"].to_numpy(float)
+    depth = ok["depth"].to_numpy(int)
+    censored = data.level == "real"
+    launch = (ok["launch_end_s"] - ok["gpu_start_s"]).to_numpy(float) if censored else None
+    fit = fit_device(x, window, launch, depth, sizes, prior)
+    errors = kfold_errors(x, window, launch, depth, sizes, prior, fit.params)
+    per_depth = {int(d): float(np.median(errors[depth == d])) for d in sorted(set(depth.tolist()))}
+    # the steps whose window the device work sets (not the launch's end): the work terms alone predict them
+    work = profile_times(fit.coef, sizes, x)
+    bound = work > launch + np.array([fit.tails[d] for d in depth.tolist()]) if censored else np.ones(len(x), bool)
+    host, kept, qualities = fit_host(data.steps)
+    return {
+        "format": FORMAT,
+        "note": f"fitted by `simharness profile` from {data.level}-level step records of a designed grid",
+        "device": data.device, "gpu": data.gpu, "model": data.model, "level": data.level,
+        "device_step": {name: float(fit.coef[i] / UNITS[i]) for i, name in enumerate(TERMS)},
+        "efficiency": {"memory": float(1 / fit.coef[MEMORY]), "compute": float(1 / fit.coef[COMPUTE]),
+                       "sampler": float(1 / fit.coef[SAMPLER])},
+        "overlap": fit_overlap(ok, fit.tails, censored),
+        "host_costs": host,
+        "kept_from_scenario": kept,
+        "quality": {"device": {"steps": len(ok), "median_rel_error": float(np.median(errors)),
+                               "p90_rel_error": float(np.percentile(errors, 90)),
+                               "median_rel_error_by_depth": per_depth, "device_bound_steps": int(bound.sum()),
+                               "device_bound_median_rel_error": float(np.median(errors[bound])) if bound.any()
+                               else None}, **qualities},
+        "validation": None,
+        "provenance": {"runs": data.runs, "steps": len(data.steps), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "profile_source_digest": loaded_digest()},
+    }  # fmt: skip
