@@ -1,3 +1,0 @@
-from simharness.cli import main
-
-main()
