@@ -475,7 +475,7 @@ class Scenario(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=100)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     workload: Workload = Workload()
-    engine: Engine = Engine()
+    engine: Engine = Field(default_factory=Engine)  # per scenario: a bad shipped profile is bad input, at run time
     scheduler: Scheduler = Scheduler()
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     report: Report = Report()
