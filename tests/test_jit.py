@@ -14,7 +14,8 @@ from simharness.modes import resolve_mode
 from simharness.scenario import scenario_from_dict
 from simharness.simulation import Simulation
 from simharness.workload import build_requests
-sc = scenario_from_dict({"name": "jit", "workload": {"num_requests": 8, "concurrency": 4}})
+sc = scenario_from_dict({"name": "jit", "workload": {"num_requests": 8, "concurrency": 4},
+                         "engine": {"profile": "none"}})  # the roofline, which the test edits
 requests = build_requests(sc.workload, sc.seed)
 mode = resolve_mode(sc)
 print(Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()[1])
