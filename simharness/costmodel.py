@@ -11,6 +11,8 @@ its physical terms.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from simharness.costfile import DEVICE_FEATURES, NGRAM_GPU_FEATURES, load_calibration
@@ -21,6 +23,18 @@ from simharness.profile import PROPOSER
 from simharness.profile import resolve as resolve_profile
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
+
+@functools.cache
+def _default_host_costs() -> HostCosts:
+    return HostCosts()
+
+
+def fitted_host_costs(scenario: HostCosts, fitted: dict[str, float]) -> HostCosts:
+    """The scenario's host costs with a fit's (a calibration's, a profile's) in place of those still at their
+    defaults: a host cost the scenario sets to another value is the user's, never replaced by a fitted one. Values,
+    not the fields a file named, decide, so that sweep points and resumed runs (which store every field) agree."""
+    default = _default_host_costs()
+    return scenario.model_copy(update={k: v for k, v in fitted.items() if getattr(scenario, k) == getattr(default, k)})
 
 class CostModel:
     """Step and host-phase durations (seconds) for one sweep point."""
@@ -35,7 +49,7 @@ class CostModel:
             self.fit = np.array(calibration.device_us) * 1e-6
             if not self.ngram_gpu:
                 self.fit[[DEVICE_FEATURES.index(f) for f in NGRAM_GPU_FEATURES]] = 0.0
-            self.h = engine.host_costs.model_copy(update=calibration.host_costs)
+            self.h = fitted_host_costs(engine.host_costs, calibration.host_costs)
         # the profile's device terms (simharness.profile; empty: none), only where no calibration replaces it
         self.profile = resolve_profile(engine) if LEVELS[engine.level].backend == "model" else None
         self.prof = np.zeros(0)
@@ -43,7 +57,7 @@ class CostModel:
             self.prof = np.array(self.profile.coef)
             if not self.ngram_gpu:
                 self.prof[PROPOSER] = 0.0
-            self.h = engine.host_costs.model_copy(update=self.profile.host_costs)
+            self.h = fitted_host_costs(engine.host_costs, self.profile.host_costs)
         # a calibrated device need not be in the roofline's catalogue (a CPU): its roofline is unused
         self.gpu = gpu_spec(engine.gpu) if calibration is None else gpu_spec_or_h100(engine.gpu)
         self.shape: ModelConfig = model_config(engine.model)  # the catalogue (simharness.models)

@@ -31,7 +31,7 @@ from simharness.profile import (
 )
 from simharness.profile_fit import FITTED, fit_device
 from simharness.runner import run, without_ignored
-from simharness.scenario import GpuCosts, load_scenario, scenario_from_dict
+from simharness.scenario import GpuCosts, load_scenario, scenario_from_dict, sweep_points
 
 SIZES = shape_sizes(model_config("llama-3.2-1b"))
 TAILS = {1: 40e-6, 2: 60e-6, 3: 50e-6}
@@ -290,3 +290,16 @@ def test_a_bad_grid_exits_2(tmp_path, grid, message):
     assert r.exit_code == 2, r.output
     assert message in " ".join(r.stderr.split())
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_host_cost_the_scenario_sets_is_never_replaced_by_the_profiles() -> None:
+    """The sim takes the host phases the scenario leaves at their defaults from the shipped H100 profile, and keeps
+    a host cost the scenario sets itself, also through a sweep point (which stores every field)."""
+    fitted = profile.load_profile(profile.PROFILES_DIR / "h100-llama-3.2-1b.yaml").host_costs
+    base = {"name": "x", "engine": {"level": "sim", "gpu": "H100", "model": "llama-3.2-1b"}}
+    plain = CostModel(scenario_from_dict(base).engine, optimistic_correction=False).h
+    assert plain.prep_us == fitted["prep_us"] != 600.0
+    explicit = scenario_from_dict(base, {"engine.host_costs.prep_us": 600.0, "sweep.scheduler.depth": [1, 2]})
+    for point in sweep_points(explicit):
+        h = CostModel(point.scenario.engine, optimistic_correction=False).h
+        assert h.prep_us == 600.0 and h.launch_us == fitted["launch_us"]
