@@ -13,7 +13,6 @@ it ends (`overlap`, per depth), which the fit models instead of folding into the
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from simharness.jit import njit
 from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_config
 
 FORMAT = "simharness-profile-1"
-PROFILES_DIR = Path(__file__).resolve().parent / "data" / "profiles"  # the committed profiles (package data)
+PACKAGE = Path(__file__).resolve().parent
+PROFILES_DIR = PACKAGE / "data" / "profiles"  # the committed profiles (package data)
 # What the sim without a profile (the roofline) carried against the real level on the validation families
 # (docs/validation.md, results/validation/validation.md: H100, medians per family).
 UNCALIBRATED_ERROR = ("mean TPOT median |error| 32-33% (llama-3.2-1b) and 17.6% (llama-3-8b) on the H100 validation "
@@ -155,9 +155,6 @@ def resolve(engine) -> Profile | None:
     if path is None or (engine.profile == "auto" and not path.is_file()):
         return None
     profile = load_profile(path)
-    package = Path(__file__).resolve().parent
-    if path.resolve().is_relative_to(package):  # a shipped profile: named as in the package, not by its install path
-        profile = dataclasses.replace(profile, path=f"simharness/{path.resolve().relative_to(package)}")
     unknown = sorted(set(profile.host_costs) - set(type(engine.host_costs).model_fields))
     if unknown:
         raise ProfileError(f"{path}: field host_costs.{unknown[0]}: not a host cost")
@@ -243,4 +240,10 @@ def _load(path: str, mtime: int) -> Profile:
         model_config(model)
     except ValueError:
         raise ProfileError(f"{path}: field model: {model!r} is not a catalogue model") from None
-    return Profile(path, device, gpu, model, tuple(coef), overlap, host, validation)
+    return Profile(_display_name(Path(path)), device, gpu, model, tuple(coef), overlap, host, validation)
+
+
+def _display_name(path: Path) -> str:
+    """A shipped profile by its package path (not by this machine's install path), any other as given."""
+    full = path.resolve()
+    return f"simharness/{full.relative_to(PACKAGE)}" if full.is_relative_to(PACKAGE) else str(path)
