@@ -1,6 +1,9 @@
 """Helpers shared by several test modules."""
 
+import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -130,3 +133,14 @@ def emitted(backend, rid: int) -> np.ndarray:
 # soft memory/compute overlap charges the filled slots of the optimistic step), #41043's P99 -2.0% where -9.3%
 # was (0.21x). test_seeds marks them strict xfail: it fails the day the profile reproduces them again.
 PROFILE_MISSES = {"32951": "profiled sim: +1.2%, posted -3.2%", "41043": "profiled sim: P99 -2.0%, posted -9.3%"}
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ imported as a module (`name` without .py), registered so that its dataclasses
+    find their module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

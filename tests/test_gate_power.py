@@ -1,14 +1,13 @@
 """The gate's statistics on simulated measured runs (seeded): the false-alarm rate of A/A pairs with a realistic
 run-to-run spread, the power on known shifts, the test's own level; and the benchmark's draws of runs."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import load_benchmark
 from scipy.stats import ttest_ind
 
 from simharness.compare import METRICS, Run, compare_runs, run_significance
@@ -109,11 +108,7 @@ def test_every_gated_metric_has_a_direction_in_the_fake_runs():
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("gate_power", ROOT / "benchmarks" / "gate_power.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gate_power")
 
 
 def test_trials_draw_distinct_processes_for_the_two_sides():

@@ -2,17 +2,16 @@
 the run-to-run spread of the H100 pools, the power on a device slowdown that moves TPOT less than its noise, the
 like-for-like rule of the device step time; and the benchmark's re-analysis of packed pools."""
 
-import importlib.util
 import io
 import json
 import math
-import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import load_benchmark
 
 from simharness.compare import STEP_METRICS, Run, compare_runs
 from simharness.gate_report import verdict
@@ -111,11 +110,7 @@ def test_step_metrics_are_not_gated_at_the_sim_or_with_one_plain_run_a_side():
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("gate_power", ROOT / "benchmarks" / "gate_power.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gate_power")
 
 
 def _tarball(path: Path, top: str, processes: dict[str, list[int]]) -> Path:
