@@ -33,7 +33,7 @@ from simharness.costmodel import GPUS
 from simharness.jit import loaded_digest
 from simharness.levels import LEVELS
 from simharness.overrides import parse_value
-from simharness.pointfiles import read_points
+from simharness.pointfiles import finished_rows, read_points
 from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
 from simharness.stats import REFERENCE, config_ids
 
@@ -136,8 +136,7 @@ def read_run(run_dir: Path) -> tuple[dict, Scenario, pd.DataFrame]:
     if not meta_path.is_file():
         raise ScenarioError(f"{run_dir}: not a run directory (no meta.json)")
     meta = json.loads(meta_path.read_text())
-    rows = [json.loads((results.point_dir(run_dir, i) / "summary.json").read_text())
-            for i in sorted(results.finished_points(run_dir))]
+    rows = list(finished_rows(run_dir).values())
     if not rows:
         raise ScenarioError(f"{run_dir}: no finished points")
     summary = pd.DataFrame(rows)
