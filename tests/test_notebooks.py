@@ -106,12 +106,12 @@ def _facts(name: str, kernel: str, code: str) -> dict:
     return json.loads(nb.cells[-1].outputs[0]["text"])
 
 
-@pytest.mark.xfail(strict=True, reason="with the H100 cost profile the default sim's async gain is 3.0-5.0% "
-                                       "(the notebook's text: 5-20%)")
 def test_quickstart_shows_what_async_buys(python3_kernel):
-    """The three modes at each concurrency: the same acceptance; sync slower than async waiting for the accepted
-    counts (one sync more a step), slower than zero-bubble; zero-bubble keeps the GPU busy, and the printed saving
-    is zero-bubble against sync."""
+    """The claims under the quickstart's TPOT plot: the same acceptance in every mode; sync slower than async
+    waiting for the accepted counts (one sync more a step), slower than zero-bubble; zero-bubble saves 3-5% of
+    mean TPOT (the printed line), more at higher concurrency, roughly the share of a step the GPU idles at depth
+    1 (a gap of a few tenths of a ms against a device step of 7-9 ms), which waiting for the counts only
+    partly closes."""
     import pandas as pd
 
     facts = _facts("quickstart.ipynb", python3_kernel,
@@ -124,50 +124,84 @@ def test_quickstart_shows_what_async_buys(python3_kernel):
     tpot = by["mean_tpot_ms"]
     assert ((tpot[sync] > tpot[wait]) & (tpot[wait] > tpot[zero])).all(), tpot
     assert (by["syncs_per_step"][wait] == by["syncs_per_step"][zero] + 1).all()
-    busy = by["gpu_busy_fraction"]
-    # with the H100 profile's measured device steps the host's share of a sync step is a few percent
+    busy, bubble, step = by["gpu_busy_fraction"], by["mean_bubble_ms"], by["mean_step_ms"]
     assert (busy[zero] > 0.99).all() and (busy[sync] < 0.98).all(), busy
+    # the GPU's gap between steps: a few tenths of a ms at depth 1, less waiting for the counts, none zero-bubble
+    assert ((bubble[sync] > bubble[wait]) & (bubble[wait] > 0.1) & (bubble[zero] < 0.01)).all(), bubble
+    assert ((bubble[sync] > 0.1) & (bubble[sync] < 0.8)).all() and ((step[sync] > 5) & (step[sync] < 12)).all()
     gain = {int(c): v for c, v in facts["gain"].items()}
     assert gain == pytest.approx((100 * (1 - tpot[zero] / tpot[sync])).to_dict())
-    assert all(5 < v < 20 for v in gain.values()), gain
+    # the text: 3-5%; a change of the saving by 2x either way, or of its sign, fails here
+    assert all(2 < v < 7.5 for v in gain.values()), gain
+    assert list(gain.values()) == sorted(gain.values()) and len(set(gain.values())) == 3, gain  # grows with load
+    idle_share = 100 * bubble[sync] / (step[sync] + bubble[sync])
+    ratio = pd.Series(gain) / idle_share
+    assert ((ratio > 0.7) & (ratio < 1.5)).all(), (gain, idle_share)
 
 
-@pytest.mark.xfail(strict=True, reason="with the H100 cost profile, removing the valid-draft-count sync changes "
-                                       "TPOT -6.9% at 4 and +4.3% at 32 (the notebook's text: < -10%)")
 def test_sync_points_shows_what_each_sync_costs(python3_kernel):
-    """The claims under the what-if table and the GC plot: removing the only sync before prep restores the
-    overlap and cuts TPOT while the GPU verifies more tokens; a second sync at the same place, or the swap, costs
-    little; a sync before schedule costs more than one before prep; GC pauses add latency as they become more
-    likely, more to the tail than to the mean, and more in relative terms to the faster async loop."""
+    """The claims under the what-if plot and the GC plot. Removing the valid-draft-count sync restores the
+    overlap and cuts TPOT by about 7% at 4 users, where the extra verify work is nearly free; at 32 users the
+    verify work eats most of the bubble it removes, and TPOT rises about 4% though throughput rises and E2E falls,
+    because the first token comes earlier. A second sync at the same place costs its round trip, about half the
+    first at 4 users; the swap undoes the gain, and more at 32; a sync before schedule costs about 2x and 5x one
+    before prep. GC pauses: depth 1 exposes nearly all pause time, depth 2 hides part of it and suffers less in ms
+    and in %; the tail moves much more than the mean."""
     import pandas as pd
 
     facts = _facts("sync-points.ipynb", python3_kernel,
-                   '{"table": table.to_dict(orient="records"), "gc": g.to_dict(orient="records")}')
+                   '{"table": table.to_dict(orient="records"), "gc": g.to_dict(orient="records"), '
+                   '"removal": removal.reset_index().to_dict(orient="records")}')
     table = pd.DataFrame(facts["table"]).set_index(["what_if", "workload.concurrency"])
     base = table.loc["as shipped (trim: valid-draft-count sync)"]
 
     def change(what_if: str, metric: str = "mean_tpot_ms") -> pd.Series:
         return table.loc[what_if][metric] / base[metric] - 1
 
-    removed = table.loc["remove the valid-draft-count sync"]
+    removed_name = "remove the valid-draft-count sync"
+    removed = table.loc[removed_name]
     assert (removed["gpu_busy_fraction"] > 0.99).all() and (base["gpu_busy_fraction"] < 0.97).all()
-    assert (change("remove the valid-draft-count sync") < -0.1).all()
+    assert (removed["mean_bubble_ms"] < 0.01).all() and base["mean_bubble_ms"].between(0.07, 0.3).all()
     assert (removed["verified_tokens_per_step"] > 2 * base["verified_tokens_per_step"]).all()
-    for second in ("+ accepted-count readback (policy wait)", "+ .item() in metadata build",
-                   "swap: remove valid-draft sync, + .item()"):
-        assert (change(second).abs() < 0.02).all(), (second, change(second))
-    before_schedule = change("+ a sync before schedule")
-    assert (before_schedule > change("+ .item() in metadata build") + 0.02).all(), before_schedule
+    removal = pd.DataFrame(facts["removal"]).set_index("workload.concurrency") / 100  # the notebook's own table
+    assert removal["mean_tpot_ms"].to_dict() == pytest.approx(change(removed_name).to_dict())
+    tpot, step = removal["mean_tpot_ms"], removal["mean_step_ms"]
+    # 4 users: -6.9% (text: about 7%), the extra verify work under 1% of a step
+    assert -0.12 < tpot[4] < -0.035 and 0 < step[4] < 0.01, removal.loc[4]
+    # 32 users: +4.3% TPOT (text: about 4%); verify work +3.3% a step, step with bubble -1.8%, throughput +1.8%,
+    # TTFT -8.5%, E2E -1.2%
+    assert 0.02 < tpot[32] < 0.09, removal.loc[32]
+    assert 0.015 < step[32] < 0.07 and -0.04 < removal["step_and_bubble_ms"][32] < 0, removal.loc[32]
+    assert 0.005 < removal["output_throughput"][32] < 0.04 and -0.03 < removal["mean_e2el_ms"][32] < 0
+    assert -0.17 < removal["mean_ttft_ms"][32] < -0.04, removal.loc[32]
+    assert (removal["output_throughput"] > 0).all() and (removal["mean_e2el_ms"] < 0).all()
+    for second in ("+ accepted-count readback (policy wait)", "+ .item() in metadata build"):
+        added = change(second)  # text: +3.0-3.5%, half of the first sync's cost at 4 users
+        assert ((added > 0.015) & (added < 0.07)).all(), (second, added)
+        assert 0.25 < added[4] / -tpot[4] < 0.75, (second, added)
+        extra = table.loc[second]["mean_bubble_ms"] - base["mean_bubble_ms"]  # one round trip: 0.065 ms
+        assert ((extra > 0.03) & (extra < 0.13)).all(), (second, extra)
+    swap = change("swap: remove valid-draft sync, + .item()")  # +0.8% at 4, +5.9% at 32
+    assert abs(swap[4]) < 0.02 and swap[32] > change("+ .item() in metadata build")[32] > 0, swap
+    before_schedule = change("+ a sync before schedule") / change("+ .item() in metadata build")  # 1.9x, 4.9x
+    assert 1.4 < before_schedule[4] < 4 and 2.5 < before_schedule[32] < 10, before_schedule
     gc = pd.DataFrame(facts["gc"])
-    relative = {}
+    added = {}
     for depth, part in gc.groupby("scheduler.depth"):
         part = part.sort_values("engine.gc.probability")
         for metric in ("mean_tpot_ms", "p99_tpot_ms", "p99_itl_ms"):
             assert part[metric].is_monotonic_increasing, (depth, metric)
-        added = part[["mean_tpot_ms", "p99_itl_ms"]].iloc[-1] - part[["mean_tpot_ms", "p99_itl_ms"]].iloc[0]
-        assert added["p99_itl_ms"] > 5 * added["mean_tpot_ms"] > 0, (depth, added)
-        relative[depth] = part["mean_tpot_ms"].iloc[-1] / part["mean_tpot_ms"].iloc[0]
-    assert relative[2] > relative[1], relative
+        first, last = (part[["mean_tpot_ms", "p99_itl_ms", "mean_bubble_ms", "gc_pause_ms_per_step"]].iloc[i]
+                       for i in (0, -1))
+        added[depth] = last - first
+        assert added[depth]["p99_itl_ms"] > 5 * added[depth]["mean_tpot_ms"] > 0, (depth, added[depth])
+        added[depth]["relative"] = last["mean_tpot_ms"] / first["mean_tpot_ms"] - 1
+        added[depth]["exposed"] = added[depth]["mean_bubble_ms"] / added[depth]["gc_pause_ms_per_step"]
+    # pause time that becomes GPU idle time: 0.58 of 0.59 ms a step at depth 1, 0.34 of 0.62 at depth 2
+    assert 0.8 < added[1]["exposed"] < 1.1 and 0.3 < added[2]["exposed"] < 0.8, added
+    # mean TPOT +0.37 ms (+29%) at depth 1, +0.23 ms (+20%) at depth 2
+    assert 0.3 < added[2]["mean_tpot_ms"] / added[1]["mean_tpot_ms"] < 0.9, added
+    assert added[2]["relative"] < added[1]["relative"], added
 
 
 def test_seeds_notebook_shows_the_committed_and_live_effects(python3_kernel, tmp_path):
@@ -197,6 +231,17 @@ def test_seeds_notebook_shows_the_committed_and_live_effects(python3_kernel, tmp
         assert len(merged) == len(committed) > 0, level
         assert np.allclose(merged.effect_pct, merged.effect_pct_shown, rtol=1e-9), level
         assert (merged.reproduced == merged.reproduced_shown).all(), level
+    # the text: the profiled sim misses #32951's mean TPOT (+1.2%; hil and real reproduce it) and #41043's P99
+    # (-2.0%; hil and real miss it too), the misses tests/helpers.PROFILE_MISSES names
+    effect = shown.set_index(["level", "seed", "metric"])
+    missed = effect.loc["sim"].index[~effect.loc["sim"].reproduced.astype(bool)]
+    assert set(missed) == {("32951", "mean_tpot_ms"), ("41043", "p99_tpot_ms")}, missed
+    assert set(missed.get_level_values("seed")) == set(PROFILE_MISSES)
+    assert 0.6 < effect.effect_pct["sim", "32951", "mean_tpot_ms"] < 2.4
+    assert -4 < effect.effect_pct["sim", "41043", "p99_tpot_ms"] < -1
+    for level in ("hil", "real"):
+        reproduced = effect.reproduced[level]
+        assert reproduced["32951", "mean_tpot_ms"] and not reproduced["41043", "p99_tpot_ms"], level
     live, sim = shown[shown.level == "sim (live)"], shown[shown.level == "sim"]
     assert sorted(zip(live.seed, live.metric, strict=True)) == sorted(zip(sim.seed, sim.metric, strict=True))
     for row in live.itertuples():
