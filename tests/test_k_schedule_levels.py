@@ -117,3 +117,26 @@ def test_hil_takes_the_sims_decisions_under_a_k_schedule(depth, policy, proposer
     n_decode = hil_steps["n_reqs"] - hil_steps["n_prefill_reqs"]
     assert (hil_steps.loc[n_decode == 3, "drafts_scheduled"] == 0).all()  # batches of 3 ran at k = 0
     assert (hil_steps["drafts_scheduled"] > 0).any()
+
+
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), [
+    (1, "wait", "ngram_cpu", "trim"), (2, "wait", "ngram_gpu", "trim"), (3, "optimistic", "ngram_gpu", "fill"),
+])  # fmt: skip
+def test_a_constant_schedule_is_that_fixed_k_at_hil(depth, policy, proposer, invalid, model):  # noqa: F811
+    """k = 2 at every batch size under the proposer's limit of 3 drafts 3 and verifies the first 2: the same
+    batches, draft slots, outcomes and tokens as a fixed k = 2 (the n-gram match does not depend on k)."""
+    n = hil_scenario().workload.concurrency
+    every = hil_requests(N_REQUESTS, VOCAB)
+    first = dataclasses.replace(every, kind=every.kind[:n], prompt_len=every.prompt_len[:n],
+                                output_len=every.output_len[:n], prompt_tokens=every.prompt_tokens[:n],
+                                output_tokens=every.output_tokens[:n])  # fmt: skip
+    constant = hil_scenario(depth, policy, proposer, invalid).model_copy(deep=True)
+    constant.engine.speculation.k_schedule = {1: 2}
+    fixed = hil_scenario(depth, policy, proposer, invalid).model_copy(deep=True)
+    fixed.engine.speculation.k = 2
+    (b1, r1), (b2, r2) = run_hil(constant, first, model), run_hil(fixed, first, model)
+    counts = STEP_COLUMNS[1:10]
+    np.testing.assert_array_equal(r1.steps_frame()[counts].to_numpy(), r2.steps_frame()[counts].to_numpy())
+    for rid in range(n):
+        np.testing.assert_array_equal(emitted(b1, rid), emitted(b2, rid))
+    assert r1.steps_frame()["accepted"].sum() > 0
