@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simharness.levels import LEVELS
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 
 # The sync points the harness knows, with the mode in which each is present (docs/vllm-notes.md, "Sync points").
@@ -46,9 +45,6 @@ def resolve_mode(sc: Scenario) -> Mode:
     """Effective depth, drafting and sync points of a point; raises ScenarioError on bad edits."""
     spec = sc.engine.speculation
     k = spec.k if spec.proposer != "none" else 0
-    if spec.k_schedule is not None and LEVELS[sc.engine.level].backend != "model":
-        raise ScenarioError(f"engine.speculation.k_schedule: sim level only for now; the decode loop of engine.level: "
-                            f"{sc.engine.level} drafts a fixed k")
     schedule = tuple(sorted(spec.k_schedule.items())) if spec.k_schedule is not None and k else ()
     depth, note = sc.scheduler.depth, ""
     if spec.proposer == "ngram_cpu" and depth > 1:

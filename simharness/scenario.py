@@ -153,7 +153,7 @@ class Speculation(Strict):
     k_schedule: dict[int, int] | None = Field(
         None, description="k by batch size, as vLLM's dynamic speculation chooses it: {batch size: k}, each k for "
         "steps of that many requests up to the next listed size; starts at 1, each k at most `k` (the proposer's "
-        "limit, which sizes its drafts); sim level only for now (docs/frontier.md)",
+        "limit, which sizes its drafts); every level (docs/frontier.md)",
     )
 
     @field_validator("k_schedule", mode="before")

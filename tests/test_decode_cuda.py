@@ -124,24 +124,28 @@ def test_cuda_graph_prefill_matches_eager_and_pads_touch_nothing_live() -> None:
     assert graphed.k_cache.shape[2] == 1200 + PREFILL_PAD and eager.k_cache.shape[2] == 1200
 
 
-@pytest.mark.parametrize(("invalid", "step_graphs"), [("pad", False), ("fill", False), ("pad", True), ("fill", True)])
-def test_step_makes_no_host_sync(invalid: str, step_graphs: bool) -> None:
+@pytest.mark.parametrize(("invalid", "step_graphs", "step_ks"), [
+    ("pad", False, None), ("fill", False, None), ("pad", True, None), ("fill", True, None),
+    ("pad", False, (0, 2, 4)), ("fill", True, (0, 2, 4)),  # a k schedule's steps, each at its own k
+])  # fmt: skip
+def test_step_makes_no_host_sync(invalid: str, step_graphs: bool, step_ks: tuple[int, ...] | None) -> None:
     model = Transformer(ONE_B, max_slots=8, max_len=MAX_LEN, device="cuda", cuda_graphs=True)
-    loop = DecodeLoop(model, k=4, min_n=1, max_n=3, invalid=invalid, step_graphs=step_graphs)
+    loop = DecodeLoop(model, k=4, min_n=1, max_n=3, invalid=invalid, step_graphs=step_graphs, step_ks=step_ks)
+    ks = step_ks or (4, 4, 4)
     refs = references(1)
     for slot, prompt in enumerate(prompts(3)):
         loop.add_request(slot, prompt, reference_ids=refs[0] if slot == 1 else None, temperature=0.5 * slot)
     slots = torch.tensor([0, 1, 2], device="cuda")
-    for _ in range(3):  # warm-up: Triton compilation of the proposer and sampler
-        finish(loop, loop.step(slots))
+    for k in ks:  # warm-up: Triton compilation of the proposer and sampler (per k)
+        finish(loop, loop.step(slots, k=k))
     joined = torch.tensor([3, 0], device="cuda")  # a pageable host-to-device copy syncs: made outside
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         # Three steps in flight (async depth 3), then a request joins while they run.
-        results = [loop.step(slots) for _ in range(3)]
+        results = [loop.step(slots, k=k) for k in ks]
         loop.add_request(3, prompts(4)[3], temperature=1.0)
-        results.append(loop.step(joined))
+        results.append(loop.step(joined, k=ks[1]))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     outs = [finish(loop, r) for r in results]
@@ -196,19 +200,23 @@ def test_greedy_speculative_equals_plain_in_bf16() -> None:
         assert s == p[: len(s)]
 
 
-@pytest.mark.parametrize(("k", "invalid", "host_drafts"), [(0, "pad", False), (4, "pad", False), (4, "fill", False),
-                                                          (3, "pad", True)])  # fmt: skip
-def test_step_graphs_equal_the_eager_step(k: int, invalid: str, host_drafts: bool) -> None:
+@pytest.mark.parametrize(("k", "invalid", "host_drafts", "step_ks"), [
+    (0, "pad", False, None), (4, "pad", False, None), (4, "fill", False, None), (3, "pad", True, None),
+    (4, "pad", False, (0, 1, 4)), (4, "fill", False, (0, 2, 4)), (3, "pad", True, (0, 2, 3)),  # k schedules
+])  # fmt: skip
+def test_step_graphs_equal_the_eager_step(k: int, invalid: str, host_drafts: bool,
+                                          step_ks: tuple[int, ...] | None) -> None:
     """Random batches (padded to their buckets, slots in any order), greedy and random rows, steered and free ones,
-    the device's lengths or the host's: the replayed step graphs give the eager step's tokens, counts and state
-    bit for bit (the same verify shapes: the eager step replays the model's verify graph of the same bucket)."""
+    the device's lengths or the host's, and with `step_ks` each step at a k drawn from them: the replayed step
+    graphs give the eager step's tokens, counts and state bit for bit (the same verify shapes: the eager step
+    replays the model's verify graph of the same bucket and k)."""
     gen = torch.Generator().manual_seed(k)
     n_slots = 12
     loops = []
     for graphs in (False, True):
         model = Transformer(ONE_B, max_slots=n_slots, max_len=MAX_LEN, device="cuda", cuda_graphs=True)
         loops.append(DecodeLoop(model, k=k, min_n=1, max_n=3, invalid=invalid, device_proposer=not host_drafts,
-                                seed=5, step_graphs=graphs))  # fmt: skip
+                                seed=5, step_graphs=graphs, step_ks=step_ks))  # fmt: skip
     refs = references(n_slots, length=200)
     for slot, prompt in enumerate(prompts(n_slots)):
         for loop in loops:
@@ -218,12 +226,14 @@ def test_step_graphs_equal_the_eager_step(k: int, invalid: str, host_drafts: boo
         batch = int(torch.randint(1, n_slots + 1, (1,), generator=gen))
         slots = torch.randperm(n_slots, generator=gen)[:batch].numpy()
         lengths = loops[0].lengths[slots].cpu().numpy() if step % 2 else None
+        step_k = k if step_ks is None else step_ks[int(torch.randint(len(step_ks), (1,), generator=gen))]
         drafts = None
-        if host_drafts:
-            drafts = torch.randint(ONE_B.vocab_size, (batch, k), generator=gen)
-            drafts[torch.rand(batch, k, generator=gen) < 0.3] = -1
+        if host_drafts and step_k:
+            drafts = torch.randint(ONE_B.vocab_size, (batch, step_k), generator=gen)
+            drafts[torch.rand(batch, step_k, generator=gen) < 0.3] = -1
             drafts = drafts.numpy()
-        outs = [finish(loop, loop.step(slots, lengths=lengths, drafts=drafts)) for loop in loops]
+        outs = [finish(loop, loop.step(slots, k=step_k, lengths=lengths, drafts=drafts)) for loop in loops]
         assert (outs[1].packed == outs[0].packed).all(), step
+        assert (outs[0].num_drafts <= step_k).all() and (outs[0].tokens[:, step_k + 1 :] == -1).all()
         for name in ("history", "lengths", "drafts", "num_valid"):
             assert torch.equal(getattr(loops[1], name)[:n_slots], getattr(loops[0], name)[:n_slots]), name

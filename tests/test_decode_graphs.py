@@ -34,11 +34,13 @@ def twin_loops(k: int, **kwargs) -> list[DecodeLoop]:
 
 
 def run_twins(k: int, *, steer: bool, temperature: str, host_lengths: bool, host_drafts: bool,
-              invalid: str = "pad", n_steps: int = 14, seed: int = 0) -> int:  # fmt: skip
-    """Drive both loops with the same random batches (every batch size, slots in any order) and compare each step's
-    results and the real slots' device state; returns the drafts accepted."""
+              invalid: str = "pad", n_steps: int = 14, seed: int = 0,
+              step_ks: tuple[int, ...] | None = None) -> int:  # fmt: skip
+    """Drive both loops with the same random batches (every batch size, slots in any order; with `step_ks`, each
+    step verifies one of them, drawn) and compare each step's results and the real slots' device state; returns the
+    drafts accepted."""
     rng = np.random.default_rng(seed)
-    loops = twin_loops(k, invalid=invalid, device_proposer=not host_drafts, seed=seed)
+    loops = twin_loops(k, invalid=invalid, device_proposer=not host_drafts, seed=seed, step_ks=step_ks)
     temperatures = {"greedy": [0.0] * SLOTS, "random": [1.0] * SLOTS, "mixed": [0.0, 1.0] * (SLOTS // 2)}[temperature]
     for slot in range(SLOTS):
         motif = rng.integers(0, 64, 5).tolist()
@@ -50,14 +52,16 @@ def run_twins(k: int, *, steer: bool, temperature: str, host_lengths: bool, host
     for _ in range(n_steps):
         batch = int(rng.integers(1, SLOTS + 1))
         slots = rng.permutation(SLOTS)[:batch]
+        step_k = k if step_ks is None else int(rng.choice(step_ks))
         lengths = loops[0].lengths[slots].numpy().copy() if host_lengths else None
         drafts = None
-        if host_drafts and k:
-            drafts = rng.integers(0, 64, (batch, k))
-            drafts[rng.random((batch, k)) < 0.3] = NO_DRAFT
-        outs = [loop.readback(loop.step(slots, lengths=lengths, drafts=drafts)) for loop in loops]
+        if host_drafts and step_k:
+            drafts = rng.integers(0, 64, (batch, step_k))
+            drafts[rng.random((batch, step_k)) < 0.3] = NO_DRAFT
+        outs = [loop.readback(loop.step(slots, k=step_k, lengths=lengths, drafts=drafts)) for loop in loops]
         eager, graphed = outs
         np.testing.assert_array_equal(graphed.packed, eager.packed)
+        assert (eager.num_drafts <= step_k).all() and (eager.tokens[:, step_k + 1 :] == -1).all()
         assert len(graphed.parts_s) == MARKS - 1 and min(graphed.parts_s) >= 0
         assert graphed.parts_s[0] + graphed.parts_s[1] == graphed.phase_s[0]
         accepted += int((eager.num_emitted - 1).sum())
@@ -81,6 +85,29 @@ def test_staged_step_equals_eager_step(k: int, invalid: str, temperature: str) -
 @pytest.mark.parametrize("temperature", ["greedy", "random"])
 def test_staged_step_equals_eager_step_with_host_drafts(temperature: str) -> None:
     run_twins(3, steer=True, temperature=temperature, host_lengths=True, host_drafts=True)
+
+
+@pytest.mark.parametrize("invalid", ["pad", "fill"])
+def test_staged_step_equals_eager_step_at_each_steps_k(invalid: str) -> None:
+    """A k schedule's steps: each verifies its own k of the proposer's 4 drafts (0: a plain decode step), through the
+    graph of its bucket and k, with the eager step's tokens, counts and device state."""
+    for steer, host_lengths in itertools.product((False, True), (False, True)):
+        accepted = run_twins(4, steer=steer, temperature="mixed", host_lengths=host_lengths, host_drafts=False,
+                             invalid=invalid, n_steps=20, seed=7 + steer + 2 * host_lengths, step_ks=(0, 1, 4))
+        if steer:
+            assert accepted > 5
+    run_twins(3, steer=True, temperature="greedy", host_lengths=True, host_drafts=True, step_ks=(0, 2, 3))
+
+
+def test_a_step_k_not_captured_is_refused() -> None:
+    eager, graphed = twin_loops(4, step_ks=(0, 2))
+    assert set(graphed.graphs._graphs) == {(s, k, steered) for s in (1, 2, 4, 6) for k in (0, 2) for steered in (0, 1)}
+    for loop in (eager, graphed):
+        loop.add_request(0, [1, 2, 3])
+        with pytest.raises(ValueError, match="k = 4"):
+            loop.step([0])  # the loop's own k is not among its step ks
+    with pytest.raises(ValueError, match="within 0..k"):
+        twin_loops(2, step_ks=(0, 3))
 
 
 def test_padding_rows_touch_only_the_scratch_row() -> None:

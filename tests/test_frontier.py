@@ -181,15 +181,31 @@ def test_a_step_at_k0_under_a_schedule_skips_the_valid_draft_sync():
     assert set(decodes.step[drafted]) <= trims and not trims & set(decodes.step[~drafted])
 
 
-def test_k_schedule_is_sim_only_for_now(tmp_path):
-    path = tmp_path / "s.yaml"
-    path.write_text(yaml.safe_dump({"name": "x", "workload": {"num_requests": 2},
-                                    "engine": {"level": "hil", "model": "tiny", "device": "cpu",
-                                               "speculation": {"k": 2, "k_schedule": {1: 2, 4: 1}}}}))
-    r = CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / "out")])
-    assert r.exit_code == 2, r.output
-    assert "engine.speculation.k_schedule: sim level only for now" in " ".join(r.stderr.split())
-    assert not (tmp_path / "out").exists()
+def test_k_schedule_runs_at_hil_and_bad_input_still_exits_2(tmp_path):
+    """The CLI runs a k schedule at hil (each step at its batch size's k); one above the proposer's limit is one
+    message naming the field, exit 2, nothing written."""
+
+    def run(schedule: dict[int, int], name: str):
+        path = tmp_path / f"{name}.yaml"
+        speculation = {"k": 2, "k_schedule": schedule}
+        workload = {"num_requests": 3, "concurrency": 2, "output_len": {"dist": "fixed", "value": 8}}
+        path.write_text(yaml.safe_dump({
+            "name": name, "workload": workload,
+            "engine": {"level": "hil", "model": "tiny", "device": "cpu", "speculation": speculation},
+        }))
+        return CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / name)])
+
+    ok = run({1: 2, 2: 0}, "ok")
+    assert ok.exit_code == 0, ok.output
+    steps = pd.read_parquet(next((tmp_path / "ok").rglob("steps.parquet")))
+    decodes = steps[steps.n_reqs > steps.n_prefill_reqs]
+    k = decodes.drafts_scheduled / (decodes.n_reqs - decodes.n_prefill_reqs)
+    assert set(k[decodes.n_reqs >= 2]) == {0} and (k[decodes.n_reqs == 1] > 0).any()
+    bad = run({1: 3}, "bad")
+    assert bad.exit_code == 2, bad.output
+    assert ("engine.speculation: k_schedule: k 3 at batch size 1 is above the proposer's limit (k = 2)"
+            in " ".join(bad.stderr.split()))
+    assert not (tmp_path / "bad").exists()
 
 
 # ---------------------------------------------------------------------------------------------

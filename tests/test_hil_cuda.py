@@ -69,6 +69,32 @@ def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid
     assert (steps.loc[steps["decode_tokens"] > 0, "gpu_verify_s"] > 0).all()
 
 
+# Under the proposer's k = 4 at concurrency 4: the limit, a k below it and plain decode steps (docs/frontier.md).
+SCHEDULE = {1: 4, 2: 2, 4: 0}
+
+
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
+def test_k_schedule_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
+    """Each step verifies its batch size's k through the step graph of its bucket and k: the reference still
+    replays exactly, and every decoding request's draft slots are at most its step's k."""
+    sc = hil_scenario(depth, policy, proposer, invalid)
+    sc.engine.speculation.k_schedule = SCHEDULE
+    mode = resolve_mode(sc)
+    backend = TorchBackend(sc, requests, model, mode, gate=True)
+    assert backend.loop.graphs is not None and {key[1] for key in backend.loop.graphs._graphs} == {0, 2, 4}
+    with backend.syncs:
+        records, _ = Simulation(sc, requests, mode, backend).run()
+    for rid in range(N_REQUESTS):
+        np.testing.assert_array_equal(emitted(backend, rid), requests.output_tokens[rid], err_msg=f"req {rid}")
+    steps = records.steps_frame()
+    assert steps["emitted"].sum() == requests.output_len.sum()
+    assert steps["accepted"].sum() > 0
+    decodes = steps[steps["n_reqs"] > steps["n_prefill_reqs"]]
+    k = decodes["drafts_scheduled"] / (decodes["n_reqs"] - decodes["n_prefill_reqs"])
+    assert (k[decodes["n_reqs"] >= 4] == 0).all() and (k <= 4).all() and (k > 0).any()
+    assert (decodes["gpu_verify_s"] > 0).all()
+
+
 def test_planted_sync_shows_up_in_the_report(tmp_path, monkeypatch):
     planted = torch.ones(1, device="cuda")
     prep = TorchBackend.prep

@@ -70,6 +70,23 @@ def test_real_replays_reference_in_every_mode(depth, policy, proposer, invalid, 
     assert (steps["update_start"] >= steps["gpu_end"]).all()  # outputs are settled after the device finished
 
 
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
+def test_k_schedule_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
+    """A k schedule's steps, each through the step graph of its bucket and k, on the wall clock: the reference still
+    replays exactly, batches of 4 run plain decode steps (no draft slots)."""
+    sc = real_scenario(depth, policy, proposer, invalid)
+    sc.engine.speculation.k_schedule = {1: 4, 2: 2, 4: 0}
+    backend, records = run_real(sc, requests, model)
+    for rid in range(N_REQUESTS):
+        np.testing.assert_array_equal(emitted(backend, rid), requests.output_tokens[rid], err_msg=f"req {rid}")
+    steps = records.steps_frame()
+    assert steps["emitted"].sum() == requests.output_len.sum()
+    decodes = steps[steps["n_reqs"] > steps["n_prefill_reqs"]]
+    k = decodes["drafts_scheduled"] / (decodes["n_reqs"] - decodes["n_prefill_reqs"])
+    assert (k[decodes["n_reqs"] >= 4] == 0).all() and (k > 0).any()
+    assert (steps["gpu_end"] > steps["gpu_start"]).all()
+
+
 def decode_steps(records):
     steps = records.steps_frame()
     return steps[steps["n_prefill_reqs"] == 0]

@@ -61,13 +61,15 @@ class StepOutput:
 class DecodeLoop:
     """Speculative decoding over the model's cache slots with the n-gram proposer and rejection sampler.
 
-    `k = 0` is plain decoding. `invalid="pad"` verifies invalid draft slots as -1 (always rejected; the
-    model sees the last token there), `"fill"` verifies the proposer's filler token as an ordinary draft.
-    With `device_proposer=False` the drafts come from the host with every step (the CPU n-gram proposer).
-    A slot may be stepped while its committed length + k <= max_len; at most `max_in_flight` steps may
-    be launched and not yet read back. With `step_graphs` (default: the model's `cuda_graphs`) each step
-    replays the whole step captured as one CUDA graph per batch bucket (`engine.step_graph`); without, the
-    step's ops are enqueued one by one around the model's verify (a graph replay with `cuda_graphs`): the
+    `k = 0` is plain decoding. A step verifies `k` drafts per row, or, given its own k (one of `step_ks`, each
+    0..k: a k schedule's), the first that many of the proposer's k; at 0 it is a plain decode step (one token per
+    row, nothing to reject), the proposer still drafting k for the next. `invalid="pad"` verifies invalid draft
+    slots as -1 (always rejected; the model sees the last token there), `"fill"` verifies the proposer's filler
+    token as an ordinary draft. With `device_proposer=False` the drafts come from the host with every step (the CPU
+    n-gram proposer). A slot may be stepped while its committed length + k <= max_len; at most `max_in_flight`
+    steps may be launched and not yet read back. With `step_graphs` (default: the model's `cuda_graphs`) each step
+    replays the whole step captured as one CUDA graph per batch bucket and step k (`engine.step_graph`); without,
+    the step's ops are enqueued one by one around the model's verify (a graph replay with `cuda_graphs`): the
     reference, and the CPU's path.
     """
 
@@ -84,8 +86,12 @@ class DecodeLoop:
         device_proposer: bool = True,
         max_in_flight: int = READBACK_RING,
         step_graphs: bool | None = None,
+        step_ks: Sequence[int] | None = None,
     ):
         self.model, self.k, self.seed = model, k, seed
+        self.step_ks = tuple(sorted(set(step_ks))) if step_ks is not None else (k,)
+        if not all(0 <= sk <= k for sk in self.step_ks):
+            raise ValueError(f"step ks {self.step_ks} must each be within 0..k = {k}")
         self.device_proposer = device_proposer and k > 0
         self.propose_args = {"min_n": min_n, "max_n": max_n, "k": k, "tie_break": tie_break, "invalid": invalid}
         self.invalid = invalid
@@ -115,7 +121,8 @@ class DecodeLoop:
         if model.cuda_graphs if step_graphs is None else step_graphs:
             self.graphs = StepGraphs(self, stamps=MARKS)
         elif model.cuda_graphs:
-            model.capture_graphs(k + 1)
+            for sk in self.step_ks:
+                model.capture_graphs(sk + 1)
         self.steps = self.graphs if self.graphs is not None else EagerSteps(self, MARKS)
         self._ring = [self.steps.new_staging() for _ in range(max_in_flight)]
 
@@ -194,10 +201,12 @@ class DecodeLoop:
         self,
         slots: Sequence[int] | np.ndarray | Tensor,
         *,
+        k: int | None = None,
         lengths: Sequence[int] | np.ndarray | Tensor | None = None,
         drafts: np.ndarray | Tensor | None = None,
     ) -> StepResult:
-        """Verify each slot's last token + drafts, sample, commit, propose the next drafts.
+        """Verify each slot's last token + drafts (the first `k`, one of `step_ks`; default: the loop's k), sample,
+        commit, propose the next drafts.
 
         `slots` are distinct slot ids (any subset, any order, changing every step), host values (one copy to the
         device with step graphs) or an int64 device tensor. Everything is launched on the device; nothing here
@@ -206,13 +215,17 @@ class DecodeLoop:
         scheduling"). A host that knows better passes them: `lengths` [B] after reading the accepted counts (the
         `wait` policy), `drafts` [B, k] (NO_DRAFT = none) from the CPU proposer (then required).
         """
-        if self.k == 0:
+        k = self.k if k is None else k
+        if k not in self.step_ks:
+            raise ValueError(f"a step of k = {k}: this loop's steps verify k in {self.step_ks}")
+        if k == 0:
             drafts = None  # plain decoding: nothing to verify
         elif (drafts is None) != self.device_proposer:
             raise ValueError("the host's drafts are needed without a device proposer, and taken only then")
         ring_index = self._step_id % len(self._ring)
         staging = self._ring[ring_index]
-        batch = self.steps.launch(staging, slots, lengths, drafts, self.seed_of(self._step_id), bool(self._steered))
+        batch = self.steps.launch(staging, slots, k, lengths, drafts, self.seed_of(self._step_id),
+                                  bool(self._steered))
         staging.step_id = self._step_id
         self._step_id += 1
         return StepResult(batch, staging.step_id, ring_index)

@@ -43,7 +43,8 @@ class DecodeState(Protocol):
     """What the step reads and writes of its decode loop (`engine.decode.DecodeLoop`): its shape and its per-slot
     device state (one row per cache slot)."""
 
-    k: int
+    k: int  # the proposer's drafts per row (its limit); a step verifies the first 0..k of them
+    step_ks: tuple[int, ...]  # the ks steps may verify (the step graphs are captured for each)
     max_len: int
     model: Any  # engine.model.Transformer: batch_buckets, pad_slot, capture, verify_logits
     device: torch.device
@@ -56,7 +57,7 @@ class DecodeState(Protocol):
     prompt_lens: Tensor
     reference: Tensor
     reference_lens: Tensor
-    drafts: Tensor
+    drafts: Tensor  # [rows, k]
     num_valid: Tensor
     temperature: Tensor
     positions: Tensor  # 0..k
@@ -67,25 +68,27 @@ class DecodeState(Protocol):
 
 
 def decode_step(
-    loop: DecodeState, slots: Tensor, lengths: Tensor, drafts: Tensor | None, seed: int | Tensor, steered: bool,
-    packed: Tensor, verify: Callable[[Tensor, Tensor, Tensor], Tensor], mark: Callable[[], None],
+    loop: DecodeState, slots: Tensor, k: int, lengths: Tensor, drafts: Tensor | None, seed: int | Tensor,
+    steered: bool, packed: Tensor, verify: Callable[[Tensor, Tensor, Tensor], Tensor], mark: Callable[[], None],
 ) -> None:  # fmt: skip
     """The step's device work, shared by the eager step and the step graphs: from the slots' committed
-    `lengths` (and the host's `drafts`, else the device's), verify, sample with `seed`, commit and propose,
-    and write the packed results to `packed[:B]`. `verify` runs the model, `mark` ends each part."""
-    k, max_len = loop.k, loop.max_len
+    `lengths` (and the host's `drafts` [B, k], else the first k of the device's), verify 1 + k tokens per row,
+    sample with `seed`, commit and propose (the proposer's loop.k drafts), and write the packed results to
+    `packed[:B]` (loop.k + 4 columns whatever the step's k). `verify` runs the model, `mark` ends each part."""
+    width, max_len = loop.k, loop.max_len
+    positions = loop.positions[: k + 1]
     with phase("gpu_verify"):
         start = lengths - 1
         row_base = slots * max_len
         last = torch.take(loop.history, row_base + start)
         if drafts is None:
-            drafts = loop.drafts[slots]
+            drafts = loop.drafts[slots] if k == width else loop.drafts[slots, :k]
         if not loop.device_proposer:
             num_drafts = (drafts != NO_DRAFT).sum(dim=1, dtype=torch.int32)
-        elif loop.invalid == "pad":
-            num_drafts = loop.num_valid[slots]
         else:
-            num_drafts = loop.all_drafts[: slots.shape[0]]
+            num_drafts = loop.num_valid[slots] if loop.invalid == "pad" else loop.all_drafts[: slots.shape[0]]
+            if k < width:  # a step verifies the first k drafts (a k schedule's step)
+                num_drafts = num_drafts.clamp(max=k)
         # NO_DRAFT is no token id: the model sees the last token there, the sampler still sees it (rejected).
         model_drafts = torch.where(drafts == NO_DRAFT, last[:, None], drafts) if k else drafts
         mark()  # the forward's own part: a graph replay enqueued last is not spread out
@@ -93,7 +96,7 @@ def decode_step(
         logits = logits.view(slots.shape[0], k + 1, -1)
         if steered:
             # Row position t predicts committed index length + t, i.e. reference index length + t - prompt.
-            ref_index = (lengths - loop.prompt_lens[slots])[:, None] + loop.positions
+            ref_index = (lengths - loop.prompt_lens[slots])[:, None] + positions
             ref_tokens = torch.take(loop.reference, row_base[:, None] + ref_index.clamp(max=max_len - 1))
             ref_tokens = torch.where(ref_index < loop.reference_lens[slots][:, None], ref_tokens, NO_DRAFT)
             steer_logits(logits, ref_tokens, STEER_MARGIN)
@@ -106,8 +109,8 @@ def decode_step(
     with phase("gpu_commit"):
         # Commit with gather / where / scatter (no boolean indexing, which would sync): positions past
         # the emitted tokens get their old values back.
-        index = row_base[:, None] + (lengths[:, None] + loop.positions).clamp(max=max_len - 1)
-        keep = loop.positions < num_emitted[:, None]
+        index = row_base[:, None] + (lengths[:, None] + positions).clamp(max=max_len - 1)
+        keep = positions < num_emitted[:, None]
         values = torch.where(keep, output, torch.take(loop.history, index))
         loop.history.view(-1).index_copy_(0, index.view(-1), values.view(-1))
         new_lengths = lengths + num_emitted
@@ -123,8 +126,10 @@ def decode_step(
 
     batch = slots.shape[0]
     packed[:batch, : k + 1] = output
-    packed[:batch, k + 1] = num_emitted
-    packed[:batch, k + 2] = num_drafts
+    if k < width:
+        packed[:batch, k + 1 : width + 1] = -1  # no tokens past the step's k + 1
+    packed[:batch, width + 1] = num_emitted
+    packed[:batch, width + 2] = num_drafts
     if loop.device_proposer:
-        packed[:batch, k + 3] = new_valid
+        packed[:batch, width + 3] = new_valid
 

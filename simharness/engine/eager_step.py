@@ -30,15 +30,15 @@ class EagerSteps:
         host = torch.zeros_like(packed, device="cpu").pin_memory()
         return Staging(packed, host, events=[torch.cuda.Event(enable_timing=True) for _ in range(self.marks + 1)])
 
-    def launch(self, staging: Staging, slots, lengths, drafts, seed: int, steered: bool) -> int:
-        """Enqueue the step's ops one by one into `staging`; returns the batch size."""
+    def launch(self, staging: Staging, slots, k: int, lengths, drafts, seed: int, steered: bool) -> int:
+        """Enqueue the step's ops (verifying `k` drafts per row) one by one into `staging`; returns the batch size."""
         loop = self.loop
         staging.times, staging.graph_launched = [], None
         self._mark(staging)
         slots = loop.to_device(slots)
         lengths = loop.lengths[slots] if lengths is None else loop.to_device(lengths)
         if drafts is not None:
-            drafts = loop.to_device(drafts).view(-1, loop.k)
+            drafts = loop.to_device(drafts).view(-1, k)
 
         def verify(tokens: Tensor, slots: Tensor, start: Tensor) -> Tensor:
             logits = loop.model.verify(tokens, slots, start)
@@ -46,7 +46,8 @@ class EagerSteps:
                 staging.graph_launched = time.perf_counter()
             return logits
 
-        decode_step(loop, slots, lengths, drafts, seed, steered, staging.device, verify, lambda: self._mark(staging))
+        decode_step(loop, slots, k, lengths, drafts, seed, steered, staging.device, verify,
+                    lambda: self._mark(staging))
         batch = slots.shape[0]
         if loop.cuda:
             staging.host[:batch].copy_(staging.device[:batch], non_blocking=True)

@@ -32,6 +32,7 @@ class Launch:
     """What prep built for a step and what its launch enqueued."""
 
     decode_rids: np.ndarray
+    k: int  # drafts each decode verifies at most: the step's k (its k schedule's for the batch)
     slots: np.ndarray | None = None
     lengths: np.ndarray | None = None
     drafts: np.ndarray | None = None
@@ -82,7 +83,7 @@ class Launch:
             if timing is not None:
                 timing.before(None)
             t = time.perf_counter()
-            self.result = loop.step(self.slots, lengths=self.lengths, drafts=self.drafts)
+            self.result = loop.step(self.slots, k=self.k, lengths=self.lengths, drafts=self.drafts)
             step_s = time.perf_counter() - t
             if timing is not None:
                 timing.after(step_s)

@@ -1,6 +1,7 @@
 """The decode step captured whole (verify, steering, rejection sampling, commit, n-gram proposal, packing of the
-results) as one CUDA graph per batch bucket and steering variant; k, the invalid-slot mode and the proposer are
-fixed per decode loop.
+results) as one CUDA graph per batch bucket, step k (each of the decode loop's `step_ks`: a k schedule's steps
+verify the first k of the proposer's drafts) and steering variant; the proposer's k, the invalid-slot mode and the
+proposer are fixed per decode loop.
 
 An eager step enqueues dozens of small ops around the model's verify graph, about 1.1 ms of host time a step on
 the H100 (docs/hil.md, "Where a decode step's time goes"). Here the host writes the step's inputs (slot ids, the
@@ -39,42 +40,44 @@ class _StepGraph:
 
 
 class StepGraphs:
-    """The step graphs of one decode loop, captured up front (capture synchronises), largest bucket first, in the
-    model's graph pool: their intermediate tensors are dead between replays, so they share its memory."""
+    """The step graphs of one decode loop, captured up front (capture synchronises) for every bucket and step k,
+    largest first, in the model's graph pool: their intermediate tensors are dead between replays, so they share its
+    memory."""
 
     def __init__(self, loop: DecodeState, stamps: int):
         # A weak reference: no cycle, so a dropped loop is freed at once, not by the cyclic collector in the middle of
         # a later capture (freeing its graphs and events there would invalidate that capture).
-        self.loop, self.stamps, self.k = weakref.proxy(loop), stamps, loop.k
+        self.loop, self.stamps = weakref.proxy(loop), stamps
         self.sizes = loop.model.batch_buckets
         self.pad_slot = loop.model.pad_slot
-        self.width = self.k + 4
+        self.width = loop.k + 4  # packed columns per row, whatever the step's k
         # Written by every graph: the device's clock at each part boundary, then each row's packed results.
         self.output = torch.zeros(stamps + self.sizes[-1] * self.width, dtype=torch.int64, device=loop.device)
-        self._graphs = {(size, steered): self._capture(size, steered)
-                        for size in reversed(self.sizes) for steered in (False, True)}  # fmt: skip
+        self._graphs = {(size, k, steered): self._capture(size, k, steered) for size in reversed(self.sizes)
+                        for k in sorted(loop.step_ks, reverse=True) for steered in (False, True)}  # fmt: skip
 
-    def _input_size(self, size: int) -> int:
-        return size * (2 + self.k) + 1
+    @staticmethod
+    def _input_size(size: int, k: int) -> int:
+        return size * (2 + k) + 1
 
-    def _capture(self, size: int, steered: bool) -> _StepGraph:
-        block = torch.empty(self._input_size(size), dtype=torch.int64)
-        self._fill_pads(block.numpy(), 0, size, WARMUP_SEED)
+    def _capture(self, size: int, k: int, steered: bool) -> _StepGraph:
+        block = torch.empty(self._input_size(size, k), dtype=torch.int64)
+        self._fill_pads(block.numpy(), 0, size, k, WARMUP_SEED)
         step = _StepGraph(None, block.to(self.loop.device))
         if self.loop.cuda:  # the warm-up run and the capture touch the scratch slot only
-            step.graph, _ = self.loop.model.capture(lambda: self._run(step.inputs, size, steered))
+            step.graph, _ = self.loop.model.capture(lambda: self._run(step.inputs, size, k, steered))
         return step
 
-    def _fill_pads(self, block: np.ndarray, batch: int, size: int, seed: int) -> None:
+    def _fill_pads(self, block: np.ndarray, batch: int, size: int, k: int, seed: int) -> None:
         """Rows batch..size-1 of an input block as padding (the scratch slot at length 1, no drafts), and the seed."""
         block[batch:size] = self.pad_slot
         block[size + batch : 2 * size] = 1
-        block[2 * size + batch * self.k : size * (2 + self.k)] = NO_DRAFT
-        block[size * (2 + self.k)] = seed
+        block[2 * size + batch * k : size * (2 + k)] = NO_DRAFT
+        block[size * (2 + k)] = seed
 
-    def _run(self, inputs: Tensor, size: int, steered: bool) -> None:
+    def _run(self, inputs: Tensor, size: int, k: int, steered: bool) -> None:
         """The step body over a bucket's static inputs (what each graph captured), stamps at the part boundaries."""
-        loop, k = self.loop, self.k
+        loop = self.loop
         self._stamp(0)
         slots, given = inputs[:size], inputs[size : 2 * size]
         lengths = torch.where(given >= 0, given, loop.lengths[slots])
@@ -82,8 +85,8 @@ class StepGraphs:
         drafts = inputs[2 * size : size * (2 + k)].view(size, k) if host_drafts else None
         marks = iter(range(1, self.stamps))
         packed = self.output[self.stamps :].view(-1, self.width)
-        decode_step(loop, slots, lengths, drafts, inputs[size * (2 + k) :], steered, packed, loop.model.verify_logits,
-                    lambda: self._stamp(next(marks)))  # fmt: skip
+        decode_step(loop, slots, k, lengths, drafts, inputs[size * (2 + k) :], steered, packed,
+                    loop.model.verify_logits, lambda: self._stamp(next(marks)))  # fmt: skip
 
     def _stamp(self, index: int) -> None:
         if self.loop.cuda:
@@ -97,17 +100,18 @@ class StepGraphs:
         """A readback ring entry: pinned blocks for a step's inputs and for the copy of the graphs' output."""
         cuda = self.loop.cuda
         host = torch.zeros(self.output.shape, dtype=torch.int64, pin_memory=cuda)
-        inputs = torch.zeros(self._input_size(self.sizes[-1]), dtype=torch.int64, pin_memory=cuda)
+        inputs = torch.zeros(self._input_size(self.sizes[-1], max(self.loop.step_ks)), dtype=torch.int64,
+                             pin_memory=cuda)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []  # the step's span
         return Staging(None, host, inputs, events=events)
 
-    def launch(self, staging: Staging, slots, lengths, drafts, seed: int, steered: bool) -> int:
-        """Stage a step's inputs, replay its graph, copy its output to `staging`; returns the batch size. Host values
-        go in the one copy of the input block; device tensors are copied into the static buffer after it."""
+    def launch(self, staging: Staging, slots, k: int, lengths, drafts, seed: int, steered: bool) -> int:
+        """Stage a step's inputs, replay its graph (of its bucket and `k`), copy its output to `staging`; returns the
+        batch size. Host values go in the one copy of the input block; device tensors are copied into the static
+        buffer after it."""
         t0 = time.perf_counter()
         if staging.events and not staging.events[-1].query():
             staging.events[-1].synchronize()  # a ring entry's pinned blocks are not rewritten under its last copy
-        k = self.k
         batch = len(slots)
         size = next((s for s in self.sizes if s >= batch), None)
         if size is None:
@@ -115,7 +119,7 @@ class StepGraphs:
         if staging.events:
             staging.events[0].record()
         block = staging.inputs.numpy()
-        self._fill_pads(block, batch, size, seed)
+        self._fill_pads(block, batch, size, k, seed)
         on_device = []
         for values, begin in ((slots, 0), (lengths, size), (drafts, 2 * size)):
             if values is None:
@@ -125,15 +129,15 @@ class StepGraphs:
             else:
                 flat = np.asarray(values, dtype=np.int64).reshape(-1)
                 block[begin : begin + flat.shape[0]] = flat
-        step = self._graphs[(size, steered)]
-        n = self._input_size(size)
+        step = self._graphs[(size, k, steered)]
+        n = self._input_size(size, k)
         step.inputs.copy_(staging.inputs[:n], non_blocking=True)
         for values, begin in on_device:
             step.inputs[begin : begin + values.shape[0]].copy_(values)
         if step.graph is not None:
             step.graph.replay()
         else:
-            self._run(step.inputs, size, steered)
+            self._run(step.inputs, size, k, steered)
         launched = time.perf_counter()
         n_out = self.stamps + batch * self.width
         staging.host[:n_out].copy_(self.output[:n_out], non_blocking=True)

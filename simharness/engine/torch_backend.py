@@ -59,7 +59,6 @@ class TorchBackend:
         spec = sc.engine.speculation
         self.req = requests
         self.mode = mode
-        self.k = mode.k
         self.measured = "prep,launch,gpu,readback" + (",propose" if mode.ngram_cpu else "")
         # synchronizing CUDA operations in the backend's calls; the level records inside `with backend.syncs:`
         self.syncs = SyncRecorder()
@@ -74,6 +73,7 @@ class TorchBackend:
             seed=sc.seed,
             device_proposer=not mode.ngram_cpu,
             max_in_flight=mode.depth + 1,
+            step_ks=[k for _, k in mode.k_schedule] or None,  # a k schedule's steps verify their own k
         )
         self.references = requests.output_tokens if steer else None  # what a first token is steered to
         self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
@@ -116,7 +116,7 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         with phase("prep"):
             b = step.batch
-            launch = Launch(decode_rids=b.req[b.decode])
+            launch = Launch(decode_rids=b.req[b.decode], k=b.k)
             for i in np.flatnonzero(b.prefill):
                 rid = int(b.req[i])
                 if self.slots.take(rid):  # its first chunk
@@ -135,7 +135,7 @@ class TorchBackend:
                     # the host has read every step's accepted counts: it sends exact positions
                     launch.lengths = self.host.positions(r)
                 if self.mode.ngram_cpu:
-                    launch.drafts = self.host.drafts[r, : self.k]
+                    launch.drafts = self.host.drafts[r, : b.k]  # the step verifies the first b.k
                 self.allocations.step(self.host, r)
             self.launches[step.step] = launch
         return self._leave(t0)
