@@ -17,15 +17,15 @@ from simharness.engine.model import Transformer
 from simharness.models import model_config
 
 
-def build_seconds(model: Transformer, ks: tuple[int, ...]) -> tuple[float, int]:
-    """Seconds to build a decode loop whose steps verify `ks` (limit: the largest), and its step graphs."""
+def build_seconds(model: Transformer, ks: tuple[int, ...]) -> tuple[float, DecodeLoop]:
+    """Seconds to build a decode loop whose steps verify `ks` (limit: the largest), and the loop."""
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
     loop = DecodeLoop(model, k=max(ks), min_n=2, max_n=5, step_ks=ks, step_graphs=True)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t, len(loop.graphs._graphs)
+    return time.perf_counter() - t, loop
 
 
 def main() -> None:
@@ -43,8 +43,15 @@ def main() -> None:
     print(f"{args.model}, {args.slots} slots, {len(model.batch_buckets)} buckets, {where}")
     for spec in args.ks:
         ks = tuple(int(k) for k in spec.split(","))
-        first, n_graphs = build_seconds(model, ks)
-        later = [build_seconds(model, ks)[0] for _ in range(args.repeats)]
+        # Each loop is kept until the next is built: the graphs share the model's graph pool, which CUDA's
+        # allocator releases (and cannot capture into again) once no graph holds it, as in an engine that keeps
+        # its prefill graphs beside the step graphs.
+        first, loop = build_seconds(model, ks)
+        n_graphs = len(loop.graphs._graphs)
+        later = []
+        for _ in range(args.repeats):
+            seconds, loop = build_seconds(model, ks)
+            later.append(seconds)
         median = statistics.median(later)
         print(f"step ks {ks}: {n_graphs} step graphs; first build {first:.2f} s, then median {median:.2f} s "
               f"(min {min(later):.2f}, max {max(later):.2f}, {args.repeats} builds)", flush=True)
