@@ -25,7 +25,7 @@ LAYERS = [
     ["records", "instrument", "backend"],  # what a step records, the Backend contract
     ["engine", "engine.model", "engine.model_triton", "engine.checkpoint", "engine.timing", "engine.decode",
      "engine.step_graph", "engine.mirror", "engine.slots", "engine.host_work", "engine.decode_step",
-     "engine.eager_step", "engine.launch", "engine.torch_backend", "model_backend"],
+     "engine.eager_step", "engine.torch_backend", "model_backend"],
     ["core", "loop"],  # the host's decisions and the phase sequence, shared by every level
     ["simulation", "realloop"],  # the levels: where time comes from
     ["measured", "bench", "vllmhost", "vllmpolicy"],  # set-up of the measured levels, benchmarks (vLLM's own host
