@@ -4,7 +4,8 @@ vLLM's `EngineCore.step_with_batch_queue` (docs/vllm-notes.md, "Engine loop") wi
 while fewer than D steps are in flight and something can be scheduled, schedule, run each phase's sync points,
 prepare (trimming the verified slots) and launch; otherwise settle the oldest step in flight: wait for its output
 (the by-design readback), update the requests (tokens reach the clients now), draft on the host with the CPU n-gram
-proposer and record the step. `core.EngineCore` makes every decision; this loop only orders them.
+proposer and record the step. `core.EngineCore` makes every decision; this loop only orders them, and it alone calls
+the backend.
 
 `EngineLoop.run` is one generator that asks a `Clock` for time and yields what the clock hands it: SimPy events in
 virtual time (`simulation.Simulation`, the sim and hil levels), nothing on the wall clock (`realloop.RealLoop`, the
@@ -108,7 +109,7 @@ class EngineLoop:
         core, clock, n = self.core, self.clock, self.n
         sched, in_flight, depth = core.sched, core.in_flight, self.mode.depth
         gc = core.gc.probability > 0
-        admit, scheduled, now = clock.admit, clock.scheduled, clock.now
+        admit, scheduled, now, valid_drafts = clock.admit, clock.scheduled, clock.now, self.backend.valid_drafts
         while sched.n_finished < n:
             admit()
             launched = False
@@ -116,7 +117,7 @@ class EngineLoop:
                 gc_pause = core.gc_pause() if gc else 0.0
                 if gc_pause:
                     yield clock.pause(gc_pause)
-                step = core.schedule(gc_pause)
+                step = core.schedule(gc_pause, valid_drafts())
                 scheduled()
                 if step is not None:
                     host = yield from self.schedule_prep_launch(step, now())
@@ -150,7 +151,7 @@ class EngineLoop:
             truth = clock.truth_at(t)
             if truth is not None:
                 yield truth
-            core.trim(step)
+            core.trim(step, backend.valid_drafts())
         step.prep_end = t = clock.ran(t, backend.prep(step))
         if syncs["launch"]:
             t = yield from self.syncs(step, "launch", syncs["launch"], t)
@@ -194,6 +195,7 @@ class EngineLoop:
         t = clock.work(t, self.cost.update(step.batch.size))
         yield clock.reach(t)
         finished = core.settle(step)
+        self.backend.release(finished)
         step.update_end = step.propose_start = step.propose_end = t = clock.host(t)
         if self.mode.ngram_cpu and self.mode.k:
             t = clock.ran(t, self.backend.propose(core.to_propose(step)))

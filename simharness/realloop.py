@@ -42,7 +42,7 @@ class RealLoop:
     def __init__(self, sc: Scenario, requests: Requests, mode: Mode, backend: MeasuredBackend):
         self.sc, self.mode, self.req = sc, mode, requests
         self.n = len(requests.prompt_len)
-        self.core = EngineCore(sc, requests, mode, backend)
+        self.core = EngineCore(sc, requests, mode, backend.measured)
         self.backend = backend
         self.ledger = backend.ledger
         self.records: Records = self.core.records

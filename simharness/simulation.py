@@ -63,7 +63,7 @@ class Simulation:
         self.mode = mode
         self.req = requests
         self.n = len(requests.prompt_len)
-        self.core = EngineCore(sc, requests, mode, backend)
+        self.core = EngineCore(sc, requests, mode, backend.measured)
         self.backend = backend
         self.records: Records = self.core.records
         # the engine's host work the harness does not reproduce (scheduler, output processing) is modelled
