@@ -219,23 +219,12 @@ def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
     """The model verify step (k drafts + 1 per row, after VERIFY_CONTEXT cached tokens; CUDA graphs on CUDA)
     next to three floors: weights / copy bandwidth, (weights + K/V read) / copy bandwidth, FLOPs / peak."""
     runs = VERIFY_CPU if device.type != "cuda" else VERIFY_QUICK if quick else VERIFY_CUDA
+    repeats = 5 if quick or device.type != "cuda" else 50
     rows: list[Row] = []
     for preset, batches in runs:
         progress(f"verify step: {preset}, batches {', '.join(map(str, batches))}")
-        measured = bench_verify_step(
-            preset, batches, K, device, repeats=5 if quick or device.type != "cuda" else 50,
-            bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12, context_len=VERIFY_CONTEXT,
-        )  # fmt: skip
-        for m in measured:
-            best_floor = max(m["floor_with_kv_ms"], m["compute_floor_ms"])
-            rows.append(
-                {"kernel": "verify", "impl": "cuda_graphs" if m["cuda_graphs"] else "eager",
-                 "dtype": "bfloat16" if device.type == "cuda" else "float32", "model": preset,
-                 "batch": m["batch"], "k": K, "context": VERIFY_CONTEXT, "device_ms": m["median_ms"],
-                 "weights_floor_ms": m["floor_ms"], "x_weights_floor": m["ratio_to_floor"],
-                 "weights_kv_floor_ms": m["floor_with_kv_ms"], "compute_floor_ms": m["compute_floor_ms"],
-                 "best_floor_x_weights": best_floor / m["floor_ms"], "x_best_floor": m["median_ms"] / best_floor}
-            )  # fmt: skip
+        rows += bench_verify_step(preset, batches, K, device, repeats, bandwidth=copy_gbps * 1e9,
+                                  peak_flops=peak_tflops * 1e12)
         gc.collect()  # the model is freed before the next preset is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -340,73 +329,53 @@ def markdown_table(table: pd.DataFrame) -> list[str]:
     return lines
 
 
-def bench_verify_step(
-    preset: str,
-    batch_sizes: list[int],
-    k: int,
-    device: torch.device | str,
-    repeats: int = 50,
-    *,
-    bandwidth: float,
-    peak_flops: float | None = None,
-    context_len: int = 512,
-    n_layers: int | None = None,
-    cuda_graphs: bool = True,
-) -> list[dict]:
-    """Median time of the model verify step (B rows x (1+k) tokens, each row after `context_len` cached
-    tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller),
-    the floor that also reads the rows' K/V (which grows with B x context), and with `peak_flops` (FLOP/s)
-    the compute floor: matmul plus attention FLOPs over that peak.
+def bench_verify_step(preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *,
+                      bandwidth: float, peak_flops: float) -> list[Row]:
+    """Median time of the model verify step (B rows x (1+k) tokens, each row after VERIFY_CONTEXT cached tokens)
+    next to its floors (`verify_floors`; `bandwidth` in bytes/s and `peak_flops` in FLOP/s, measured by the caller).
 
     Every slot is first prefilled with random tokens so attention reads real K/V. CUDA: event timing of
     back-to-back launches after warm-up (and graph capture); CPU: wall clock.
     """
-    device = torch.device(device)
-    config = get_config(preset, n_layers)
-    n_tokens = k + 1
-    model = Transformer(
-        config, max_slots=max(batch_sizes), max_len=context_len + n_tokens, device=device,
-        cuda_graphs=cuda_graphs and device.type == "cuda",
-    )  # fmt: skip
+    config = get_config(preset)
+    model = Transformer(config, max_slots=max(batch_sizes), max_len=VERIFY_CONTEXT + k + 1, device=device,
+                        cuda_graphs=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     for slot in range(model.max_slots):
-        model.prefill(slot, torch.randint(config.vocab_size, (context_len,), generator=gen, device=device))
-    rows = []
+        model.prefill(slot, torch.randint(config.vocab_size, (VERIFY_CONTEXT,), generator=gen, device=device))
+    rows: list[Row] = []
     for batch in batch_sizes:
-        tokens = torch.randint(config.vocab_size, (batch, n_tokens), generator=gen, device=device)
+        tokens = torch.randint(config.vocab_size, (batch, k + 1), generator=gen, device=device)
         slots = model.slot_ids[:batch]
-        start_pos = torch.full((batch,), context_len, dtype=torch.int64, device=device)
+        start_pos = torch.full((batch,), VERIFY_CONTEXT, dtype=torch.int64, device=device)
         for _ in range(3):
             model.verify(tokens, slots, start_pos)
-        times = []
         if device.type == "cuda":
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
-            ]
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(repeats)]  # fmt: skip
             for begin, end in events:
                 begin.record()
                 model.verify(tokens, slots, start_pos)
                 end.record()
             torch.cuda.synchronize(device)
-            times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
+            times = [begin.elapsed_time(end) for begin, end in events]
         else:
+            times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 model.verify(tokens, slots, start_pos)
-                times.append(time.perf_counter() - t0)
-        median = statistics.median(times)
-        floors = verify_floors(model, batch, k, context_len, bandwidth, peak_flops)
-        floor_s, flops = floors["weights_floor_ms"] / 1e3, floors["flops"]
-        rows.append({
-            "name": f"verify_step[{preset}{'' if n_layers is None else f',L={n_layers}'}]",
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "batch": batch, "k": k, "tokens": batch * n_tokens, "context": context_len,
-            "cuda_graphs": model.cuda_graphs, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
-            "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
-            "floor_with_kv_ms": floors["weights_kv_floor_ms"],
-            "weight_bytes": model.weight_bytes(), "kv_read_bytes": floors["kv_read_bytes"],
-            "flops": flops, "tflops": flops / median / 1e12, "compute_floor_ms": floors["compute_floor_ms"],
-        })  # fmt: skip
+                times.append((time.perf_counter() - t0) * 1e3)
+        device_ms = statistics.median(times)
+        floors = verify_floors(model, batch, k, VERIFY_CONTEXT, bandwidth, peak_flops)
+        weights, best = floors["weights_floor_ms"], max(floors["weights_kv_floor_ms"], floors["compute_floor_ms"])
+        rows.append(
+            {"kernel": "verify", "impl": "cuda_graphs" if model.cuda_graphs else "eager",
+             "dtype": "bfloat16" if device.type == "cuda" else "float32", "model": preset, "batch": batch, "k": k,
+             "context": VERIFY_CONTEXT, "device_ms": device_ms, "weights_floor_ms": weights,
+             "x_weights_floor": device_ms / weights, "weights_kv_floor_ms": floors["weights_kv_floor_ms"],
+             "compute_floor_ms": floors["compute_floor_ms"], "best_floor_x_weights": best / weights,
+             "x_best_floor": device_ms / best}
+        )  # fmt: skip
     return rows
 
 
@@ -438,9 +407,8 @@ def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
     return rows
 
 
-def verify_floors(
-    model: Transformer, batch: int, k: int, context: int, bandwidth: float, peak_flops: float | None
-) -> dict[str, float | None]:
+def verify_floors(model: Transformer, batch: int, k: int, context: int, bandwidth: float,
+                  peak_flops: float) -> dict[str, float]:
     """A verify step's floors in ms, B rows of k + 1 tokens after `context` cached ones: the weights a forward reads
     / bandwidth (bytes/s); that plus the rows' K/V over context + k + 1 positions; and (2 x matmul params +
     attention FLOPs: q.k and p.v, 2 per multiply-add, over those positions) x tokens / peak_flops (FLOP/s)."""
@@ -451,7 +419,7 @@ def verify_floors(
     flops = (2 * matmul_params + attention) * batch * n_tokens
     return {"weights_floor_ms": model.weight_bytes() / bandwidth * 1e3,
             "weights_kv_floor_ms": (model.weight_bytes() + kv_read) / bandwidth * 1e3, "kv_read_bytes": kv_read,
-            "flops": flops, "compute_floor_ms": None if peak_flops is None else flops / peak_flops * 1e3}  # fmt: skip
+            "flops": flops, "compute_floor_ms": flops / peak_flops * 1e3}  # fmt: skip
 
 
 def bench_decode_step(
