@@ -18,7 +18,7 @@ import numpy as np
 from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
 from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
-from simharness.records import Records, Step
+from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 from simharness.workload import GC_STREAM, Requests
 
@@ -63,6 +63,11 @@ class EngineCore:
         self.schedule_range, self.update_range = phase("schedule"), phase("update")
 
     # ---------------------------------------------------------------- decisions
+
+    def arrive(self, rid: int, t: float) -> None:
+        """Request `rid` reached the engine at time `t`: its arrival is recorded and it waits to be scheduled."""
+        self.records.request_times[ARRIVAL_S, rid] = t
+        self.sched.arrive(rid)
 
     def gc_pause(self) -> float:
         """A garbage-collection pause drawn for this loop iteration (0 for none), from the seed's own stream."""

@@ -26,7 +26,7 @@ from simharness.core import EngineCore
 from simharness.costmodel import CostModel
 from simharness.modes import OUTPUT_READBACK, Mode
 from simharness.records import LAST_TOKEN_S, Records, Step
-from simharness.scenario import SyncPoint
+from simharness.scenario import Scenario, SyncPoint
 from simharness.workload import Requests
 
 
@@ -89,11 +89,12 @@ def record_measured(step: Step, timing: StepTiming) -> None:
 
 
 class EngineLoop:
-    """The phase sequence of one point's engine, over a clock."""
+    """The phase sequence of one point's engine over a clock: its core and the cost of the host work it models."""
 
-    def __init__(self, core: EngineCore, clock: Clock, mode: Mode, cost: CostModel, backend: Backend,
-                 requests: Requests):
-        self.core, self.clock, self.mode, self.cost, self.backend = core, clock, mode, cost, backend
+    def __init__(self, sc: Scenario, requests: Requests, mode: Mode, backend: Backend, clock: Clock):
+        self.core = EngineCore(sc, requests, mode, backend.measured)
+        self.cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
+        self.clock, self.mode, self.backend = clock, mode, backend
         self.requests, self.n = requests, len(requests.prompt_len)
 
     def result(self) -> tuple[Records, float]:
