@@ -15,8 +15,8 @@ from collections import deque
 
 import numpy as np
 
-from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
+from simharness.phases import phase
 from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
 from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint

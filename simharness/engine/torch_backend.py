@@ -31,9 +31,10 @@ from simharness.engine.mirror import HostMirror
 from simharness.engine.model import Transformer
 from simharness.engine.slots import Slots
 from simharness.engine.timing import DeviceClock, PartTiming
-from simharness.instrument import SyncRecorder, phase
+from simharness.instrument import SyncRecorder
 from simharness.ledger import HostLedger
 from simharness.modes import Mode
+from simharness.phases import phase
 from simharness.policy import COMPLETES, EMITTED
 from simharness.records import Step
 from simharness.scenario import Scenario
