@@ -35,15 +35,12 @@ REFERENCE_NGRAM_MAX_TOKENS = 16 * 2048  # B * L above this: the pure-Python refe
 L2_FLUSH_BYTES = 256 * 2**20  # written before every timed CUDA repeat, so inputs come from HBM
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host queues the whole call before it starts
 MATMUL_SIZE = 8192  # square bf16 matrix product that measures the peak dense FLOP rate
-# Verify step: (preset, batch sizes) per run; the 8B shape only in a full CUDA run.
-VERIFY_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
-VERIFY_QUICK = [("llama-3.2-1b", [1, 16])]
-VERIFY_CPU = [("tiny", [1, 8])]
+# The verify step and the whole decode step: (preset, batch sizes) per run, the 8B shape only in a full CUDA run;
+# every row after VERIFY_CONTEXT tokens.
+STEP_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
+STEP_QUICK = [("llama-3.2-1b", [1, 16])]
+STEP_CPU = [("tiny", [1, 8])]
 VERIFY_CONTEXT = 512
-# Decode step (verify, sample, commit, propose): (preset, batch sizes) per run; the 8B shape only in a full CUDA run.
-DECODE_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
-DECODE_QUICK = [("llama-3.2-1b", [1, 16])]
-DECODE_CPU = [("tiny", [1, 8])]
 # Rendered after the columns that describe a row.
 MEASURED_COLUMNS = [
     "device_ms", "wall_ms", "speedup_vs_torch", "logits_gb_per_s", "pct_of_copy_bw",
@@ -218,13 +215,18 @@ def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
                 progress: Callable[[str], None]) -> list[Row]:
     """The model verify step (k drafts + 1 per row, after VERIFY_CONTEXT cached tokens; CUDA graphs on CUDA)
     next to three floors: weights / copy bandwidth, (weights + K/V read) / copy bandwidth, FLOPs / peak."""
-    runs = VERIFY_CPU if device.type != "cuda" else VERIFY_QUICK if quick else VERIFY_CUDA
+    return _step_rows("verify", bench_verify_step, device, quick, copy_gbps, peak_tflops, progress)
+
+
+def _step_rows(what: str, bench: Callable[..., list[Row]], device: torch.device, quick: bool, copy_gbps: float,
+               peak_tflops: float, progress: Callable[[str], None]) -> list[Row]:
+    """`bench`'s rows for each preset of the run's size, one model at a time."""
+    runs = STEP_CPU if device.type != "cuda" else STEP_QUICK if quick else STEP_CUDA
     repeats = 5 if quick or device.type != "cuda" else 50
     rows: list[Row] = []
     for preset, batches in runs:
-        progress(f"verify step: {preset}, batches {', '.join(map(str, batches))}")
-        rows += bench_verify_step(preset, batches, K, device, repeats, bandwidth=copy_gbps * 1e9,
-                                  peak_flops=peak_tflops * 1e12)
+        progress(f"{what} step: {preset}, batches {', '.join(map(str, batches))}")
+        rows += bench(preset, batches, K, device, repeats, bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12)
         gc.collect()  # the model is freed before the next preset is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -390,21 +392,7 @@ def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
     by one around the verify graph on CUDA) and through the step graphs. launch_us is the host time of
     `DecodeLoop.step` from an idle device; device_ms the sum of its parts' device times (events, or the graphs'
     timestamps) with the host queued ahead; step_event_ms CUDA events around the whole step, copies included."""
-    runs = DECODE_CPU if device.type != "cuda" else DECODE_QUICK if quick else DECODE_CUDA
-    repeats = 5 if quick or device.type != "cuda" else 50
-    rows: list[Row] = []
-    for preset, batches in runs:
-        progress(f"decode step: {preset}, batches {', '.join(map(str, batches))}")
-        measured = bench_decode_step(preset, batches, K, device, repeats, context_len=VERIFY_CONTEXT,
-                                     bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12)  # fmt: skip
-        for m in measured:
-            best = max(m["weights_kv_floor_ms"], m["compute_floor_ms"])
-            rows.append({"kernel": "decode_step", "model": preset, "k": K, "context": VERIFY_CONTEXT, **m,
-                         "x_best_floor": m["device_ms"] / best})
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+    return _step_rows("decode", bench_decode_step, device, quick, copy_gbps, peak_tflops, progress)
 
 
 def verify_floors(model: Transformer, batch: int, k: int, context: int, bandwidth: float,
@@ -422,18 +410,16 @@ def verify_floors(model: Transformer, batch: int, k: int, context: int, bandwidt
             "flops": flops, "compute_floor_ms": flops / peak_flops * 1e3}  # fmt: skip
 
 
-def bench_decode_step(
-    preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *, context_len: int,
-    bandwidth: float, peak_flops: float,
-) -> list[dict]:
+def bench_decode_step(preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *,
+                      bandwidth: float, peak_flops: float) -> list[Row]:
     """Per batch size and step mode: launch host time (median, p10, p90 in us) from an idle device, device time of
     the step's parts with the host queued ahead (median, p10, p90 in ms), events around the whole step (median ms).
-    Every request is a random prompt of `context_len` tokens, greedy and unsteered; the verify's floors as
+    Every request is a random prompt of VERIFY_CONTEXT tokens, greedy and unsteered; the verify's floors as
     `verify_floors`."""
     config = get_config(preset)
     cuda = device.type == "cuda"
     warmup = 3
-    max_len = context_len + 1 + (warmup + 2 * repeats) * (k + 1) + k + 1
+    max_len = VERIFY_CONTEXT + 1 + (warmup + 2 * repeats) * (k + 1) + k + 1
     model = Transformer(config, max_slots=max(batch_sizes), max_len=max_len, device=device, cuda_graphs=cuda)
     gen = torch.Generator(device="cpu").manual_seed(1)
     rows = []
@@ -441,7 +427,7 @@ def bench_decode_step(
         loop = DecodeLoop(model, k=k, min_n=2, max_n=5, step_graphs=step_graphs)
         for batch in batch_sizes:
             for slot in range(batch):
-                loop.add_request(slot, torch.randint(config.vocab_size, (context_len,), generator=gen))
+                loop.add_request(slot, torch.randint(config.vocab_size, (VERIFY_CONTEXT,), generator=gen))
             slots = np.arange(batch)
             for _ in range(warmup):
                 result = loop.step(slots)
@@ -468,15 +454,19 @@ def bench_decode_step(
                 if cuda:
                     end.synchronize()
                     event_ms.append(begin.elapsed_time(end))
-            floors = verify_floors(model, batch, k, context_len, bandwidth, peak_flops)
+            floors = verify_floors(model, batch, k, VERIFY_CONTEXT, bandwidth, peak_flops)
+            device_median = statistics.median(device_ms)
+            best = max(floors["weights_kv_floor_ms"], floors["compute_floor_ms"])
             rows.append({
+                "kernel": "decode_step", "model": preset, "k": k, "context": VERIFY_CONTEXT,
                 "impl": ("step_graph" if cuda else "staged") if step_graphs else "eager",
                 "dtype": str(model.k_cache.dtype).removeprefix("torch."), "batch": batch,
                 "launch_us": statistics.median(launch), "launch_p10_us": _quantile(launch, 0.1),
-                "launch_p90_us": _quantile(launch, 0.9), "device_ms": statistics.median(device_ms),
+                "launch_p90_us": _quantile(launch, 0.9), "device_ms": device_median,
                 "device_p10_ms": _quantile(device_ms, 0.1), "device_p90_ms": _quantile(device_ms, 0.9),
                 "step_event_ms": statistics.median(event_ms) if event_ms else math.nan,
                 **{key: floors[key] for key in ("weights_kv_floor_ms", "compute_floor_ms")},
+                "x_best_floor": device_median / best,
             })  # fmt: skip
             for slot in range(batch):
                 loop.remove_request(slot)
