@@ -35,15 +35,12 @@ REFERENCE_NGRAM_MAX_TOKENS = 16 * 2048  # B * L above this: the pure-Python refe
 L2_FLUSH_BYTES = 256 * 2**20  # written before every timed CUDA repeat, so inputs come from HBM
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host queues the whole call before it starts
 MATMUL_SIZE = 8192  # square bf16 matrix product that measures the peak dense FLOP rate
-# Verify step: (preset, batch sizes) per run; the 8B shape only in a full CUDA run.
-VERIFY_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
-VERIFY_QUICK = [("llama-3.2-1b", [1, 16])]
-VERIFY_CPU = [("tiny", [1, 8])]
+# The verify step and the whole decode step: (preset, batch sizes) per run, the 8B shape only in a full CUDA run;
+# every row after VERIFY_CONTEXT tokens.
+STEP_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
+STEP_QUICK = [("llama-3.2-1b", [1, 16])]
+STEP_CPU = [("tiny", [1, 8])]
 VERIFY_CONTEXT = 512
-# Decode step (verify, sample, commit, propose): (preset, batch sizes) per run; the 8B shape only in a full CUDA run.
-DECODE_CUDA = [("llama-3.2-1b", [1, 8, 16, 32, 64]), ("llama-3-8b", [1, 16])]
-DECODE_QUICK = [("llama-3.2-1b", [1, 16])]
-DECODE_CPU = [("tiny", [1, 8])]
 # Rendered after the columns that describe a row.
 MEASURED_COLUMNS = [
     "device_ms", "wall_ms", "speedup_vs_torch", "logits_gb_per_s", "pct_of_copy_bw",
@@ -218,24 +215,18 @@ def verify_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
                 progress: Callable[[str], None]) -> list[Row]:
     """The model verify step (k drafts + 1 per row, after VERIFY_CONTEXT cached tokens; CUDA graphs on CUDA)
     next to three floors: weights / copy bandwidth, (weights + K/V read) / copy bandwidth, FLOPs / peak."""
-    runs = VERIFY_CPU if device.type != "cuda" else VERIFY_QUICK if quick else VERIFY_CUDA
+    return _step_rows("verify", bench_verify_step, device, quick, copy_gbps, peak_tflops, progress)
+
+
+def _step_rows(what: str, bench: Callable[..., list[Row]], device: torch.device, quick: bool, copy_gbps: float,
+               peak_tflops: float, progress: Callable[[str], None]) -> list[Row]:
+    """`bench`'s rows for each preset of the run's size, one model at a time."""
+    runs = STEP_CPU if device.type != "cuda" else STEP_QUICK if quick else STEP_CUDA
+    repeats = 5 if quick or device.type != "cuda" else 50
     rows: list[Row] = []
     for preset, batches in runs:
-        progress(f"verify step: {preset}, batches {', '.join(map(str, batches))}")
-        measured = bench_verify_step(
-            preset, batches, K, device, repeats=5 if quick or device.type != "cuda" else 50,
-            bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12, context_len=VERIFY_CONTEXT,
-        )  # fmt: skip
-        for m in measured:
-            best_floor = max(m["floor_with_kv_ms"], m["compute_floor_ms"])
-            rows.append(
-                {"kernel": "verify", "impl": "cuda_graphs" if m["cuda_graphs"] else "eager",
-                 "dtype": "bfloat16" if device.type == "cuda" else "float32", "model": preset,
-                 "batch": m["batch"], "k": K, "context": VERIFY_CONTEXT, "device_ms": m["median_ms"],
-                 "weights_floor_ms": m["floor_ms"], "x_weights_floor": m["ratio_to_floor"],
-                 "weights_kv_floor_ms": m["floor_with_kv_ms"], "compute_floor_ms": m["compute_floor_ms"],
-                 "best_floor_x_weights": best_floor / m["floor_ms"], "x_best_floor": m["median_ms"] / best_floor}
-            )  # fmt: skip
+        progress(f"{what} step: {preset}, batches {', '.join(map(str, batches))}")
+        rows += bench(preset, batches, K, device, repeats, bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12)
         gc.collect()  # the model is freed before the next preset is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -340,73 +331,53 @@ def markdown_table(table: pd.DataFrame) -> list[str]:
     return lines
 
 
-def bench_verify_step(
-    preset: str,
-    batch_sizes: list[int],
-    k: int,
-    device: torch.device | str,
-    repeats: int = 50,
-    *,
-    bandwidth: float,
-    peak_flops: float | None = None,
-    context_len: int = 512,
-    n_layers: int | None = None,
-    cuda_graphs: bool = True,
-) -> list[dict]:
-    """Median time of the model verify step (B rows x (1+k) tokens, each row after `context_len` cached
-    tokens) next to its weight-read floor = weight_bytes / bandwidth (bytes/s, measured by the caller),
-    the floor that also reads the rows' K/V (which grows with B x context), and with `peak_flops` (FLOP/s)
-    the compute floor: matmul plus attention FLOPs over that peak.
+def bench_verify_step(preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *,
+                      bandwidth: float, peak_flops: float) -> list[Row]:
+    """Median time of the model verify step (B rows x (1+k) tokens, each row after VERIFY_CONTEXT cached tokens)
+    next to its floors (`verify_floors`; `bandwidth` in bytes/s and `peak_flops` in FLOP/s, measured by the caller).
 
     Every slot is first prefilled with random tokens so attention reads real K/V. CUDA: event timing of
     back-to-back launches after warm-up (and graph capture); CPU: wall clock.
     """
-    device = torch.device(device)
-    config = get_config(preset, n_layers)
-    n_tokens = k + 1
-    model = Transformer(
-        config, max_slots=max(batch_sizes), max_len=context_len + n_tokens, device=device,
-        cuda_graphs=cuda_graphs and device.type == "cuda",
-    )  # fmt: skip
+    config = get_config(preset)
+    model = Transformer(config, max_slots=max(batch_sizes), max_len=VERIFY_CONTEXT + k + 1, device=device,
+                        cuda_graphs=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     for slot in range(model.max_slots):
-        model.prefill(slot, torch.randint(config.vocab_size, (context_len,), generator=gen, device=device))
-    rows = []
+        model.prefill(slot, torch.randint(config.vocab_size, (VERIFY_CONTEXT,), generator=gen, device=device))
+    rows: list[Row] = []
     for batch in batch_sizes:
-        tokens = torch.randint(config.vocab_size, (batch, n_tokens), generator=gen, device=device)
+        tokens = torch.randint(config.vocab_size, (batch, k + 1), generator=gen, device=device)
         slots = model.slot_ids[:batch]
-        start_pos = torch.full((batch,), context_len, dtype=torch.int64, device=device)
+        start_pos = torch.full((batch,), VERIFY_CONTEXT, dtype=torch.int64, device=device)
         for _ in range(3):
             model.verify(tokens, slots, start_pos)
-        times = []
         if device.type == "cuda":
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)
-            ]
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(repeats)]  # fmt: skip
             for begin, end in events:
                 begin.record()
                 model.verify(tokens, slots, start_pos)
                 end.record()
             torch.cuda.synchronize(device)
-            times = [begin.elapsed_time(end) / 1e3 for begin, end in events]
+            times = [begin.elapsed_time(end) for begin, end in events]
         else:
+            times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 model.verify(tokens, slots, start_pos)
-                times.append(time.perf_counter() - t0)
-        median = statistics.median(times)
-        floors = verify_floors(model, batch, k, context_len, bandwidth, peak_flops)
-        floor_s, flops = floors["weights_floor_ms"] / 1e3, floors["flops"]
-        rows.append({
-            "name": f"verify_step[{preset}{'' if n_layers is None else f',L={n_layers}'}]",
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "batch": batch, "k": k, "tokens": batch * n_tokens, "context": context_len,
-            "cuda_graphs": model.cuda_graphs, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
-            "floor_ms": floor_s * 1e3, "ratio_to_floor": median / floor_s,
-            "floor_with_kv_ms": floors["weights_kv_floor_ms"],
-            "weight_bytes": model.weight_bytes(), "kv_read_bytes": floors["kv_read_bytes"],
-            "flops": flops, "tflops": flops / median / 1e12, "compute_floor_ms": floors["compute_floor_ms"],
-        })  # fmt: skip
+                times.append((time.perf_counter() - t0) * 1e3)
+        device_ms = statistics.median(times)
+        floors = verify_floors(model, batch, k, VERIFY_CONTEXT, bandwidth, peak_flops)
+        weights, best = floors["weights_floor_ms"], max(floors["weights_kv_floor_ms"], floors["compute_floor_ms"])
+        rows.append(
+            {"kernel": "verify", "impl": "cuda_graphs" if model.cuda_graphs else "eager",
+             "dtype": "bfloat16" if device.type == "cuda" else "float32", "model": preset, "batch": batch, "k": k,
+             "context": VERIFY_CONTEXT, "device_ms": device_ms, "weights_floor_ms": weights,
+             "x_weights_floor": device_ms / weights, "weights_kv_floor_ms": floors["weights_kv_floor_ms"],
+             "compute_floor_ms": floors["compute_floor_ms"], "best_floor_x_weights": best / weights,
+             "x_best_floor": device_ms / best}
+        )  # fmt: skip
     return rows
 
 
@@ -421,26 +392,11 @@ def decode_rows(device: torch.device, quick: bool, copy_gbps: float, peak_tflops
     by one around the verify graph on CUDA) and through the step graphs. launch_us is the host time of
     `DecodeLoop.step` from an idle device; device_ms the sum of its parts' device times (events, or the graphs'
     timestamps) with the host queued ahead; step_event_ms CUDA events around the whole step, copies included."""
-    runs = DECODE_CPU if device.type != "cuda" else DECODE_QUICK if quick else DECODE_CUDA
-    repeats = 5 if quick or device.type != "cuda" else 50
-    rows: list[Row] = []
-    for preset, batches in runs:
-        progress(f"decode step: {preset}, batches {', '.join(map(str, batches))}")
-        measured = bench_decode_step(preset, batches, K, device, repeats, context_len=VERIFY_CONTEXT,
-                                     bandwidth=copy_gbps * 1e9, peak_flops=peak_tflops * 1e12)  # fmt: skip
-        for m in measured:
-            best = max(m["weights_kv_floor_ms"], m["compute_floor_ms"])
-            rows.append({"kernel": "decode_step", "model": preset, "k": K, "context": VERIFY_CONTEXT, **m,
-                         "x_best_floor": m["device_ms"] / best})
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+    return _step_rows("decode", bench_decode_step, device, quick, copy_gbps, peak_tflops, progress)
 
 
-def verify_floors(
-    model: Transformer, batch: int, k: int, context: int, bandwidth: float, peak_flops: float | None
-) -> dict[str, float | None]:
+def verify_floors(model: Transformer, batch: int, k: int, context: int, bandwidth: float,
+                  peak_flops: float) -> dict[str, float]:
     """A verify step's floors in ms, B rows of k + 1 tokens after `context` cached ones: the weights a forward reads
     / bandwidth (bytes/s); that plus the rows' K/V over context + k + 1 positions; and (2 x matmul params +
     attention FLOPs: q.k and p.v, 2 per multiply-add, over those positions) x tokens / peak_flops (FLOP/s)."""
@@ -451,21 +407,19 @@ def verify_floors(
     flops = (2 * matmul_params + attention) * batch * n_tokens
     return {"weights_floor_ms": model.weight_bytes() / bandwidth * 1e3,
             "weights_kv_floor_ms": (model.weight_bytes() + kv_read) / bandwidth * 1e3, "kv_read_bytes": kv_read,
-            "flops": flops, "compute_floor_ms": None if peak_flops is None else flops / peak_flops * 1e3}  # fmt: skip
+            "flops": flops, "compute_floor_ms": flops / peak_flops * 1e3}  # fmt: skip
 
 
-def bench_decode_step(
-    preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *, context_len: int,
-    bandwidth: float, peak_flops: float,
-) -> list[dict]:
+def bench_decode_step(preset: str, batch_sizes: list[int], k: int, device: torch.device, repeats: int, *,
+                      bandwidth: float, peak_flops: float) -> list[Row]:
     """Per batch size and step mode: launch host time (median, p10, p90 in us) from an idle device, device time of
     the step's parts with the host queued ahead (median, p10, p90 in ms), events around the whole step (median ms).
-    Every request is a random prompt of `context_len` tokens, greedy and unsteered; the verify's floors as
+    Every request is a random prompt of VERIFY_CONTEXT tokens, greedy and unsteered; the verify's floors as
     `verify_floors`."""
     config = get_config(preset)
     cuda = device.type == "cuda"
     warmup = 3
-    max_len = context_len + 1 + (warmup + 2 * repeats) * (k + 1) + k + 1
+    max_len = VERIFY_CONTEXT + 1 + (warmup + 2 * repeats) * (k + 1) + k + 1
     model = Transformer(config, max_slots=max(batch_sizes), max_len=max_len, device=device, cuda_graphs=cuda)
     gen = torch.Generator(device="cpu").manual_seed(1)
     rows = []
@@ -473,7 +427,7 @@ def bench_decode_step(
         loop = DecodeLoop(model, k=k, min_n=2, max_n=5, step_graphs=step_graphs)
         for batch in batch_sizes:
             for slot in range(batch):
-                loop.add_request(slot, torch.randint(config.vocab_size, (context_len,), generator=gen))
+                loop.add_request(slot, torch.randint(config.vocab_size, (VERIFY_CONTEXT,), generator=gen))
             slots = np.arange(batch)
             for _ in range(warmup):
                 result = loop.step(slots)
@@ -500,15 +454,19 @@ def bench_decode_step(
                 if cuda:
                     end.synchronize()
                     event_ms.append(begin.elapsed_time(end))
-            floors = verify_floors(model, batch, k, context_len, bandwidth, peak_flops)
+            floors = verify_floors(model, batch, k, VERIFY_CONTEXT, bandwidth, peak_flops)
+            device_median = statistics.median(device_ms)
+            best = max(floors["weights_kv_floor_ms"], floors["compute_floor_ms"])
             rows.append({
+                "kernel": "decode_step", "model": preset, "k": k, "context": VERIFY_CONTEXT,
                 "impl": ("step_graph" if cuda else "staged") if step_graphs else "eager",
                 "dtype": str(model.k_cache.dtype).removeprefix("torch."), "batch": batch,
                 "launch_us": statistics.median(launch), "launch_p10_us": _quantile(launch, 0.1),
-                "launch_p90_us": _quantile(launch, 0.9), "device_ms": statistics.median(device_ms),
+                "launch_p90_us": _quantile(launch, 0.9), "device_ms": device_median,
                 "device_p10_ms": _quantile(device_ms, 0.1), "device_p90_ms": _quantile(device_ms, 0.9),
                 "step_event_ms": statistics.median(event_ms) if event_ms else math.nan,
                 **{key: floors[key] for key in ("weights_kv_floor_ms", "compute_floor_ms")},
+                "x_best_floor": device_median / best,
             })  # fmt: skip
             for slot in range(batch):
                 loop.remove_request(slot)

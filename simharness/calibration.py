@@ -41,18 +41,17 @@ from simharness.stats import REFERENCE, config_ids
 MEASURED_LEVELS = (REFERENCE, *(name for name, level in LEVELS.items() if level.measured and name != REFERENCE))
 FOLDS = 5
 MIN_STEPS_PER_TERM = 10  # a fit needs this many steps per coefficient
-# host phase -> (the `measured` name that says a level timed it, its features, the host_costs fields they give,
-# each field's unit in seconds)
-HOST_PHASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[float, ...]]] = {
-    "schedule": ("schedule", ("step", "n_reqs"), ("schedule_us", "schedule_per_req_us"), (1e-6, 1e-6)),
-    "prep": ("prep", ("step", "n_reqs", "n_tokens"), ("prep_us", "prep_per_req_us", "prep_per_token_us"),
-             (1e-6, 1e-6, 1e-6)),
-    "launch": ("launch", ("step", "n_reqs", "prefill_reqs"), ("launch_us", "launch_per_req_us",
-               "launch_per_prefill_us"), (1e-6, 1e-6, 1e-6)),
-    "update": ("update", ("step", "n_reqs"), ("update_us", "update_per_req_us"), (1e-6, 1e-6)),
-    "propose": ("propose", ("step", "proposed", "history"), ("ngram_cpu_us", "ngram_cpu_per_req_us",
-                "ngram_cpu_per_token_ns"), (1e-6, 1e-6, 1e-9)),
-    "readback": ("readback", ("step",), ("sync_us",), (1e-6,)),
+# host phase (as a step's `measured` names it where its level timed it) -> (its features, the host_costs fields they
+# give, each field's unit in seconds)
+HOST_PHASES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[float, ...]]] = {
+    "schedule": (("step", "n_reqs"), ("schedule_us", "schedule_per_req_us"), (1e-6, 1e-6)),
+    "prep": (("step", "n_reqs", "n_tokens"), ("prep_us", "prep_per_req_us", "prep_per_token_us"), (1e-6, 1e-6, 1e-6)),
+    "launch": (("step", "n_reqs", "prefill_reqs"), ("launch_us", "launch_per_req_us", "launch_per_prefill_us"),
+               (1e-6, 1e-6, 1e-6)),
+    "update": (("step", "n_reqs"), ("update_us", "update_per_req_us"), (1e-6, 1e-6)),
+    "propose": (("step", "proposed", "history"), ("ngram_cpu_us", "ngram_cpu_per_req_us", "ngram_cpu_per_token_ns"),
+                (1e-6, 1e-6, 1e-9)),
+    "readback": (("step",), ("sync_us",), (1e-6,)),
 }  # fmt: skip
 
 
@@ -281,15 +280,14 @@ def fit_phase(steps: pd.DataFrame, features: tuple[str, ...], target: str,
 def calibrate(data: FitData) -> dict:
     """The calibration (a YAML-ready mapping) from the measured steps."""
     steps = data.steps
-    measured = steps["measured"].str.split(",")
-    has = lambda name: measured.map(lambda m: name in m).astype(bool)  # noqa: E731
+    gpu = measured(steps, "gpu")
     # hil's device times are the work alone (gated), fitted on relative error; a real step's device time after its
     # launch is near zero where the host's enqueue bounds it (low concurrency), and there relative error would
     # weigh those residues above the device-bound steps: plain error
-    device = fit_phase(steps[has("gpu")], DEVICE_FEATURES, "device_s", relative=data.level == "hil")
+    device = fit_phase(steps[gpu], DEVICE_FEATURES, "device_s", relative=data.level == "hil")
     if device is None:
         need = MIN_STEPS_PER_TERM * len(DEVICE_FEATURES)
-        usable = int((has("gpu") & (steps["device_s"] > 0)).sum())
+        usable = int((gpu & (steps["device_s"] > 0)).sum())
         raise ScenarioError(f"too few steps to fit: {usable} of {len(steps)} measured steps have device time after "
                             f"their launch, need {need} (on a CPU the device work runs inside the launch)")
     coef, quality = device
@@ -311,16 +309,20 @@ def calibrate(data: FitData) -> dict:
 def fit_host(steps: pd.DataFrame) -> tuple[dict[str, float], list[str], dict[str, dict]]:
     """The host phases' affine fits (HOST_PHASES) on the steps whose level measured them: the fitted host costs,
     the fields kept from the scenario (too few steps), and each fitted phase's k-fold quality."""
-    measured = steps["measured"].str.split(",")
     host, kept, qualities = {}, [], {}
-    for phase, (name, features, fields, units) in HOST_PHASES.items():
-        fitted = fit_phase(steps[measured.map(lambda m, name=name: name in m).astype(bool)], features, f"{phase}_s")
+    for phase, (features, fields, units) in HOST_PHASES.items():
+        fitted = fit_phase(steps[measured(steps, phase)], features, f"{phase}_s")
         if fitted is None:
             kept.extend(fields)
             continue
         host.update({f: float(c / unit) for f, c, unit in zip(fields, fitted[0], units, strict=True)})
         qualities[phase] = fitted[1]
     return host, kept, qualities
+
+
+def measured(steps: pd.DataFrame, phase: str) -> pd.Series:
+    """Which steps' level measured `phase` (it is in their `measured` list)."""
+    return steps["measured"].str.split(",").map(lambda names: phase in names).astype(bool)
 
 
 def write_calibration(calibration: dict, out: Path) -> Path:

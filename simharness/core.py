@@ -5,7 +5,8 @@ steps are in flight and something can be scheduled, schedule, run the sync point
 prepare and launch; otherwise settle the oldest step in flight. This module holds what that loop decides
 and remembers (the batch scheduler, the in-flight queue, the sync points of each phase, what a settled step
 changes); the levels (`simulation` in virtual time, `realloop` in wall-clock time) hold only where time
-comes from.
+comes from. It never calls the backend: the loop (`loop.EngineLoop`) hands it the valid drafts the backend holds and
+frees what settles.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from collections import deque
 
 import numpy as np
 
-from simharness.backend import Backend
-from simharness.instrument import phase
 from simharness.modes import HOST_PHASES, Mode
+from simharness.phases import phase
 from simharness.policy import EMITTED, K_SLOTS, BatchScheduler, scheduled_k
-from simharness.records import Records, Step
+from simharness.records import ARRIVAL_S, Records, Step
 from simharness.scenario import Scenario, ScenarioError, SyncPoint
 from simharness.workload import GC_STREAM, Requests
 
@@ -26,7 +26,8 @@ from simharness.workload import GC_STREAM, Requests
 class EngineCore:
     """The host side of one point's engine: who runs in the next step, what is in flight, what settles."""
 
-    def __init__(self, sc: Scenario, requests: Requests, mode: Mode, backend: Backend):
+    def __init__(self, sc: Scenario, requests: Requests, mode: Mode, measured: str):
+        """`measured`: the step phases the backend measures (`Backend.measured`; "" when all are modelled)."""
         budget = sc.scheduler.max_num_batched_tokens
         if budget < 1 + mode.k:
             raise ScenarioError(f"scheduler.max_num_batched_tokens: {budget} cannot fit a decode of 1 + k tokens")
@@ -36,7 +37,6 @@ class EngineCore:
                 f"({int(requests.prompt_len.max())}) and chunked_prefill is off"
             )
         self.mode = mode
-        self.backend = backend
         self.output_len = requests.output_len
         self.sched = BatchScheduler(sc.scheduler, requests.prompt_len, requests.output_len)
         self.records = Records(mode.k, requests.output_len)
@@ -59,10 +59,15 @@ class EngineCore:
         # device has not moved since.
         self.trims_async = mode.trim and mode.depth > 1
         # NVTX ranges (and sync attribution) only where something is measured
-        self.measured = backend.measured
+        self.measured = measured
         self.schedule_range, self.update_range = phase("schedule"), phase("update")
 
     # ---------------------------------------------------------------- decisions
+
+    def arrive(self, rid: int, t: float) -> None:
+        """Request `rid` reached the engine at time `t`: its arrival is recorded and it waits to be scheduled."""
+        self.records.request_times[ARRIVAL_S, rid] = t
+        self.sched.arrive(rid)
 
     def gc_pause(self) -> float:
         """A garbage-collection pause drawn for this loop iteration (0 for none), from the seed's own stream."""
@@ -73,16 +78,16 @@ class EngineCore:
             return gc.mean_ms * 1e-3
         return 0.0
 
-    def schedule(self, gc_pause: float) -> Step | None:
+    def schedule(self, gc_pause: float, valid_drafts: np.ndarray) -> Step | None:
         """The next step's batch, or None when nothing can be scheduled. Its k: the point's, or what its k schedule
-        gives the batch the step can hold."""
+        gives the batch the step can hold. `valid_drafts`: what the backend holds per request now."""
         mode = self.mode
         k = scheduled_k(mode.k_schedule, self.sched.batch_size()) if mode.k_schedule else mode.k
         if not self.measured:  # no range to enter (the sim level's hot path)
-            batch = self.sched.schedule(k, self._held())
+            batch = self.sched.schedule(k, self._held(valid_drafts))
         else:
             with self.schedule_range:
-                batch = self.sched.schedule(k, self._held())
+                batch = self.sched.schedule(k, self._held(valid_drafts))
         if not batch.size:
             return None
         step = Step(self.n_steps, batch, gc_pause_s=gc_pause)
@@ -91,11 +96,11 @@ class EngineCore:
         self.n_steps += 1
         return step
 
-    def _held(self) -> np.ndarray:
+    def _held(self, valid_drafts: np.ndarray) -> np.ndarray:
         """What the scheduler reserves per decoding request: the drafts each running request holds when
         synchronous and trimming (the host has them), else k placeholder slots (async, or every slot verified)."""
         if self.mode.k and self.mode.depth == 1 and self.mode.trim:
-            return self.backend.valid_drafts()
+            return valid_drafts
         return K_SLOTS
 
     def sync_target(self, sp: SyncPoint) -> Step | None:
@@ -116,11 +121,11 @@ class EngineCore:
             return self.in_flight[0]
         return self.last_launched
 
-    def trim(self, step: Step) -> None:
-        """Cut the verified slots to the valid drafts the host reads now (after the sync that let it); for a step
+    def trim(self, step: Step, valid_drafts: np.ndarray) -> None:
+        """Cut the verified slots to the `valid_drafts` the host reads now (after the sync that let it); for a step
         with decodes, when `trims_async`."""
         b = step.batch
-        b.n_tokens += b.trim(self.backend.valid_drafts(), b.k)  # a decode computes 1 + its slots
+        b.n_tokens += b.trim(valid_drafts, b.k)  # a decode computes 1 + its slots
         step.trimmed = True
 
     def launched(self, step: Step) -> None:
@@ -134,12 +139,9 @@ class EngineCore:
     def settle(self, step: Step) -> np.ndarray:
         """Process the oldest step's output (`update_from_output`); returns the ids that finished now."""
         if not self.measured:
-            done = self.sched.settle(step.batch)
-        else:
-            with self.update_range:
-                done = self.sched.settle(step.batch)
-        self.backend.release(done)
-        return done
+            return self.sched.settle(step.batch)
+        with self.update_range:
+            return self.sched.settle(step.batch)
 
     def to_propose(self, step: Step) -> np.ndarray:
         """With the CPU proposer: the requests it drafts for after this step, those still running that got

@@ -1,9 +1,6 @@
-"""Instrumentation of the real decode loop: NVTX phase ranges and a recorder of synchronizing CUDA ops.
-
-`phase(name)` opens an NVTX range in the `simharness` domain (free when no profiler is attached) and
-keeps the stack of open phases, which `SyncRecorder` reads to attribute each caught sync. Both assume
-one thread (the engine loop), as Python's warning machinery does. torch is imported only by the
-recorder, so that the sim level can use `phase` without loading it.
+"""Instrumentation of the real decode loop: a recorder of synchronizing CUDA ops, each attributed to the phase
+open when it ran (`phases`). It assumes one thread (the engine loop), as Python's warning machinery does; torch is
+imported only when a recorder is made.
 """
 
 from __future__ import annotations
@@ -18,63 +15,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TextIO
 
-import nvtx
 import pandas as pd
 
+from simharness.phases import current_phase, last_boundary
 from simharness.records import DEVICE_SYNC_DTYPES, device_syncs_frame
 
-DOMAIN = nvtx.get_domain("simharness")
 # The text torch's sync debug mode warns with ("... (Triggered internally at ...)" follows it).
 SYNC_WARNING = "called a synchronizing CUDA operation"
 DEVICE_SYNC_COLUMNS = list(DEVICE_SYNC_DTYPES)
 ROOT = Path(__file__).resolve().parents[1]  # sites are reported relative to the repository root
-
-
-class _Phases:
-    """The open phases, innermost last, and the host time of the latest phase boundary."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.mark = time.perf_counter()
-
-
-_PHASES = _Phases()
-
-
-class Phase:
-    """Context manager for one phase name; its NVTX attributes are built once (None without a profiler)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.attributes = DOMAIN.get_event_attributes(message=name)
-
-    def __enter__(self) -> None:
-        DOMAIN.push_range(self.attributes)
-        _PHASES.names.append(self.name)
-        _PHASES.mark = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        _PHASES.names.pop()
-        _PHASES.mark = time.perf_counter()
-        DOMAIN.pop_range()
-
-
-_BY_NAME: dict[str, Phase] = {}
-
-
-def phase(name: str) -> Phase:
-    """`with phase("prep"): ...` runs the block as phase `name`: an NVTX range, and the phase syncs are
-    attributed to. Phases nest; the context manager is cached per name: without a profiler attached,
-    entering and leaving one costs ~0.45 µs."""
-    found = _BY_NAME.get(name)
-    if found is None:
-        found = _BY_NAME[name] = Phase(name)
-    return found
-
-
-def current_phase() -> str:
-    """The innermost open phase, or "" outside every phase."""
-    return _PHASES.names[-1] if _PHASES.names else ""
 
 
 class SyncRecorder:
@@ -145,7 +94,7 @@ class SyncRecorder:
         if SYNC_WARNING not in str(message):
             self._passthrough(message, category, filename, lineno, file, line)
             return
-        wait = time.perf_counter() - max(self._mark, _PHASES.mark)
+        wait = time.perf_counter() - max(self._mark, last_boundary())
         self._rows.append((self.step, current_phase(), self._site(), wait))
         self._counts[self.step] += 1
         self._mark = time.perf_counter()

@@ -122,9 +122,9 @@ def _worker_main(conn: Connection, env: dict[str, str]) -> None:
     workers)."""
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if "CUDA_VISIBLE_DEVICES" in env:  # a GPU worker: its measured engine's imports, made while it waits
-        with contextlib.suppress(ImportError):  # a broken install says so where the first point imports them
-            import simharness.measured  # noqa: F401
+    if "CUDA_VISIBLE_DEVICES" in env:  # a GPU worker: torch, the bulk of its measured engine's imports, while it waits
+        with contextlib.suppress(ImportError):  # a broken install says so where the first point imports it
+            import torch  # noqa: F401
     try:
         work = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):

@@ -4,7 +4,8 @@ vLLM's `EngineCore.step_with_batch_queue` (docs/vllm-notes.md, "Engine loop") wi
 while fewer than D steps are in flight and something can be scheduled, schedule, run each phase's sync points,
 prepare (trimming the verified slots) and launch; otherwise settle the oldest step in flight: wait for its output
 (the by-design readback), update the requests (tokens reach the clients now), draft on the host with the CPU n-gram
-proposer and record the step. `core.EngineCore` makes every decision; this loop only orders them.
+proposer and record the step. `core.EngineCore` makes every decision; this loop only orders them, and it alone calls
+the backend.
 
 `EngineLoop.run` is one generator that asks a `Clock` for time and yields what the clock hands it: SimPy events in
 virtual time (`simulation.Simulation`, the sim and hil levels), nothing on the wall clock (`realloop.RealLoop`, the
@@ -25,7 +26,7 @@ from simharness.core import EngineCore
 from simharness.costmodel import CostModel
 from simharness.modes import OUTPUT_READBACK, Mode
 from simharness.records import LAST_TOKEN_S, Records, Step
-from simharness.scenario import SyncPoint
+from simharness.scenario import Scenario, SyncPoint
 from simharness.workload import Requests
 
 
@@ -88,11 +89,12 @@ def record_measured(step: Step, timing: StepTiming) -> None:
 
 
 class EngineLoop:
-    """The phase sequence of one point's engine, over a clock."""
+    """The phase sequence of one point's engine over a clock: its core and the cost of the host work it models."""
 
-    def __init__(self, core: EngineCore, clock: Clock, mode: Mode, cost: CostModel, backend: Backend,
-                 requests: Requests):
-        self.core, self.clock, self.mode, self.cost, self.backend = core, clock, mode, cost, backend
+    def __init__(self, sc: Scenario, requests: Requests, mode: Mode, backend: Backend, clock: Clock):
+        self.core = EngineCore(sc, requests, mode, backend.measured)
+        self.cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
+        self.clock, self.mode, self.backend = clock, mode, backend
         self.requests, self.n = requests, len(requests.prompt_len)
 
     def result(self) -> tuple[Records, float]:
@@ -108,7 +110,7 @@ class EngineLoop:
         core, clock, n = self.core, self.clock, self.n
         sched, in_flight, depth = core.sched, core.in_flight, self.mode.depth
         gc = core.gc.probability > 0
-        admit, scheduled, now = clock.admit, clock.scheduled, clock.now
+        admit, scheduled, now, valid_drafts = clock.admit, clock.scheduled, clock.now, self.backend.valid_drafts
         while sched.n_finished < n:
             admit()
             launched = False
@@ -116,7 +118,7 @@ class EngineLoop:
                 gc_pause = core.gc_pause() if gc else 0.0
                 if gc_pause:
                     yield clock.pause(gc_pause)
-                step = core.schedule(gc_pause)
+                step = core.schedule(gc_pause, valid_drafts())
                 scheduled()
                 if step is not None:
                     host = yield from self.schedule_prep_launch(step, now())
@@ -150,7 +152,7 @@ class EngineLoop:
             truth = clock.truth_at(t)
             if truth is not None:
                 yield truth
-            core.trim(step)
+            core.trim(step, backend.valid_drafts())
         step.prep_end = t = clock.ran(t, backend.prep(step))
         if syncs["launch"]:
             t = yield from self.syncs(step, "launch", syncs["launch"], t)
@@ -194,6 +196,7 @@ class EngineLoop:
         t = clock.work(t, self.cost.update(step.batch.size))
         yield clock.reach(t)
         finished = core.settle(step)
+        self.backend.release(finished)
         step.update_end = step.propose_start = step.propose_end = t = clock.host(t)
         if self.mode.ngram_cpu and self.mode.k:
             t = clock.ran(t, self.backend.propose(core.to_propose(step)))

@@ -93,8 +93,8 @@ def kv_cache_bytes(points: list[Point]) -> int:
     return slots * max(longest(p.scenario) for p in points) * per_token
 
 
-def run_groups(points: list[Point], budget: float = KV_BUDGET_BYTES) -> list[list[Point]]:
-    """The grid's points cut into runs whose model's KV cache stays within `budget` (one run's model is sized for
+def run_groups(points: list[Point]) -> list[list[Point]]:
+    """The grid's points cut into runs whose model's KV cache stays within KV_BUDGET_BYTES (one run's model is sized for
     its largest batch and its longest request together: the 8B at batch 256 and 4,000-token prompts would need
     137 GB). Whole blocks go together; each run's points are numbered from 0."""
     blocks: dict[str, list[Point]] = {}
@@ -102,7 +102,7 @@ def run_groups(points: list[Point], budget: float = KV_BUDGET_BYTES) -> list[lis
         blocks.setdefault(p.values["block"], []).append(p)
     groups: list[list[Point]] = []
     for block in blocks.values():  # each block into the first run it fits in (first fit)
-        group = next((g for g in groups if kv_cache_bytes(g + block) <= budget), None)
+        group = next((g for g in groups if kv_cache_bytes(g + block) <= KV_BUDGET_BYTES), None)
         if group is None:
             groups.append(list(block))
         else:

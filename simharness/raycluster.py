@@ -136,13 +136,13 @@ def _task(work: Work) -> Callable[[Point], Any]:
     return task
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """A Ray address that does not answer is bad input, found before anything is written."""
+def _check_reachable(address: str) -> None:
+    """A Ray address that does not answer (within 5 s) is bad input, found before anything is written."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         raise ScenarioError(f"--ray {address}: expected local, auto, HOST:PORT or ray://HOST:PORT")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+        with socket.create_connection((host, int(port)), timeout=5.0) as conn:
             conn.sendall(HTTP2_PREFACE)
             head = conn.recv(9)
     except OSError as e:

@@ -19,11 +19,9 @@ from collections import deque
 import numpy as np
 
 from simharness.backend import MeasuredBackend
-from simharness.core import EngineCore
-from simharness.costmodel import CostModel
 from simharness.loop import EngineLoop, record_measured
 from simharness.modes import Mode
-from simharness.records import ARRIVAL_S, Records, Step
+from simharness.records import Records, Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
 
@@ -42,12 +40,10 @@ class RealLoop:
     def __init__(self, sc: Scenario, requests: Requests, mode: Mode, backend: MeasuredBackend):
         self.sc, self.mode, self.req = sc, mode, requests
         self.n = len(requests.prompt_len)
-        self.core = EngineCore(sc, requests, mode, backend)
+        self.loop = EngineLoop(sc, requests, mode, backend, self)
+        self.core = self.loop.core
         self.backend = backend
         self.ledger = backend.ledger
-        self.records: Records = self.core.records
-        self.cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
-        self.loop = EngineLoop(self.core, self, mode, self.cost, backend, requests)
         self.last_gpu_end: float | None = None
         self.t0 = 0.0
         self.own = self.ledger.mark()  # since the last modelled work (`work`)
@@ -126,10 +122,6 @@ class RealLoop:
 
     # ---------------------------------------------------------------- clients
 
-    def _arrive(self, rid: int, t: float) -> None:
-        self.records.request_times[ARRIVAL_S, rid] = t
-        self.core.sched.arrive(rid)
-
     def admit(self) -> None:
         """Take in the open loop's requests whose arrival time has come (and, when capped, a free slot)."""
         if self.sc.workload.arrival == "closed":
@@ -138,7 +130,7 @@ class RealLoop:
         while self.next_id < self.n and arrival_s[self.next_id] <= now and (self.free_at or not capped):
             # vLLM excludes the time a request waits for --max-concurrency from the request
             t = max(arrival_s[self.next_id], self.free_at.popleft()) if capped else arrival_s[self.next_id]
-            self._arrive(self.next_id, t)
+            self.core.arrive(self.next_id, t)
             self.next_id += 1
 
     def finished(self, rids: np.ndarray) -> None:
@@ -158,7 +150,7 @@ class RealLoop:
         the engine next waits): a completion's response and the next request take their time to travel in a real
         serving stack too."""
         for rid, t in self.arriving:
-            self._arrive(rid, t)
+            self.core.arrive(rid, t)
         self.arriving.clear()
         self.free_at.extend(self.freeing)
         self.freeing.clear()
@@ -181,7 +173,7 @@ class RealLoop:
         self.own = self.ledger.mark()
         if self.sc.workload.arrival == "closed":  # every user sends its first request at once
             for _ in range(min(self.sc.workload.concurrency, self.n)):
-                self._arrive(self.next_id, 0.0)
+                self.core.arrive(self.next_id, 0.0)
                 self.next_id += 1
         for _ in self.loop.run():  # the wall clock hands the loop nothing to wait on
             pass

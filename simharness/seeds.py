@@ -56,13 +56,13 @@ def seed_scenario_path(pr: str) -> Path:
     return SCENARIOS / f"{pr}.yaml"
 
 
-def run_seed(pr: str, level: str, repeats: int, out: str | Path, overrides: dict[str, Any] | None = None,
-             first_seed: int = 0) -> pd.DataFrame:
-    """Run seed `pr`'s scenario at `level` (sim, hil or real) `repeats` times, with scenario seeds first_seed, ...
+def run_seed(pr: str, level: str, repeats: int, out: str | Path,
+             overrides: dict[str, Any] | None = None) -> pd.DataFrame:
+    """Run seed `pr`'s scenario at `level` (sim, hil or real) `repeats` times, with scenario seeds 0, 1, ...
     (one run whose sweep adds `seed`); one row per repeat, arm and metric: seed, level, repeat, arm (A, B, or the
     value of an arm between), metric, measured value."""
     seed = SEEDS[pr]
-    scenario_seeds = list(range(first_seed, first_seed + repeats))
+    scenario_seeds = list(range(repeats))
     base = load_scenario(seed_scenario_path(pr), overrides)
     values = base.sweep[seed.field]
     # one run, its sweep the repeats (outer) by the arms: a measured run builds its model once

@@ -23,11 +23,9 @@ import numpy as np
 import simpy
 
 from simharness.backend import Backend
-from simharness.core import EngineCore
-from simharness.costmodel import CostModel
 from simharness.loop import EngineLoop, record_measured
 from simharness.modes import Mode
-from simharness.records import ARRIVAL_S, Records, Step
+from simharness.records import Records, Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
 
@@ -63,25 +61,21 @@ class Simulation:
         self.mode = mode
         self.req = requests
         self.n = len(requests.prompt_len)
-        self.core = EngineCore(sc, requests, mode, backend)
+        self.loop = EngineLoop(sc, requests, mode, backend, self)
+        self.core = self.loop.core
         self.backend = backend
-        self.records: Records = self.core.records
-        # the engine's host work the harness does not reproduce (scheduler, output processing) is modelled
-        self.cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
-        self.sync_s = self.cost.sync()  # a sync's own host time, once its GPU event fired
+        self.sync_s = self.loop.cost.sync()  # a sync's own host time, once its GPU event fired
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
         self.gpu_idle: Wake | None = None  # set while the GPU waits for a launch
         self.arrived = self.env.event()  # fires when a request arrives while the engine is idle
         self.done_events: dict[int, simpy.Event] = {}
         self.gpu_free_at: float | None = None  # the end of the latest step started on the GPU
-        self.loop = EngineLoop(self.core, self, mode, self.cost, backend, requests)
 
     # ---------------------------------------------------------------- clients
 
     def _arrive(self, rid: int) -> simpy.Event:
-        self.records.request_times[ARRIVAL_S, rid] = self.env.now
-        self.core.sched.arrive(rid)
+        self.core.arrive(rid, self.env.now)
         ev = self.done_events[rid] = self.env.event()
         if not self.arrived.triggered:
             self.arrived.succeed()

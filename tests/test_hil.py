@@ -397,7 +397,7 @@ def test_a_graphed_forward_starts_on_the_device_when_its_launch_returned():
     CPU no graph is launched."""
     from types import SimpleNamespace
 
-    from simharness.engine.launch import decode_enqueue
+    from simharness.engine.torch_backend import decode_enqueue
     from simharness.simulation import _overlapped_end
 
     class Loop:

@@ -13,8 +13,8 @@ from helpers import emitted, hil_requests
 import simharness
 from simharness.engine.model import Transformer, get_config
 from simharness.engine.torch_backend import TorchBackend, capacity
-from simharness.instrument import phase
 from simharness.modes import resolve_mode
+from simharness.phases import phase
 from simharness.records import DEVICE_PHASE_COLUMNS
 from simharness.scenario import scenario_from_dict
 from simharness.simulation import Simulation

@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from simharness.instrument import DEVICE_SYNC_COLUMNS, SYNC_WARNING, SyncRecorder, current_phase, phase
+from simharness.instrument import DEVICE_SYNC_COLUMNS, SYNC_WARNING, SyncRecorder
+from simharness.phases import current_phase, phase
 
 # torch's message: the C++ text and where it was raised
 TORCH_TEXT = f"{SYNC_WARNING} (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:154.)"

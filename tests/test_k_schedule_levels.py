@@ -37,9 +37,9 @@ class StepSpy:
         self.outputs: dict[int, object] = {}  # per decode-loop step: its StepOutput
         schedule, step, readback = EngineCore.schedule, DecodeLoop.step, DecodeLoop.readback
 
-        def spy_schedule(core, gc_pause):
+        def spy_schedule(core, *args):
             size = core.sched.batch_size()
-            s = schedule(core, gc_pause)
+            s = schedule(core, *args)
             if s is not None:
                 self.decided[s.step] = (size, s.batch.k)
             return s

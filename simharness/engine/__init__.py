@@ -1,1 +1,2 @@
-"""The real decode loop: target model, decode loop, and the backends the SimPy model drives."""
+"""The real decode loop: the target model, the decode step and its CUDA graphs, and the torch backend the engine
+loop drives at the measured levels."""

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from simharness.engine.model import steer_logits
-from simharness.instrument import phase
 from simharness.kernels import NO_DRAFT
 from simharness.kernels.ngram import propose_ngram
 from simharness.kernels.rejection import rejection_sample
+from simharness.phases import phase
 
 # Reference logit = row max + 30: at temperature 1 over a 128k vocabulary the rest holds < 2e-8 of the mass.
 STEER_MARGIN = 30.0
