@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,10 @@ GPU_COLORS = ("slategray", "lightslategray")  # alternate so back-to-back steps 
 MARKERS = "os^Dv<>p"
 LINESTYLES = ("-", "--", ":", "-.")
 LEGEND_ROWS = 18  # legend entries a column holds beside a plot 4 inches tall
+DPI = 110
+PANEL = (5.5, 4.0)  # inches a metric plot's panel takes, margins included
+PANEL_MARGINS = (0.75, 0.15, 0.55, 0.15)  # left, right, bottom, top inches of a panel: ticks and labels
+LEGEND_GAP = 0.1  # inches between the last panel and the legend beside it
 TIMELINE_PANELS = 8  # at most this many timelines (a panel each, 1.3 inches tall), evenly spaced over the points
 
 
@@ -75,10 +80,7 @@ def write_report(run_dir: Path) -> Path:
     write_traces(run_dir, set(timeline_rows["point"]))
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
-    _plot_tpot(summary, by_concurrency, plots / "tpot.png")
-    _plot_single(summary, by_concurrency, "output_throughput", "output throughput (tok/s)", plots / "throughput.png")
-    _plot_single(summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100), by_concurrency, "gpu_busy_pct",
-                 "GPU busy (%)", plots / "gpu_busy.png")
+    _plot_metrics(summary, by_concurrency, plots)
     n = scenario.report.timeline_steps
     _plot_timeline(timeline_rows, steps, syncs, n, plots / "timeline.png")
     text = "\n".join([
@@ -418,62 +420,117 @@ def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 # plots
 
 
-def _plot_tpot(summary: pd.DataFrame, by_concurrency: bool, path: Path) -> None:
-    panels = [("mean_tpot_ms", "mean TPOT (ms)")]
+def _plot_metrics(summary: pd.DataFrame, by_concurrency: bool, plots: Path) -> None:
+    """tpot.png (mean and tail TPOT), throughput.png and gpu_busy.png: a line per mode against concurrency, the
+    modes' legend beside the panels, when concurrency is swept; else a bar per point. The legend is laid out and
+    drawn once, as an image each plot pastes at the same place (a legend of a hundred modes cost more than the
+    plot it stands beside, three times over)."""
+    summary = summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100)
+    tpot = [("mean_tpot_ms", "mean TPOT (ms)")]
     tail = _tail_key(summary, "tpot")
     if tail is not None:
-        panels.append((tail[0], f"{tail[1]} TPOT (ms)"))
-    fig = Figure(figsize=(5.5 * len(panels) + _legend_width(summary, by_concurrency), 4), layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (column, ylabel) in zip(axes, panels, strict=True):
-        _draw_metric(ax, summary, column, ylabel, by_concurrency, legend=ax is axes[-1])
-    fig.savefig(path, dpi=110)
+        tpot.append((tail[0], f"{tail[1]} TPOT (ms)"))
+    figures = {"tpot": tpot, "throughput": [("output_throughput", "output throughput (tok/s)")],
+               "gpu_busy": [("gpu_busy_pct", "GPU busy (%)")]}
+    lines = ModeLines.of(summary) if by_concurrency else None
+    legend = None
+    for name, panels in figures.items():
+        if lines is None:
+            fig = Figure(figsize=(5.5 * len(panels), 4), layout="constrained")
+            for ax, (column, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+                _draw_bars(ax, summary, column, ylabel)
+        else:
+            fig = Figure(dpi=DPI)
+            axes = [fig.add_subplot() for _ in panels]
+            for ax, (column, ylabel) in zip(axes, panels, strict=True):
+                _draw_lines(ax, summary, lines, column, ylabel)
+            if legend is None:
+                legend = legend_image(*axes[-1].get_legend_handles_labels(), ncols=-(-len(lines.modes) // LEGEND_ROWS))
+            _place_beside(fig, axes, legend)
+        fig.savefig(plots / f"{name}.png", dpi=DPI)
 
 
-def _plot_single(summary: pd.DataFrame, by_concurrency: bool, column: str, ylabel: str, path: Path) -> None:
-    fig = Figure(figsize=(5.5 + _legend_width(summary, by_concurrency), 4), layout="constrained")
-    _draw_metric(fig.subplots(), summary, column, ylabel, by_concurrency)
-    fig.savefig(path, dpi=110)
+@dataclass(frozen=True)
+class ModeLines:
+    """A sweep over concurrency as lines: mode i's rows of the summary, by concurrency, are
+    `order[bounds[i]:bounds[i + 1]]` (modes in the order they first appear)."""
+
+    modes: list[str]
+    order: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def of(cls, summary: pd.DataFrame) -> ModeLines:
+        codes, modes = pd.factorize(summary["mode"].astype(str))
+        order = np.lexsort((summary[CONCURRENCY].to_numpy(), codes))
+        return cls(list(modes), order, np.searchsorted(codes[order], np.arange(len(modes) + 1)))
 
 
-def _legend_width(summary: pd.DataFrame, by_concurrency: bool) -> float:
-    """Inches the legend of the modes takes beside the plot: its columns of LEGEND_ROWS entries at small type."""
-    if not by_concurrency:
-        return 0.0
-    modes = summary["mode"].astype(str).unique()
-    columns = -(-len(modes) // LEGEND_ROWS)
-    return columns * (0.8 + 0.07 * max(len(m) for m in modes))
+def _draw_lines(ax: Axes, summary: pd.DataFrame, lines: ModeLines, column: str, ylabel: str) -> None:
+    """One line per mode against concurrency (log2 axis); error bars only where there are intervals."""
+    x, y = summary[CONCURRENCY].to_numpy()[lines.order], summary[column].to_numpy(dtype=np.float64)[lines.order]
+    errors = _error_bars(summary, column)
+    for i, mode in enumerate(lines.modes):
+        rows = slice(lines.bounds[i], lines.bounds[i + 1])
+        # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
+        # thinner, with a smaller open or filled marker of another shape, in another dash pattern
+        style = dict(color=f"C{i}", marker=MARKERS[i % len(MARKERS)], label=mode,
+                     linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=max(0.8, 2.2 - 0.3 * i),
+                     markersize=max(3.0, 9.0 - 1.2 * i), fillstyle="none" if i % 2 else "full", zorder=2 + i)
+        if errors is None:
+            ax.plot(x[rows], y[rows], **style)
+        else:
+            ax.errorbar(x[rows], y[rows], yerr=errors[:, lines.order[rows]], capsize=3, **style)
+    xs = sorted(summary[CONCURRENCY].unique())
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency")
+    _finish_axes(ax, summary, column, ylabel)
 
 
-def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_concurrency: bool,
-                 legend: bool = True) -> None:
-    """One line per mode against concurrency (log2 axis), the legend beside the plot, never over the lines; or
-    one bar per point."""
-    if by_concurrency:
-        for i, (mode, rows) in enumerate(summary.groupby("mode", sort=False)):
-            rows = rows.sort_values(CONCURRENCY)
-            # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
-            # thinner, with a smaller open or filled marker of another shape, in another dash pattern
-            ax.errorbar(rows[CONCURRENCY], rows[column], yerr=_error_bars(rows, column), capsize=3,
-                        marker=MARKERS[i % len(MARKERS)], label=mode, linestyle=LINESTYLES[i % len(LINESTYLES)],
-                        linewidth=max(0.8, 2.2 - 0.3 * i), markersize=max(3.0, 9.0 - 1.2 * i),
-                        fillstyle="none" if i % 2 else "full", zorder=2 + i)
-        xs = sorted(summary[CONCURRENCY].unique())
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrency")
-        if legend:
-            modes = summary["mode"].nunique()
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0,
-                      ncols=-(-modes // LEGEND_ROWS))
-    else:
-        ax.bar(range(len(summary)), summary[column], yerr=_error_bars(summary, column), color="tab:blue", capsize=3)
-        ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
+def _draw_bars(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str) -> None:
+    ax.bar(range(len(summary)), summary[column], yerr=_error_bars(summary, column), color="tab:blue", capsize=3)
+    ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
+    _finish_axes(ax, summary, column, ylabel)
+
+
+def _finish_axes(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     top = summary[f"ci_high.{column}"] if f"ci_high.{column}" in summary else summary[column]
     ax.set_ylim(0, 1.08 * float(top.max()) or 1.0)
     ax.grid(alpha=0.3)
+
+
+def legend_image(handles: list, labels: list[str], **options: object) -> np.ndarray:
+    """A legend of `handles` drawn alone, at DPI, as an RGBA image just its size (1 px of margin), to paste into
+    figures drawn at DPI (`Figure.figimage`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import IdentityTransform
+
+    fig = Figure(dpi=DPI)
+    legend = fig.legend(handles, labels, fontsize="small", loc="lower left", bbox_to_anchor=(1, 1),
+                        bbox_transform=IdentityTransform(), borderaxespad=0, **options)
+    canvas = FigureCanvasAgg(fig)
+    box = legend.get_window_extent(canvas.get_renderer())
+    fig.set_size_inches((np.ceil(box.width) + 2) / DPI, (np.ceil(box.height) + 2) / DPI)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba()).copy()
+
+
+def _place_beside(fig: Figure, axes: list[Axes], legend: np.ndarray) -> None:
+    """Size `fig` for its panels (PANEL inches wide each, in a row) and the legend image beside the last one, top
+    aligned; the margins hold the tick labels and axis labels (a fixed layout: nothing to measure)."""
+    left, right, bottom, top = PANEL_MARGINS
+    legend_h, legend_w = legend.shape[0] / DPI, legend.shape[1] / DPI
+    width = PANEL[0] * len(axes) + LEGEND_GAP + legend_w
+    height = max(PANEL[1], legend_h + top + bottom)
+    fig.set_size_inches(width, height)
+    for i, ax in enumerate(axes):
+        ax.set_position(((i * PANEL[0] + left) / width, bottom / height, (PANEL[0] - left - right) / width,
+                         (height - bottom - top) / height))
+    x = (len(axes) * PANEL[0] - right + LEGEND_GAP) * DPI
+    fig.figimage(legend, xo=round(x), yo=round((height - top - legend_h) * DPI), origin="upper")
 
 
 def _error_bars(rows: pd.DataFrame, column: str) -> np.ndarray | None:
@@ -512,7 +569,7 @@ def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame,
     handles = [Patch(color=color, label=label) for label, color in HOST_COLORS.values()]
     handles.append(Patch(color=GPU_COLORS[0], label="GPU step"))
     fig.legend(handles=handles, loc="outside upper center", ncol=len(handles), fontsize="small", frameon=False)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
 
 
 def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, title: str) -> float:
