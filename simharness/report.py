@@ -71,7 +71,8 @@ def write_report(run_dir: Path) -> Path:
     if summary.empty:
         path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n" + failed)
         return path
-    recorded, steps_of, measured = _step_index(run_dir)
+    points = pa.array(summary["point"], pa.string())
+    recorded, steps_of, measured = _step_index(run_dir, points)
     by_concurrency = CONCURRENCY in scenario.sweep
     where, timeline_rows = _timeline_points(summary, by_concurrency)
     hil = _hil_points(summary, measured)
@@ -102,7 +103,7 @@ def write_report(run_dir: Path) -> Path:
         "## Speculation\n",
         _speculation_table(summary),
         "## Host sync points\n",
-        _sync_table(summary, run_dir, recorded, steps_of),
+        _sync_table(summary, run_dir, points, recorded, steps_of),
     ])
     if hil:
         device_syncs = read_points(run_dir, "device_syncs", points=set(hil))
@@ -285,16 +286,16 @@ def _speculation_table(summary: pd.DataFrame) -> str:
     )
 
 
-def _sync_table(summary: pd.DataFrame, run_dir: Path, recorded: pa.Table, steps_of: dict[str, int]) -> str:
+def _sync_table(summary: pd.DataFrame, run_dir: Path, points: pa.Array, recorded: pa.Array,
+                steps_of: dict[str, int]) -> str:
     """Per mode, over all its points: how often each sync point fires per step and how long it waits. One file of
     the points' syncs in memory at a time: a large sweep's need not fit."""
     keys = ["name", "phase", "waits_for"]
     mode_of = dict(zip(summary["point"], summary["mode"], strict=True))
-    recorded_keys = _step_keys(recorded)
     parts = []
     for s in point_tables(run_dir, "syncs", ["step", *keys, "start_s", "end_s"], set(mode_of)):
         # recorded steps only, as in metrics; aggregated in Arrow (a point's syncs are many rows of a few names)
-        s = s.filter(pc.is_in(_step_keys(s), value_set=recorded_keys))
+        s = s.filter(pc.is_in(_step_keys(s, points), value_set=recorded))
         wait_us = pc.multiply(pc.subtract(s["end_s"], s["start_s"]), 1e6)
         g = pa.table([s["point"], *(s[k] for k in keys), wait_us], names=["point", *keys, "wait_us"])
         g = g.group_by(["point", *keys], use_threads=False).aggregate([("wait_us", "count"), ("wait_us", "sum")])
@@ -320,25 +321,26 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, recorded: pa.Table, steps_
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
 
 
-def _step_index(run_dir: Path) -> tuple[pa.Table, dict[str, int], set[str]]:
-    """The recorded steps (point, step), each point's number of them, and the points whose steps have measured
-    device phases (hil)."""
+def _step_index(run_dir: Path, points: pa.Array) -> tuple[pa.Array, dict[str, int], set[str]]:
+    """The recorded steps of `points` (their `_step_keys`), each point's number of them, and the points whose
+    steps have measured device phases (hil)."""
     tables = list(point_tables(run_dir, "steps", ["step", "gpu_verify_s"]))
     if not tables:
-        return pa.table({"point": pa.array([], pa.string()), "step": pa.array([], pa.int64())}), {}, set()
+        return pa.array([], pa.int64()), {}, set()
     steps = pa.concat_tables(tables, promote_options="permissive")
     counts = steps.group_by("point", use_threads=False).aggregate([("step", "count")])
     measured = set()
     if "gpu_verify_s" in steps.column_names:
         measured = set(pc.unique(steps.filter(pc.is_valid(steps["gpu_verify_s"]))["point"]).to_pylist())
-    return (steps.select(["point", "step"]), dict(zip(counts["point"].to_pylist(), counts["step_count"].to_pylist(),
-                                                      strict=True)), measured)
+    return (_step_keys(steps, points), dict(zip(counts["point"].to_pylist(), counts["step_count"].to_pylist(),
+                                                strict=True)), measured)
 
 
-def _step_keys(table: pa.Table) -> pa.Array:
-    """Each row's (point, step) as one string, to match rows of two tables."""
-    step = pc.cast(table["step"], pa.string())
-    return pc.binary_join_element_wise(pc.cast(table["point"], pa.string()), step, "\x00")
+def _step_keys(table: pa.Table, points: pa.Array) -> pa.Array:
+    """Each row's (point, step) as one integer, to match rows of two tables: the point's place in `points` (null
+    for another point) above the step's 32 bits."""
+    place = pc.cast(pc.index_in(table["point"], value_set=points), pa.int64())
+    return pc.add(pc.shift_left(place, 32), pc.cast(table["step"], pa.int64()))
 
 
 def _hil_points(summary: pd.DataFrame, measured: set[str]) -> list[str]:
