@@ -114,9 +114,8 @@ def speculation_metrics(requests: pd.DataFrame, steps: pd.DataFrame, k: int) -> 
         "acceptance_rate": _ratio(accepted, draft_tokens) * 100,
         "mean_acceptance_length": 1 + accepted / num_drafts if num_drafts else 0.0,
     }
-    accepted_at = steps[[f"acc_pos_{i}" for i in range(k)]].to_numpy(dtype=np.float64).sum(axis=0)
     for i in range(k):
-        metrics[f"acceptance_rate_pos_{i}"] = _ratio(accepted_at[i], num_drafts)
+        metrics[f"acceptance_rate_pos_{i}"] = _ratio(_col(steps, f"acc_pos_{i}").sum(), num_drafts)
     return metrics
 
 

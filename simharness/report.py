@@ -12,6 +12,7 @@ synchronizing CUDA operations caught, and measured vs modelled.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,9 +148,10 @@ def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
     if REPEAT in summary:
         summary = _collapse_repeats(run_dir, summary, scenario)
     paths = list(scenario.sweep)
-    summary["label"] = [point_label(row, paths) or scenario.name for _, row in summary.iterrows()]
+    rows = summary[[*paths, *(["effective_depth"] if "effective_depth" in summary else [])]].to_dict("records")
+    summary["label"] = [point_label(row, paths) or scenario.name for row in rows]
     others = [p for p in paths if p != CONCURRENCY]
-    summary["mode"] = [point_label(row, others) or scenario.name for _, row in summary.iterrows()]
+    summary["mode"] = [point_label(row, others) or scenario.name for row in rows]
     return summary
 
 
@@ -164,7 +166,7 @@ def _collapse_repeats(run_dir: Path, summary: pd.DataFrame, scenario: Scenario) 
     return collapsed
 
 
-def point_label(row: pd.Series, paths: list[str]) -> str:
+def point_label(row: pd.Series | dict, paths: list[str]) -> str:
     """A short label from swept values: strings as they are, others as `name=value`
     (`depth=2, ngram_gpu, optimistic`); a depth the engine fell back from shows `depth=2→1`."""
     parts = []
@@ -197,9 +199,11 @@ def _tail_key(summary: pd.DataFrame, metric: str) -> tuple[str, str] | None:
 def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    points = [p.id for p in sweep_points(scenario)]
-    missing = [p for p in points if p not in set(finished)]
-    count = f"{len(finished)} of {len(points)} points" if missing else f"{len(points)} point(s)"
+    total = math.prod(len(values) for values in scenario.sweep.values()) * scenario.repeats
+    # the finished points are points of the sweep: all there when as many (no need to expand the sweep)
+    done = set(finished)
+    missing = [] if len(done) == total else [p.id for p in sweep_points(scenario) if p.id not in done]
+    count = f"{len(finished)} of {total} points" if missing else f"{total} point(s)"
     run = f"Run `{run_dir.name}` of scenario `{scenario.name}`, seed {scenario.seed}, {count}"
     if scenario.repeats > 1:
         run += (f", each run {scenario.repeats} times (seeds {scenario.seed}…{scenario.seed + scenario.repeats - 1}): "
@@ -255,7 +259,7 @@ def _summary_table(summary: pd.DataFrame) -> str:
     rows = [
         [row["label"], *(_cell(row.get(key), fmt, row.get(f"ci_low.{key}"), row.get(f"ci_high.{key}"))
                          for _, key, fmt in cols), row["note"]]
-        for _, row in table.iterrows()
+        for row in table.to_dict("records")
     ]
     return _markdown_table(["point", *(h for h, _, _ in cols), "notes"], rows)
 
@@ -276,7 +280,7 @@ def _speculation_table(summary: pd.DataFrame) -> str:
          _cell(row["scheduled_draft_tokens"], "{:,.0f}"), _cell(row["acceptance_rate"], "{:.1f}"),
          _cell(100 * row["accepted_tokens"] / row["scheduled_draft_tokens"], "{:.1f}"),
          " / ".join(_cell(row.get(f"acceptance_rate_pos_{i}"), "{:.2f}") for i in range(k))]
-        for _, row in drafted.iterrows()
+        for row in drafted.to_dict("records")
     ]
     headers = ["point", "drafts", "draft tokens", "scheduled slots", "accept %", "accept % of scheduled",
                "acceptance by position"]
