@@ -120,9 +120,12 @@ def point_tables(run_dir: Path, name: str, columns: list[str] | None = None,
                  points: set[str] | None = None) -> Iterator[pa.Table]:
     """Table `name` of the run's finished points (of `points` only, when given), a file at a time, `point` first:
     from the points' batches or own files, else (a committed run may keep only those) the run-level table."""
-    parts = _parts(run_dir, name, finished_ids(run_dir))
+    ids = finished_ids(run_dir)
+    parts = _parts(run_dir, name, ids)
     if not parts and (run_dir / f"{name}.parquet").is_file():
         parts = [_Part(run_dir / f"{name}.parquet", [])]
+    if points is not None:  # only the files holding one of them (the first anyway: its columns)
+        parts = [p for p in parts if p.own in points or any(ids[i] in points for i in p.indices)] or parts[:1]
     for part in parts:
         table = _read_part(part, columns, points)
         if table.num_rows or part is parts[0]:

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+from matplotlib import rcParams
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -57,6 +58,7 @@ DPI = 110
 PANEL = (5.5, 4.0)  # inches a metric plot's panel takes, margins included
 PANEL_MARGINS = (0.75, 0.15, 0.55, 0.15)  # left, right, bottom, top inches of a panel: ticks and labels
 LEGEND_GAP = 0.1  # inches between the last panel and the legend beside it
+TIMELINE_MARGINS = (0.45, 0.15, 0.5, 0.55, 0.3)  # left, right, bottom, top (legend) inches and between panels (title)
 TIMELINE_PANELS = 8  # at most this many timelines (a panel each, 1.3 inches tall), evenly spaced over the points
 
 
@@ -476,11 +478,12 @@ def _draw_lines(ax: Axes, summary: pd.DataFrame, lines: ModeLines, column: str, 
     """One line per mode against concurrency (log2 axis); error bars only where there are intervals."""
     x, y = summary[CONCURRENCY].to_numpy()[lines.order], summary[column].to_numpy(dtype=np.float64)[lines.order]
     errors = _error_bars(summary, column)
+    colors = rcParams["axes.prop_cycle"].by_key()["color"]  # the colours lines take in turn, resolved once
     for i, mode in enumerate(lines.modes):
         rows = slice(lines.bounds[i], lines.bounds[i + 1])
         # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
         # thinner, with a smaller open or filled marker of another shape, in another dash pattern
-        style = dict(color=f"C{i}", marker=MARKERS[i % len(MARKERS)], label=mode,
+        style = dict(color=colors[i % len(colors)], marker=MARKERS[i % len(MARKERS)], label=mode,
                      linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=max(0.8, 2.2 - 0.3 * i),
                      markersize=max(3.0, 9.0 - 1.2 * i), fillstyle="none" if i % 2 else "full", zorder=2 + i)
         if errors is None:
@@ -563,8 +566,14 @@ def _timeline_points(summary: pd.DataFrame, by_concurrency: bool) -> tuple[str, 
 
 
 def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, path: Path) -> None:
-    fig = Figure(figsize=(11, 0.8 + 1.3 * len(rows)), layout="constrained")
+    """A panel per point, the legend above them; laid out by fixed margins (the panels' labels are of known size)."""
+    height = 0.8 + 1.3 * len(rows)
+    fig = Figure(figsize=(11, height))
     axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    left, right, bottom, top, gap = TIMELINE_MARGINS
+    panel = (height - top - bottom - gap * (len(rows) - 1)) / len(rows)
+    fig.subplots_adjust(left=left / 11, right=1 - right / 11, bottom=bottom / height, top=1 - top / height,
+                        hspace=gap / panel)
     longest = 0.0
     for ax, (_, row) in zip(axes, rows.iterrows(), strict=True):
         point_steps = steps[steps["point"] == row["point"]] if len(steps) else steps
@@ -574,7 +583,7 @@ def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame,
     axes[-1].set_xlabel("time from window start (ms)")
     handles = [Patch(color=color, label=label) for label, color in HOST_COLORS.values()]
     handles.append(Patch(color=GPU_COLORS[0], label="GPU step"))
-    fig.legend(handles=handles, loc="outside upper center", ncol=len(handles), fontsize="small", frameon=False)
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize="small", frameon=False)
     fig.savefig(path, dpi=DPI)
 
 
