@@ -27,6 +27,9 @@ LOADS = ("workload.concurrency", "workload.rate")
 THROUGHPUT, TPOT = "output_throughput", "mean_tpot_ms"
 # what each metric's best is, and the word for its crossover
 METRICS = {THROUGHPUT: ("throughput", max), TPOT: ("tpot", min)}
+PLOT_ROW = 3.2  # inches a group's row of panels takes in frontier.png
+PLOT_LEGEND = 0.45  # inches of the ks' legend above the rows
+PLOT_MARGINS = (0.7, 0.15, 0.55, 0.3)  # left, right, bottom, top inches of a panel: ticks, labels and title
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ def speculation_frontier(summary: pd.DataFrame, swept: list[str]) -> Frontier:
         raise ScenarioError("the run has no finished sweep point yet")
     if not (summary[K] == 0).any():
         raise ScenarioError(f"sweep.{K}: has no finished point at k = 0, the baseline speculation is measured against")
-    points = aggregate(summary, [THROUGHPUT, TPOT])
+    # the columns the frontier reads: a summary row's hundred others cost most of the aggregation
+    points = aggregate(summary[["point", *groups, load, K, THROUGHPUT, TPOT]], [THROUGHPUT, TPOT])
     keep = [*groups, load, K, "repeats"] + [f"{p}{m}" for m in (THROUGHPUT, TPOT) for p in ("", "ci_low.", "ci_high.")]
     points = points[keep].sort_values([*groups, load, K], ignore_index=True)
     rows, crossings = [], []
@@ -180,32 +184,45 @@ def _batch_size(fr: Frontier, summary: pd.DataFrame, row: pd.Series) -> int:
 
 def plot_frontier(fr: Frontier, path: Path) -> None:
     """TPOT and output throughput against load, a line per k (whiskers: intervals over repeats), one row of two
-    panels per group; a dotted line marks the crossover of each panel's metric."""
+    panels per group, the ks' legend once above them (every panel draws k in the same style); a dotted line
+    marks the crossover of each panel's metric, named in the panel's own legend. Laid out by fixed margins."""
     from matplotlib.figure import Figure  # ~0.5 s that `import simharness` (and a worker process) skips
 
     groups = [pts for _, pts in fr.points.groupby(fr.groups, sort=False)] if fr.groups else [fr.points]
-    fig = Figure(figsize=(10, 3.2 * len(groups)))
-    axes = fig.subplots(len(groups), 2, squeeze=False)
+    width, height = 10.0, PLOT_ROW * len(groups) + PLOT_LEGEND
+    fig = Figure(figsize=(width, height))
     panels = [(TPOT, "tpot", "mean TPOT (ms)"), (THROUGHPUT, "throughput", "output throughput (tok/s)")]
-    for pts, row_axes, crossing in zip(groups, axes, fr.crossovers.to_dict("records"), strict=True):
+    left, right, bottom, top = PLOT_MARGINS
+    for row, (pts, crossing) in enumerate(zip(groups, fr.crossovers.to_dict("records"), strict=True)):
         title = group_label(pts.iloc[0], fr.groups)
-        for ax, (metric, name, ylabel) in zip(row_axes, panels, strict=True):
-            for k, line in pts.groupby(K, sort=True):
-                x, y = line[fr.load].to_numpy(dtype=float), line[metric].to_numpy(dtype=float)
-                err = np.abs(np.vstack([y - line[f"ci_low.{metric}"], line[f"ci_high.{metric}"] - y]))
-                ax.errorbar(x, y, yerr=err if line["repeats"].max() > 1 else None, marker="o", markersize=3,
-                            capsize=2, label=f"k={k}", color="black" if k == 0 else None,
-                            linestyle="--" if k == 0 else "-")
+        ks, x, repeats = pts[K].to_numpy(), pts[fr.load].to_numpy(dtype=float), pts["repeats"].to_numpy()
+        y0 = height - PLOT_LEGEND - (row + 1) * PLOT_ROW + bottom  # rows from the top
+        for column, (metric, name, ylabel) in enumerate(panels):
+            ax = fig.add_axes(((column * width / 2 + left) / width, y0 / height, (width / 2 - left - right) / width,
+                               (PLOT_ROW - bottom - top) / height))
+            y = pts[metric].to_numpy(dtype=float)
+            err = np.abs(np.vstack([y - pts[f"ci_low.{metric}"], pts[f"ci_high.{metric}"] - y]))
+            for k in np.unique(ks):  # points are sorted by load within each k
+                line = ks == k
+                style = dict(marker="o", markersize=3, label=f"k={k}", color="black" if k == 0 else None,
+                             linestyle="--" if k == 0 else "-")
+                if repeats[line].max() > 1:
+                    ax.errorbar(x[line], y[line], yerr=err[:, line], capsize=2, **style)
+                else:
+                    ax.plot(x[line], y[line], **style)
+            if row == 0 and column == 0:
+                handles, labels = ax.get_legend_handles_labels()
+                fig.legend(handles, labels, loc="upper center", ncols=-(-len(labels) // 2), fontsize=7,
+                           frameon=False)
             at = crossing[f"crossover_{name}"]
             if np.isfinite(at):
-                ax.axvline(at, color="tab:red", linestyle=":", label=f"stops paying ({at:g})")
+                ax.legend(handles=[ax.axvline(at, color="tab:red", linestyle=":", label=f"stops paying ({at:g})")],
+                          fontsize=7)
             ax.set_xscale("log", base=2)
             ax.set_xlabel(fr.load.rsplit(".", 1)[-1])
             ax.set_ylabel(ylabel)
-            ax.set_title(title, fontsize=9)
+            ax.set_title(title, fontsize=9, y=1.0)  # where it goes anyway; placed, it is not measured at each draw
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 

@@ -45,6 +45,21 @@ def finished_rows(run_dir: Path) -> dict[int, dict]:
             for i in sorted(finished_points(run_dir))}
 
 
+def finished_ids(run_dir: Path) -> dict[int, str]:
+    """The finished points' ids, by index: as the batches list them (a point's summary row is read only where no
+    batch lists it, a run written before batches)."""
+    done = finished_points(run_dir)
+    ids = {index: pid for batch in batch_dirs(run_dir) for index, pid in _manifest(batch) if index in done}
+    ids.update({i: json.loads((point_dir(run_dir, i) / "summary.json").read_text())["point"]
+                for i in done - ids.keys()})
+    return dict(sorted(ids.items()))
+
+
+def _manifest(batch: Path) -> list[tuple[int, str]]:
+    """The (index, id) of the points a batch holds, in its files' order."""
+    return [(index, pid) for index, pid in json.loads((batch / "points.json").read_text())]
+
+
 def point_table(run_dir: Path, index: int, name: str) -> Path | None:
     """A point's own file of table `name` (a run written before batches), or None where it has none."""
     path = point_dir(run_dir, index) / f"{name}.parquet"
@@ -73,7 +88,7 @@ def _parts(run_dir: Path, name: str, point_of: dict[int, str]) -> list[_Part]:
     rows from its own file if it has one, else from the last batch listing it."""
     own = {i: path for i in sorted(point_of) if (path := point_table(run_dir, i, name))}
     parts = [_Part(path, [i], own=point_of[i]) for i, path in own.items()]
-    manifests = [json.loads((batch / "points.json").read_text()) for batch in batch_dirs(run_dir)]
+    manifests = [_manifest(batch) for batch in batch_dirs(run_dir)]
     last = {index: n for n, manifest in enumerate(manifests) for index, _ in manifest}
     for n, batch in enumerate(batch_dirs(run_dir)):
         kept = [(i, pid) for i, pid in manifests[n] if i in point_of and i not in own and last[i] == n]
@@ -105,10 +120,12 @@ def point_tables(run_dir: Path, name: str, columns: list[str] | None = None,
                  points: set[str] | None = None) -> Iterator[pa.Table]:
     """Table `name` of the run's finished points (of `points` only, when given), a file at a time, `point` first:
     from the points' batches or own files, else (a committed run may keep only those) the run-level table."""
-    point_of = {i: row["point"] for i, row in finished_rows(run_dir).items()}
-    parts = _parts(run_dir, name, point_of)
+    ids = finished_ids(run_dir)
+    parts = _parts(run_dir, name, ids)
     if not parts and (run_dir / f"{name}.parquet").is_file():
         parts = [_Part(run_dir / f"{name}.parquet", [])]
+    if points is not None:  # only the files holding one of them (the first anyway: its columns)
+        parts = [p for p in parts if p.own in points or any(ids[i] in points for i in p.indices)] or parts[:1]
     for part in parts:
         table = _read_part(part, columns, points)
         if table.num_rows or part is parts[0]:

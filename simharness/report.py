@@ -12,13 +12,16 @@ synchronizing CUDA operations caught, and measured vs modelled.
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+from matplotlib import rcParams
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -51,6 +54,11 @@ GPU_COLORS = ("slategray", "lightslategray")  # alternate so back-to-back steps 
 MARKERS = "os^Dv<>p"
 LINESTYLES = ("-", "--", ":", "-.")
 LEGEND_ROWS = 18  # legend entries a column holds beside a plot 4 inches tall
+DPI = 110
+PANEL = (5.5, 4.0)  # inches a metric plot's panel takes, margins included
+PANEL_MARGINS = (0.85, 0.15, 0.55, 0.15)  # left, right, bottom, top inches of a panel: ticks and labels
+LEGEND_GAP = 0.1  # inches between the last panel and the legend beside it
+TIMELINE_MARGINS = (0.45, 0.15, 0.5, 0.55, 0.3)  # left, right, bottom, top (legend) inches and between panels (title)
 TIMELINE_PANELS = 8  # at most this many timelines (a panel each, 1.3 inches tall), evenly spaced over the points
 
 
@@ -66,7 +74,8 @@ def write_report(run_dir: Path) -> Path:
     if summary.empty:
         path.write_text(_header(run_dir, scenario, []) + "\nNo finished sweep points yet.\n" + failed)
         return path
-    recorded, steps_of, measured = _step_index(run_dir)
+    points = pa.array(summary["point"], pa.string())
+    recorded, steps_of, measured = _step_index(run_dir, points)
     by_concurrency = CONCURRENCY in scenario.sweep
     where, timeline_rows = _timeline_points(summary, by_concurrency)
     hil = _hil_points(summary, measured)
@@ -75,10 +84,7 @@ def write_report(run_dir: Path) -> Path:
     write_traces(run_dir, set(timeline_rows["point"]))
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
-    _plot_tpot(summary, by_concurrency, plots / "tpot.png")
-    _plot_single(summary, by_concurrency, "output_throughput", "output throughput (tok/s)", plots / "throughput.png")
-    _plot_single(summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100), by_concurrency, "gpu_busy_pct",
-                 "GPU busy (%)", plots / "gpu_busy.png")
+    _plot_metrics(summary, by_concurrency, plots)
     n = scenario.report.timeline_steps
     _plot_timeline(timeline_rows, steps, syncs, n, plots / "timeline.png")
     text = "\n".join([
@@ -100,7 +106,7 @@ def write_report(run_dir: Path) -> Path:
         "## Speculation\n",
         _speculation_table(summary),
         "## Host sync points\n",
-        _sync_table(summary, run_dir, recorded, steps_of),
+        _sync_table(summary, run_dir, points, recorded, steps_of),
     ])
     if hil:
         device_syncs = read_points(run_dir, "device_syncs", points=set(hil))
@@ -144,9 +150,10 @@ def _read_summary(run_dir: Path, scenario: Scenario) -> pd.DataFrame:
     if REPEAT in summary:
         summary = _collapse_repeats(run_dir, summary, scenario)
     paths = list(scenario.sweep)
-    summary["label"] = [point_label(row, paths) or scenario.name for _, row in summary.iterrows()]
+    rows = summary[[*paths, *(["effective_depth"] if "effective_depth" in summary else [])]].to_dict("records")
+    summary["label"] = [point_label(row, paths) or scenario.name for row in rows]
     others = [p for p in paths if p != CONCURRENCY]
-    summary["mode"] = [point_label(row, others) or scenario.name for _, row in summary.iterrows()]
+    summary["mode"] = [point_label(row, others) or scenario.name for row in rows]
     return summary
 
 
@@ -161,7 +168,7 @@ def _collapse_repeats(run_dir: Path, summary: pd.DataFrame, scenario: Scenario) 
     return collapsed
 
 
-def point_label(row: pd.Series, paths: list[str]) -> str:
+def point_label(row: pd.Series | dict, paths: list[str]) -> str:
     """A short label from swept values: strings as they are, others as `name=value`
     (`depth=2, ngram_gpu, optimistic`); a depth the engine fell back from shows `depth=2→1`."""
     parts = []
@@ -194,9 +201,11 @@ def _tail_key(summary: pd.DataFrame, metric: str) -> tuple[str, str] | None:
 def _header(run_dir: Path, scenario: Scenario, finished: list[str]) -> str:
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    points = [p.id for p in sweep_points(scenario)]
-    missing = [p for p in points if p not in set(finished)]
-    count = f"{len(finished)} of {len(points)} points" if missing else f"{len(points)} point(s)"
+    total = math.prod(len(values) for values in scenario.sweep.values()) * scenario.repeats
+    # the finished points are points of the sweep: all there when as many (no need to expand the sweep)
+    done = set(finished)
+    missing = [] if len(done) == total else [p.id for p in sweep_points(scenario) if p.id not in done]
+    count = f"{len(finished)} of {total} points" if missing else f"{total} point(s)"
     run = f"Run `{run_dir.name}` of scenario `{scenario.name}`, seed {scenario.seed}, {count}"
     if scenario.repeats > 1:
         run += (f", each run {scenario.repeats} times (seeds {scenario.seed}…{scenario.seed + scenario.repeats - 1}): "
@@ -252,7 +261,7 @@ def _summary_table(summary: pd.DataFrame) -> str:
     rows = [
         [row["label"], *(_cell(row.get(key), fmt, row.get(f"ci_low.{key}"), row.get(f"ci_high.{key}"))
                          for _, key, fmt in cols), row["note"]]
-        for _, row in table.iterrows()
+        for row in table.to_dict("records")
     ]
     return _markdown_table(["point", *(h for h, _, _ in cols), "notes"], rows)
 
@@ -273,7 +282,7 @@ def _speculation_table(summary: pd.DataFrame) -> str:
          _cell(row["scheduled_draft_tokens"], "{:,.0f}"), _cell(row["acceptance_rate"], "{:.1f}"),
          _cell(100 * row["accepted_tokens"] / row["scheduled_draft_tokens"], "{:.1f}"),
          " / ".join(_cell(row.get(f"acceptance_rate_pos_{i}"), "{:.2f}") for i in range(k))]
-        for _, row in drafted.iterrows()
+        for row in drafted.to_dict("records")
     ]
     headers = ["point", "drafts", "draft tokens", "scheduled slots", "accept %", "accept % of scheduled",
                "acceptance by position"]
@@ -283,16 +292,16 @@ def _speculation_table(summary: pd.DataFrame) -> str:
     )
 
 
-def _sync_table(summary: pd.DataFrame, run_dir: Path, recorded: pa.Table, steps_of: dict[str, int]) -> str:
+def _sync_table(summary: pd.DataFrame, run_dir: Path, points: pa.Array, recorded: pa.Array,
+                steps_of: dict[str, int]) -> str:
     """Per mode, over all its points: how often each sync point fires per step and how long it waits. One file of
     the points' syncs in memory at a time: a large sweep's need not fit."""
     keys = ["name", "phase", "waits_for"]
     mode_of = dict(zip(summary["point"], summary["mode"], strict=True))
-    recorded_keys = _step_keys(recorded)
     parts = []
     for s in point_tables(run_dir, "syncs", ["step", *keys, "start_s", "end_s"], set(mode_of)):
         # recorded steps only, as in metrics; aggregated in Arrow (a point's syncs are many rows of a few names)
-        s = s.filter(pc.is_in(_step_keys(s), value_set=recorded_keys))
+        s = s.filter(pc.is_in(_step_keys(s, points), value_set=recorded))
         wait_us = pc.multiply(pc.subtract(s["end_s"], s["start_s"]), 1e6)
         g = pa.table([s["point"], *(s[k] for k in keys), wait_us], names=["point", *keys, "wait_us"])
         g = g.group_by(["point", *keys], use_threads=False).aggregate([("wait_us", "count"), ("wait_us", "sum")])
@@ -318,25 +327,26 @@ def _sync_table(summary: pd.DataFrame, run_dir: Path, recorded: pa.Table, steps_
     return _markdown_table(headers, rows) + "\nOver all points of each mode.\n"
 
 
-def _step_index(run_dir: Path) -> tuple[pa.Table, dict[str, int], set[str]]:
-    """The recorded steps (point, step), each point's number of them, and the points whose steps have measured
-    device phases (hil)."""
+def _step_index(run_dir: Path, points: pa.Array) -> tuple[pa.Array, dict[str, int], set[str]]:
+    """The recorded steps of `points` (their `_step_keys`), each point's number of them, and the points whose
+    steps have measured device phases (hil)."""
     tables = list(point_tables(run_dir, "steps", ["step", "gpu_verify_s"]))
     if not tables:
-        return pa.table({"point": pa.array([], pa.string()), "step": pa.array([], pa.int64())}), {}, set()
+        return pa.array([], pa.int64()), {}, set()
     steps = pa.concat_tables(tables, promote_options="permissive")
     counts = steps.group_by("point", use_threads=False).aggregate([("step", "count")])
     measured = set()
     if "gpu_verify_s" in steps.column_names:
         measured = set(pc.unique(steps.filter(pc.is_valid(steps["gpu_verify_s"]))["point"]).to_pylist())
-    return (steps.select(["point", "step"]), dict(zip(counts["point"].to_pylist(), counts["step_count"].to_pylist(),
-                                                      strict=True)), measured)
+    return (_step_keys(steps, points), dict(zip(counts["point"].to_pylist(), counts["step_count"].to_pylist(),
+                                                strict=True)), measured)
 
 
-def _step_keys(table: pa.Table) -> pa.Array:
-    """Each row's (point, step) as one string, to match rows of two tables."""
-    step = pc.cast(table["step"], pa.string())
-    return pc.binary_join_element_wise(pc.cast(table["point"], pa.string()), step, "\x00")
+def _step_keys(table: pa.Table, points: pa.Array) -> pa.Array:
+    """Each row's (point, step) as one integer, to match rows of two tables: the point's place in `points` (null
+    for another point) above the step's 32 bits."""
+    place = pc.cast(pc.index_in(table["point"], value_set=points), pa.int64())
+    return pc.add(pc.shift_left(place, 32), pc.cast(table["step"], pa.int64()))
 
 
 def _hil_points(summary: pd.DataFrame, measured: set[str]) -> list[str]:
@@ -418,62 +428,118 @@ def _markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 # plots
 
 
-def _plot_tpot(summary: pd.DataFrame, by_concurrency: bool, path: Path) -> None:
-    panels = [("mean_tpot_ms", "mean TPOT (ms)")]
+def _plot_metrics(summary: pd.DataFrame, by_concurrency: bool, plots: Path) -> None:
+    """tpot.png (mean and tail TPOT), throughput.png and gpu_busy.png: a line per mode against concurrency, the
+    modes' legend beside the panels, when concurrency is swept; else a bar per point. The legend is laid out and
+    drawn once, as an image each plot pastes at the same place (a legend of a hundred modes cost more than the
+    plot it stands beside, three times over)."""
+    summary = summary.assign(gpu_busy_pct=summary["gpu_busy_fraction"] * 100)
+    tpot = [("mean_tpot_ms", "mean TPOT (ms)")]
     tail = _tail_key(summary, "tpot")
     if tail is not None:
-        panels.append((tail[0], f"{tail[1]} TPOT (ms)"))
-    fig = Figure(figsize=(5.5 * len(panels) + _legend_width(summary, by_concurrency), 4), layout="constrained")
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (column, ylabel) in zip(axes, panels, strict=True):
-        _draw_metric(ax, summary, column, ylabel, by_concurrency, legend=ax is axes[-1])
-    fig.savefig(path, dpi=110)
+        tpot.append((tail[0], f"{tail[1]} TPOT (ms)"))
+    figures = {"tpot": tpot, "throughput": [("output_throughput", "output throughput (tok/s)")],
+               "gpu_busy": [("gpu_busy_pct", "GPU busy (%)")]}
+    lines = ModeLines.of(summary) if by_concurrency else None
+    legend = None
+    for name, panels in figures.items():
+        if lines is None:
+            fig = Figure(figsize=(5.5 * len(panels), 4), layout="constrained")
+            for ax, (column, ylabel) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+                _draw_bars(ax, summary, column, ylabel)
+        else:
+            fig = Figure(dpi=DPI)
+            axes = [fig.add_subplot() for _ in panels]
+            for ax, (column, ylabel) in zip(axes, panels, strict=True):
+                _draw_lines(ax, summary, lines, column, ylabel)
+            if legend is None:
+                legend = legend_image(*axes[-1].get_legend_handles_labels(), ncols=-(-len(lines.modes) // LEGEND_ROWS))
+            _place_beside(fig, axes, legend)
+        fig.savefig(plots / f"{name}.png", dpi=DPI)
 
 
-def _plot_single(summary: pd.DataFrame, by_concurrency: bool, column: str, ylabel: str, path: Path) -> None:
-    fig = Figure(figsize=(5.5 + _legend_width(summary, by_concurrency), 4), layout="constrained")
-    _draw_metric(fig.subplots(), summary, column, ylabel, by_concurrency)
-    fig.savefig(path, dpi=110)
+@dataclass(frozen=True)
+class ModeLines:
+    """A sweep over concurrency as lines: mode i's rows of the summary, by concurrency, are
+    `order[bounds[i]:bounds[i + 1]]` (modes in the order they first appear)."""
+
+    modes: list[str]
+    order: np.ndarray
+    bounds: np.ndarray
+
+    @classmethod
+    def of(cls, summary: pd.DataFrame) -> ModeLines:
+        codes, modes = pd.factorize(summary["mode"].astype(str))
+        order = np.lexsort((summary[CONCURRENCY].to_numpy(), codes))
+        return cls(list(modes), order, np.searchsorted(codes[order], np.arange(len(modes) + 1)))
 
 
-def _legend_width(summary: pd.DataFrame, by_concurrency: bool) -> float:
-    """Inches the legend of the modes takes beside the plot: its columns of LEGEND_ROWS entries at small type."""
-    if not by_concurrency:
-        return 0.0
-    modes = summary["mode"].astype(str).unique()
-    columns = -(-len(modes) // LEGEND_ROWS)
-    return columns * (0.8 + 0.07 * max(len(m) for m in modes))
+def _draw_lines(ax: Axes, summary: pd.DataFrame, lines: ModeLines, column: str, ylabel: str) -> None:
+    """One line per mode against concurrency (log2 axis); error bars only where there are intervals."""
+    x, y = summary[CONCURRENCY].to_numpy()[lines.order], summary[column].to_numpy(dtype=np.float64)[lines.order]
+    errors = _error_bars(summary, column)
+    colors = rcParams["axes.prop_cycle"].by_key()["color"]  # the colours lines take in turn, resolved once
+    for i, mode in enumerate(lines.modes):
+        rows = slice(lines.bounds[i], lines.bounds[i + 1])
+        # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
+        # thinner, with a smaller open or filled marker of another shape, in another dash pattern
+        style = dict(color=colors[i % len(colors)], marker=MARKERS[i % len(MARKERS)], label=mode,
+                     linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=max(0.8, 2.2 - 0.3 * i),
+                     markersize=max(3.0, 9.0 - 1.2 * i), fillstyle="none" if i % 2 else "full", zorder=2 + i)
+        if errors is None:
+            ax.plot(x[rows], y[rows], **style)
+        else:
+            ax.errorbar(x[rows], y[rows], yerr=errors[:, lines.order[rows]], capsize=3, **style)
+    xs = sorted(summary[CONCURRENCY].unique())
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrency")
+    _finish_axes(ax, summary, column, ylabel)
 
 
-def _draw_metric(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str, by_concurrency: bool,
-                 legend: bool = True) -> None:
-    """One line per mode against concurrency (log2 axis), the legend beside the plot, never over the lines; or
-    one bar per point."""
-    if by_concurrency:
-        for i, (mode, rows) in enumerate(summary.groupby("mode", sort=False)):
-            rows = rows.sort_values(CONCURRENCY)
-            # modes whose lines coincide (depth 1 under either policy) stay visible: each later line is drawn
-            # thinner, with a smaller open or filled marker of another shape, in another dash pattern
-            ax.errorbar(rows[CONCURRENCY], rows[column], yerr=_error_bars(rows, column), capsize=3,
-                        marker=MARKERS[i % len(MARKERS)], label=mode, linestyle=LINESTYLES[i % len(LINESTYLES)],
-                        linewidth=max(0.8, 2.2 - 0.3 * i), markersize=max(3.0, 9.0 - 1.2 * i),
-                        fillstyle="none" if i % 2 else "full", zorder=2 + i)
-        xs = sorted(summary[CONCURRENCY].unique())
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrency")
-        if legend:
-            modes = summary["mode"].nunique()
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0,
-                      ncols=-(-modes // LEGEND_ROWS))
-    else:
-        ax.bar(range(len(summary)), summary[column], yerr=_error_bars(summary, column), color="tab:blue", capsize=3)
-        ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
+def _draw_bars(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str) -> None:
+    ax.bar(range(len(summary)), summary[column], yerr=_error_bars(summary, column), color="tab:blue", capsize=3)
+    ax.set_xticks(range(len(summary)), summary["label"], rotation=20, ha="right", fontsize="small")
+    _finish_axes(ax, summary, column, ylabel)
+
+
+def _finish_axes(ax: Axes, summary: pd.DataFrame, column: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     top = summary[f"ci_high.{column}"] if f"ci_high.{column}" in summary else summary[column]
     ax.set_ylim(0, 1.08 * float(top.max()) or 1.0)
     ax.grid(alpha=0.3)
+
+
+def legend_image(handles: list, labels: list[str], **options: object) -> np.ndarray:
+    """A legend of `handles` drawn alone, at DPI, as an RGBA image just its size (1 px of margin), to paste into
+    figures drawn at DPI (`Figure.figimage`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import IdentityTransform
+
+    fig = Figure(dpi=DPI)
+    legend = fig.legend(handles, labels, fontsize="small", loc="lower left", bbox_to_anchor=(1, 1),
+                        bbox_transform=IdentityTransform(), borderaxespad=0, **options)
+    canvas = FigureCanvasAgg(fig)
+    box = legend.get_window_extent(canvas.get_renderer())
+    fig.set_size_inches((np.ceil(box.width) + 2) / DPI, (np.ceil(box.height) + 2) / DPI)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba()).copy()
+
+
+def _place_beside(fig: Figure, axes: list[Axes], legend: np.ndarray) -> None:
+    """Size `fig` for its panels (PANEL inches wide each, in a row) and the legend image beside the last one, top
+    aligned; the margins hold the tick labels and axis labels (a fixed layout: nothing to measure)."""
+    left, right, bottom, top = PANEL_MARGINS
+    legend_h, legend_w = legend.shape[0] / DPI, legend.shape[1] / DPI
+    width = PANEL[0] * len(axes) + LEGEND_GAP + legend_w
+    height = max(PANEL[1], legend_h + top + bottom)
+    fig.set_size_inches(width, height)
+    for i, ax in enumerate(axes):
+        ax.set_position(((i * PANEL[0] + left) / width, bottom / height, (PANEL[0] - left - right) / width,
+                         (height - bottom - top) / height))
+    x = (len(axes) * PANEL[0] - right + LEGEND_GAP) * DPI
+    fig.figimage(legend, xo=round(x), yo=round((height - top - legend_h) * DPI), origin="upper")
 
 
 def _error_bars(rows: pd.DataFrame, column: str) -> np.ndarray | None:
@@ -500,8 +566,14 @@ def _timeline_points(summary: pd.DataFrame, by_concurrency: bool) -> tuple[str, 
 
 
 def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, path: Path) -> None:
-    fig = Figure(figsize=(11, 0.8 + 1.3 * len(rows)), layout="constrained")
+    """A panel per point, the legend above them; laid out by fixed margins (the panels' labels are of known size)."""
+    height = 0.8 + 1.3 * len(rows)
+    fig = Figure(figsize=(11, height))
     axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    left, right, bottom, top, gap = TIMELINE_MARGINS
+    panel = (height - top - bottom - gap * (len(rows) - 1)) / len(rows)
+    fig.subplots_adjust(left=left / 11, right=1 - right / 11, bottom=bottom / height, top=1 - top / height,
+                        hspace=gap / panel)
     longest = 0.0
     for ax, (_, row) in zip(axes, rows.iterrows(), strict=True):
         point_steps = steps[steps["point"] == row["point"]] if len(steps) else steps
@@ -511,8 +583,8 @@ def _plot_timeline(rows: pd.DataFrame, steps: pd.DataFrame, syncs: pd.DataFrame,
     axes[-1].set_xlabel("time from window start (ms)")
     handles = [Patch(color=color, label=label) for label, color in HOST_COLORS.values()]
     handles.append(Patch(color=GPU_COLORS[0], label="GPU step"))
-    fig.legend(handles=handles, loc="outside upper center", ncol=len(handles), fontsize="small", frameon=False)
-    fig.savefig(path, dpi=110)
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize="small", frameon=False)
+    fig.savefig(path, dpi=DPI)
 
 
 def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, title: str) -> float:
@@ -520,7 +592,7 @@ def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, t
     ax.set_yticks([0.5, 1.5], ["GPU", "host"])
     ax.set_ylim(0, 2)
     if steps.empty:
-        ax.set_title(f"{title}: no steps recorded", loc="left", fontsize="small")
+        ax.set_title(f"{title}: no steps recorded", loc="left", fontsize="small", y=1.0)
         return 0.0
     steps = steps.sort_values("step")
     first = min(len(steps) // 3, max(len(steps) - n, 0))
@@ -545,7 +617,7 @@ def _draw_timeline(ax: Axes, steps: pd.DataFrame, syncs: pd.DataFrame, n: int, t
     # the title names what the panel shows: every GPU step with a bar in it (the window's, and any step before or
     # after it that overlaps its edges, clipped)
     ax.set_title(f"{title}: GPU steps {gpu['step'].min()}–{gpu['step'].max()} in {span_ms:.2f} ms, "
-                 f"GPU busy {busy:.0%}", loc="left", fontsize="small")
+                 f"GPU busy {busy:.0%}", loc="left", fontsize="small", y=1.0)  # placed: not measured at each draw
     return span_ms
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from simharness.metrics import host_intervals
-from simharness.pointfiles import finished_rows, read_points
+from simharness.pointfiles import finished_ids, point_dir, read_points
 from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 from simharness.results import load_run_scenario
 
@@ -114,18 +114,18 @@ def write_traces(run_dir: Path, points: set[str] | None = None) -> list[Path]:
     steps and syncs; returns their paths. A run writes them for the points its report draws; the others cost
     ~10 ms each, so they are written when asked for (a sweep of tiny points would spend most of its time on
     them)."""
-    rows = finished_rows(run_dir)
-    wanted = {row["point"] for row in rows.values()} if points is None else points
+    ids = finished_ids(run_dir)
+    wanted = set(ids.values()) if points is None else points
     default = load_run_scenario(run_dir).report.trace_steps
     steps = read_points(run_dir, "steps", points=wanted)
     syncs = read_points(run_dir, "syncs", points=wanted)
     directory = run_dir / "traces"
     directory.mkdir(exist_ok=True)
     paths = []
-    for index, row in rows.items():
-        point = row["point"]
+    for index, point in ids.items():
         if point not in wanted or steps.empty:
             continue
+        row = json.loads((point_dir(run_dir, index) / "summary.json").read_text())
         limit = int(row.get("report.trace_steps", default))  # swept, or the run's
         events = trace_events(_of(steps, point), _of(syncs, point), max_steps=limit)
         path = directory / f"{index:04d}_{_slug(point)}.json"

@@ -50,3 +50,21 @@ def test_an_empty_run_has_typed_empty_emissions():
     emissions = Records(k=2, output_len=np.array([3])).emissions_frame()
     assert len(emissions) == 0
     assert [str(t) for t in emissions.dtypes] == ["int64", "int64", "float64", "int64"]
+
+
+def test_steps_frame_types_each_host_column_from_its_values():
+    """Host columns as the steps recorded them: ints, floats with NaN and inf, the measured phases as text; a run
+    without steps gives the columns with no rows."""
+    records = Records(k=1, output_len=np.array([5]))
+    assert list(records.steps_frame().columns) == [*STEP_COLUMNS, "acc_pos_0"]
+    for i in range(3):
+        s = step(i, table(req=[0], tokens=[1], prefill=[0], completes=[0], emitted=[1]))
+        s.gpu_end, s.measured = (np.inf if i == 2 else 0.5 * i), ("verify,sample" if i else "")
+        s.set_device_phases([0.1, np.nan if i == 1 else 0.2, 0.3, 0.4, 0.5])
+        records.add_step(s, float(i))
+    frame = records.steps_frame()
+    assert frame["step"].dtype == np.int64 and frame["in_flight"].dtype == np.int64
+    assert frame["gpu_end"].tolist() == [0.0, 0.5, np.inf] and frame["gpu_verify_s"].isna().tolist() == [0, 1, 0]
+    assert frame["measured"].dtype == "str" and frame["measured"].tolist() == ["", "verify,sample", "verify,sample"]
+    assert frame["harness_s"].dtype == np.float64 and frame["harness_s"].isna().all()
+    assert [c for c in frame.columns if c in HOST_COLUMNS] == HOST_COLUMNS

@@ -232,17 +232,19 @@ def test_coinciding_lines_stay_distinct() -> None:
     dash, so both are seen."""
     from matplotlib.figure import Figure
 
-    from simharness.report import _draw_metric
+    from simharness.report import ModeLines, _draw_lines
 
-    summary = pd.DataFrame({"mode": ["wait"] * 2 + ["optimistic"] * 2, "workload.concurrency": [1, 4, 1, 4],
-                            "mean_tpot_ms": [2.0, 3.0, 2.0, 3.0]})
+    summary = pd.DataFrame({"mode": ["wait"] * 2 + ["optimistic"] * 2, "workload.concurrency": [4, 1, 1, 4],
+                            "mean_tpot_ms": [3.0, 2.0, 2.0, 3.0]})
     ax = Figure().subplots()
-    _draw_metric(ax, summary, "mean_tpot_ms", "TPOT", by_concurrency=True)
+    _draw_lines(ax, summary, ModeLines.of(summary), "mean_tpot_ms", "TPOT")
     a, b = ax.get_lines()
-    assert list(a.get_ydata()) == list(b.get_ydata())
+    assert list(a.get_xdata()) == list(b.get_xdata()) == [1, 4]  # each line by concurrency
+    assert list(a.get_ydata()) == list(b.get_ydata()) == [2.0, 3.0]
     assert a.get_marker() != b.get_marker() and a.get_linestyle() != b.get_linestyle()
     assert a.get_markersize() > b.get_markersize() and a.get_fillstyle() != b.get_fillstyle()
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["wait", "optimistic"]
+    assert a.get_color() != b.get_color()
+    assert ax.get_legend_handles_labels()[1] == ["wait", "optimistic"]
 
 
 def test_timeline_title_names_the_steps_drawn() -> None:
@@ -269,26 +271,32 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_many_modes_keep_their_legend_beside_the_lines(tmp_path, monkeypatch) -> None:
-    """40 modes: the legend is whole inside the image and covers no part of the plot."""
+    """40 modes: every plot pastes the one legend image, whole inside the image and over no part of a plot; the
+    legend holds every mode."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from simharness.report import _plot_single, _plot_tpot
+    import simharness.report as report
 
     modes = [f"ngram_gpu, optimistic, depth={d}, k={k}" for d in range(1, 6) for k in range(1, 9)]
     summary = pd.DataFrame([{"mode": m, "workload.concurrency": c, "mean_tpot_ms": i + c, "p99_tpot_ms": i + 2 * c,
-                             "output_throughput": 100.0 * c} for i, m in enumerate(modes) for c in (1, 4, 16)])
-    figures = []
+                             "output_throughput": 100.0 * c, "gpu_busy_fraction": 0.5}
+                            for i, m in enumerate(modes) for c in (1, 4, 16)])
+    figures, legends = [], []
     monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self))
-    _plot_single(summary, True, "output_throughput", "tok/s", tmp_path / "x.png")
-    _plot_tpot(summary, True, tmp_path / "y.png")
+    draw_legend = report.legend_image
+    monkeypatch.setattr(report, "legend_image", lambda handles, labels, **kw: legends.append(labels) or
+                        draw_legend(handles, labels, **kw))
+    report._plot_metrics(summary, True, tmp_path)
+    assert legends == [modes]  # drawn once
+    assert [len(fig.axes) for fig in figures] == [2, 1, 1]
     for fig in figures:
         FigureCanvasAgg(fig).draw()
-        (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]  # one legend a figure
-        box = legend.get_window_extent()
-        assert len(legend.get_texts()) == len(modes)
-        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
-        assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+        (image,) = fig.images
+        x0, x1, y0, y1 = image.get_extent()
+        assert (y1 - y0, x1 - x0) == image.get_array().shape[:2]
+        assert fig.bbox.x0 <= x0 and x1 <= fig.bbox.x1 and fig.bbox.y0 <= y0 and y1 <= fig.bbox.y1
+        assert all(ax.get_tightbbox().x1 < x0 for ax in fig.axes)
 
 
 def test_timeline_of_a_large_sweep_draws_a_few_evenly_spaced_points(tmp_path) -> None:
