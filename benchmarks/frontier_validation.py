@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from simharness.frontier import K, METRICS, THROUGHPUT, TPOT
+from simharness.frontier import METRICS, THROUGHPUT, TPOT, K
 
 NAMES = {THROUGHPUT: "throughput", TPOT: "tpot"}
 
