@@ -76,7 +76,8 @@ def main() -> None:
     (args.out / "settings.json").write_text(json.dumps({
         "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.level, "repeats": sc.repeats,
         "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds,
-        "run": json.loads((run_dir / "meta.json").read_text()) if args.run_dir else None}, indent=1))
+        "run": json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() and args.run_dir
+        else None}, indent=1))
     print(fr.crossovers.to_string(index=False))
     if compared:
         print(pd.concat(compared).round(2).to_string(index=False))
