@@ -6,11 +6,12 @@
     python benchmarks/frontier.py scenarios/frontier-8b.yaml --out /tmp/f --from RUN_DIR   # frontier of a finished run
 
 Runs the scenario's sweep over k and load (or reads RUN_DIR), writes its frontier, then, for each group (text mix),
-runs the derived k schedule over the same loads and compares it with each fixed k. The schedule runs at the sim
-level only for now (`engine.speculation.k_schedule`); at hil or real only the frontier is written. OUT gets
-frontier.csv (per group and load), points.csv (per group, load and k: medians and 95% intervals), crossovers.csv,
-frontier.png, schedule.yaml (the derived schedules), schedule.csv (schedule against fixed k per load) and
-settings.json (scenario, overrides, commit, seconds); with --keep-runs the run directories under OUT/runs.
+runs the derived k schedule (`engine.speculation.k_schedule`) over the same loads at the scenario's level (sim, hil
+or real) and compares it with each fixed k; --no-schedule writes the frontier only. OUT gets frontier.csv (per
+group and load), points.csv (per group, load and k: medians and 95% intervals), crossovers.csv, frontier.png,
+schedule.yaml (the derived schedules), schedule.csv (schedule against fixed k per load) and settings.json
+(scenario, overrides, commit, seconds, and with --from the run's meta.json); with --keep-runs the run directories
+under OUT/runs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="override the scenario")
     ap.add_argument("--from", dest="run_dir", type=Path, help="the frontier of this finished run (runs no sweep)")
     ap.add_argument("--keep-runs", action="store_true", help="keep the run directories under OUT/runs")
+    ap.add_argument("--no-schedule", action="store_true", help="write the frontier only (no schedule runs)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "simharness"], capture_output=True, text=True).stdout
@@ -59,7 +61,7 @@ def main() -> None:
     (args.out / "schedule.yaml").write_text(yaml.safe_dump(
         {label: {"k": max(s.values()), "k_schedule": s} for label, s in schedules.items()}, sort_keys=False))
     compared = []
-    if sc.engine.level == "sim":
+    if not args.no_schedule:
         for values in itertools.product(*(sc.sweep[g] for g in fr.groups)):
             fixed = dict(zip(fr.groups, values, strict=True))
             label = group_label({g: str(v) for g, v in fixed.items()}, fr.groups)
@@ -73,7 +75,9 @@ def main() -> None:
             pd.concat(compared).to_csv(args.out / "schedule.csv", index=False)
     (args.out / "settings.json").write_text(json.dumps({
         "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.level, "repeats": sc.repeats,
-        "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds}, indent=1))
+        "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds,
+        "run": json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() and args.run_dir
+        else None}, indent=1))
     print(fr.crossovers.to_string(index=False))
     if compared:
         print(pd.concat(compared).round(2).to_string(index=False))

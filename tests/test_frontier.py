@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from helpers import simulate
+from helpers import load_benchmark, simulate
 from typer.testing import CliRunner
 
 import simharness
@@ -280,3 +280,37 @@ def test_frontier_help_lists_its_exit_codes():
     r = CliRunner().invoke(app, ["frontier", "--help"], env={"COLUMNS": "100"})
     assert r.exit_code == 0, r.output
     assert "Exit status: 0 done; 2 not a run directory" in " ".join(r.stdout.split())
+
+
+def _validation_points(throughput: dict[int, dict[int, float]]) -> pd.DataFrame:
+    """A frontier's points.csv from {load: {k: throughput}}, mean TPOT its inverse (the same best k)."""
+    return pd.DataFrame([{"workload.kinds": "a", "workload.concurrency": load, K: k, "output_throughput": v,
+                          "mean_tpot_ms": 1000 / v} for load, per_k in throughput.items() for k, v in per_k.items()])
+
+
+def test_frontier_validation_compares_best_k_crossover_and_error():
+    compare = load_benchmark("frontier_validation").compare
+    measured = _validation_points({1: {0: 100, 2: 150, 4: 200}, 4: {0: 300, 2: 305, 4: 304},
+                                   16: {0: 500, 2: 490, 4: 450}})
+    sim = _validation_points({1: {0: 90, 2: 200, 4: 180}, 4: {0: 300, 2: 280, 4: 270}, 16: {0: 500, 2: 400, 4: 300}})
+    best, cross, points = compare(measured, {"s": sim}, 2.0)
+    thr = best[best.metric == "throughput"].set_index("workload.concurrency")
+    assert thr["measured_best_k"].tolist() == [4, 2, 0]
+    assert thr.loc[4, "measured_ties"] == "0 2 4"  # 305 beats 300 by 1.7%: a tie
+    assert thr["s_best_k"].tolist() == [2, 0, 0]
+    assert thr["s_k_steps"].tolist() == [1, 1, 0]
+    assert best[best.metric == "tpot"]["s_best_k"].tolist() == [2, 0, 0]
+    for _, row in cross.iterrows():
+        # measured: k = 2 still beats k = 0 at 4 (by 1.7%, a tie), so it stops paying at 16, tie-aware at 4
+        assert (row["measured"], row["measured_tie_aware"], row["s"], row["s_tie_aware"]) == (16, 4, 4, 4)
+        assert (row["s_steps"], row["s_tie_aware_steps"]) == (1, 0)
+    first = points[(points["workload.concurrency"] == 1) & (points[K] == 0)].iloc[0]
+    assert first["throughput_s_error_pct"] == pytest.approx(-10.0)
+    assert first["tpot_s_error_pct"] == pytest.approx(100 / 90 * 100 - 100)
+
+
+def test_frontier_validation_counts_no_crossover_one_step_past_the_grid():
+    steps = load_benchmark("frontier_validation").steps
+    assert steps([1, 4, 16], math.nan, 16) == 1
+    assert steps([1, 4, 16], math.nan, 1) == 3
+    assert steps([1, 4, 16], 4, 4) == 0
