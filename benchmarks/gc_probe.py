@@ -28,6 +28,7 @@ from simharness.metrics import compute_metrics
 from simharness.models import checkpoint_dir
 from simharness.modes import resolve_mode
 from simharness.overrides import parse_sets
+from simharness.pointwork import run_on_clock
 from simharness.workload import build_requests
 
 PROBE = {"engine.level": "real", "scheduler.policy": "optimistic", "scheduler.depth": 2,
@@ -57,12 +58,12 @@ class Collections:
 
 def probe_run(sc, requests, mode, engine: MeasuredEngine, freeze: bool) -> dict:
     """Warm the point up, then measure it at its level with every collection timed."""
-    warm_up(sc, requests, mode, engine.model)
+    warm_up(sc, requests, mode, engine.model, run_on_clock)
     if freeze:
         gc.collect()
         gc.freeze()
     with Collections() as collections:
-        records, duration, _ = run_level(sc, requests, mode, engine.model)
+        records, duration, _ = run_level(sc, requests, mode, engine.model, run_on_clock)
     steps = records.steps_frame()
     prefill = steps[steps["n_prefill_reqs"] > 0]
     per_prompt_ms = (prefill["launch_end"] - prefill["prep_end"]) / prefill["n_prefill_reqs"] * 1e3

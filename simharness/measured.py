@@ -1,8 +1,8 @@
 """The measured levels' set-up: the device, one target model shared by a run's points, warm-up, the level.
 
-Above the engine and the levels: it builds the real decode loop's model once per run (sized for every
-point), warms each point up right before it is measured, and runs it on a `TorchBackend` at its level (hil
-in virtual time, real in wall-clock time).
+Above the engine: it builds the real decode loop's model once per run (sized for every point), warms each point
+up right before it is measured, and runs it on a `TorchBackend` on the clock its caller hands it
+(`pointwork.run_on_clock`: hil in virtual time, real in wall-clock time), so it stands below the clocks.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from simharness.hostspeed import RETRIES, HostGauge
 from simharness.levels import LEVELS
 from simharness.models import checkpoint_dir, model_config
 from simharness.modes import Mode
-from simharness.realloop import RealLoop
 from simharness.records import Records
 from simharness.scenario import Engine, Scenario, ScenarioError
-from simharness.simulation import Simulation
 from simharness.workload import Requests
+
+# Runs a point over a backend on its level's clock and returns its records and duration (`pointwork.run_on_clock`).
+OnClock = Callable[[Scenario, Requests, Mode, TorchBackend], tuple[Records, float]]
 
 
 def resolve_device(engine: Engine) -> torch.device:
@@ -54,7 +55,7 @@ WARM_UP_REQUESTS, WARM_UP_TOKENS = 20, 16
 TRITON_DIVISOR = 16  # Triton specialises integer arguments on their divisibility by 16
 
 
-def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> None:
+def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer, on_clock: OnClock) -> None:
     """Run a point on its first WARM_UP_REQUESTS requests, cut to WARM_UP_TOKENS output tokens, at its own level,
     right before it is measured: the kernels' first compilations (seconds each, per specialisation) stay out of
     measured steps, and the device's clocks are up. For Triton's specialisations the closed loop runs at
@@ -75,7 +76,7 @@ def warm_up(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) ->
         arrival_s=None,
     )
     workload = sc.workload.model_copy(update={"arrival": "closed", "concurrency": min(TRITON_DIVISOR, model.max_slots)})
-    run_level(sc.model_copy(update={"workload": workload}), few, mode, model)
+    run_level(sc.model_copy(update={"workload": workload}), few, mode, model, on_clock)
 
 
 def warm_prefill_shapes(model: Transformer, longest: int) -> None:
@@ -109,14 +110,15 @@ def warm_prefill_shapes(model: Transformer, longest: int) -> None:
 _warmed_lengths: dict[tuple, int] = {}  # this process's warmed prefill lengths, per model shape and device
 
 
-def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer) -> tuple[Records, float, TorchBackend]:
-    """One point on the real decode loop at its level: hil (virtual time, the device gated in front of each launch
-    part so that device times exclude launch gaps) or real (wall clock). Synchronizing CUDA operations are recorded."""
-    hil = LEVELS[sc.engine.level].clock == "virtual"
-    backend = TorchBackend(sc, requests, model, mode, gate=hil, steer=sc.engine.steer)
-    level = Simulation(sc, requests, mode, backend) if hil else RealLoop(sc, requests, mode, backend)
+def run_level(sc: Scenario, requests: Requests, mode: Mode, model: Transformer,
+              on_clock: OnClock) -> tuple[Records, float, TorchBackend]:
+    """One point on the real decode loop at its level, on the clock `on_clock` runs it on: hil (virtual time, the
+    device gated in front of each launch part so that device times exclude launch gaps) or real (wall clock).
+    Synchronizing CUDA operations are recorded."""
+    gate = LEVELS[sc.engine.level].clock == "virtual"
+    backend = TorchBackend(sc, requests, model, mode, gate=gate, steer=sc.engine.steer)
     with backend.syncs:
-        records, duration = level.run()
+        records, duration = on_clock(sc, requests, mode, backend)
     return records, duration, backend
 
 
@@ -154,16 +156,16 @@ class MeasuredEngine:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         return f"{name}, torch {torch.__version__}, model {self.model.config.n_layers} layers"
 
-    def run(self, sc: Scenario, requests: Requests, mode: Mode) -> MeasuredRun:
-        """Warm the point up, then measure it at its level; with `engine.host_slowdown`, again (at most
-        `hostspeed.RETRIES` times) while the host gauge says the run was measured in a slow spell."""
-        warm_up(sc, requests, mode, self.model)
+    def run(self, sc: Scenario, requests: Requests, mode: Mode, on_clock: OnClock) -> MeasuredRun:
+        """Warm the point up, then measure it at its level (on `on_clock`); with `engine.host_slowdown`, again (at
+        most `hostspeed.RETRIES` times) while the host gauge says the run was measured in a slow spell."""
+        warm_up(sc, requests, mode, self.model, on_clock)
         limit, attempt = sc.engine.host_slowdown, 0
         while True:
             attempt += 1
             before = self.gauge.probe()
             with GcWatch() as collections:
-                records, duration, backend = run_level(sc, requests, mode, self.model)
+                records, duration, backend = run_level(sc, requests, mode, self.model, on_clock)
             slowdown = self.gauge.slowdown(before, self.gauge.probe())
             if limit is None or slowdown <= limit or attempt > RETRIES:
                 return MeasuredRun(records, duration, backend, slowdown, attempt, collections)

@@ -23,13 +23,23 @@ from simharness.model_backend import model_backend
 from simharness.models import checkpoint_dir
 from simharness.modes import Mode
 from simharness.profile import summary_columns as profile_columns
-from simharness.records import device_syncs_frame
+from simharness.realloop import RealLoop
+from simharness.records import Records, device_syncs_frame
 from simharness.scenario import Point, Scenario, resolve_field
 from simharness.simulation import Simulation
 from simharness.workload import Requests, build_requests
 
 if TYPE_CHECKING:
+    from simharness.backend import Backend
     from simharness.measured import MeasuredEngine
+
+
+def run_on_clock(sc: Scenario, requests: Requests, mode: Mode, backend: Backend) -> tuple[Records, float]:
+    """One point over `backend` on its level's clock (`levels.LEVELS`): SimPy's virtual clock (sim, hil) or the wall
+    clock (real, whose backend is a `MeasuredBackend`); its records and duration."""
+    clock = Simulation if LEVELS[sc.engine.level].clock == "virtual" else RealLoop
+    return clock(sc, requests, mode, backend).run()
+
 
 def ignored_fields(sc: Scenario, level: str) -> list[str]:
     """The fields a point of `level` ignores that `sc` sets away from their defaults."""
@@ -129,7 +139,7 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     notes = [mode.note]
     level = sc.engine.level
     if LEVELS[level].measured:
-        run = measured.run(sc, requests, mode)
+        run = measured.run(sc, requests, mode, run_on_clock)
         records, duration, backend = run.records, run.duration, run.backend
         host = {"host_slowdown": run.host_slowdown, "host_attempts": run.host_attempts, **run.gc.summary()}
         limit = sc.engine.host_slowdown
@@ -141,7 +151,7 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
             notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
                          "may include launch gaps)")
     else:
-        records, duration = Simulation(sc, requests, mode, model_backend(sc, requests, mode)).run()
+        records, duration = run_on_clock(sc, requests, mode, model_backend(sc, requests, mode))
         # the same columns at every level (a sim point's GC pauses are modelled, in its steps' gc_pause_s)
         host = dict.fromkeys(["host_slowdown", "host_attempts", *GC_COLUMNS], np.nan)
         device_syncs = _no_device_syncs()

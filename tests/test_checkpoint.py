@@ -198,8 +198,8 @@ def test_hil_run_emits_plain_greedy_tokens_in_every_mode(checkpoint, tmp_path, m
     by_mode: dict[str, list[np.ndarray]] = {}
     run_level = measured.run_level
 
-    def recording(sc, requests, mode, model):
-        records, duration, backend = run_level(sc, requests, mode, model)
+    def recording(sc, requests, mode, model, on_clock):
+        records, duration, backend = run_level(sc, requests, mode, model, on_clock)
         # the point's own run comes after its warm-up's, and replaces it
         by_mode[f"{sc.scheduler.depth}-{sc.scheduler.policy}-{sc.engine.speculation.proposer}-"
                 f"{sc.engine.speculation.invalid_slots}"] = [emitted(backend, r).copy() for r in range(5)]
@@ -229,8 +229,8 @@ def test_steered_hil_run_replays_the_reference_in_the_checkpoints_tokens(qwen2_d
     path, outputs = qwen2_dir, []
     run_level = measured.run_level
 
-    def recording(sc, requests, mode, model):
-        records, duration, backend = run_level(sc, requests, mode, model)
+    def recording(sc, requests, mode, model, on_clock):
+        records, duration, backend = run_level(sc, requests, mode, model, on_clock)
         outputs[:] = [emitted(backend, r).copy() for r in range(len(requests.prompt_len))]  # the last run's
         return records, duration, backend
 

@@ -288,17 +288,13 @@ def test_cuda_launch_gates_each_prefill_chunk_and_the_decode_step(requests, mode
         def open(self) -> None:
             calls.append("open")
 
-    class FakeCuda(TorchBackend):
-        def _to_device(self, values):  # no pinned memory without CUDA
-            return torch.as_tensor(np.ascontiguousarray(values), dtype=torch.int64)
-
     empty = torch.empty
     monkeypatch.setattr(torch_backend.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     monkeypatch.setattr(torch_backend.torch.cuda, "Event", Event)
     monkeypatch.setattr(timing_module, "Gate", Gate)
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32)
     mode = resolve_mode(sc)
-    backend = FakeCuda(sc, requests, model, mode, gate=True)
+    backend = TorchBackend(sc, requests, model, mode, gate=True)
     backend.cuda, backend.timing = True, timing_module.PartTiming(gate=True)
     waited_for = [None]  # the event a step with prefills is waited for at its readback (its last)
     launch_, wait_ = backend.launch, backend.loop.wait

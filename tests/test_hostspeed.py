@@ -42,6 +42,6 @@ def test_a_run_in_a_slow_spell_is_measured_again(monkeypatch, limit, slowdowns, 
     engine = MeasuredEngine.__new__(MeasuredEngine)
     engine.model, engine.gauge = None, _Gauge(slowdowns)
     sc = scenario_from_dict({"name": "x", "engine": {"level": "real", "host_slowdown": limit}})
-    run = engine.run(sc, None, None)
+    run = engine.run(sc, None, None, None)
     assert len(runs) == attempts and run.host_attempts == attempts
     assert run.host_slowdown == slowdowns[attempts - 1] and run.records == "records"

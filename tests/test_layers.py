@@ -27,9 +27,10 @@ LAYERS = [
      "engine.step_graph", "engine.mirror", "engine.slots", "engine.host_work", "engine.decode_step",
      "engine.eager_step", "engine.torch_backend", "model_backend"],
     ["core", "loop"],  # the host's decisions and the phase sequence, shared by every level
+    # set-up of the measured levels (run on the clock their caller hands them), benchmarks (vLLM's own host costs
+    # and scheduler)
+    ["measured", "bench", "vllmhost", "vllmpolicy"],
     ["simulation", "realloop"],  # the levels: where time comes from
-    ["measured", "bench", "vllmhost", "vllmpolicy"],  # set-up of the measured levels, benchmarks (vLLM's own host
-    # costs and scheduler)
     # outputs, and the fits of the sim level's costs read from them
     ["stats", "metrics", "pointfiles", "trace", "results", "report", "fidelity_report", "compare", "gate_report",
      "frontier", "calibration", "profile_fit"],
@@ -41,8 +42,9 @@ LAYERS = [
 # The longest chain of imports, in modules (`__main__ -> cli -> ... -> errors`): 19 before issue 32, 18 after its
 # first part, 16 since a local pool's GPU worker imports torch ahead instead of the measured engine and a step's
 # launch lives in the torch backend, 14 since the NVTX phases stand apart from the sync recorder (which reads the
-# records' schema) and the engine core no longer calls the backend (docs/design.md, "Code map", names the column).
-MAX_FLOORS = 14
+# records' schema) and the engine core no longer calls the backend, 13 since a point picks its level's clock and
+# hands it to the measured engine, which no longer imports the clocks (docs/design.md, "Code map", names the column).
+MAX_FLOORS = 13
 
 
 def module_name(path: Path) -> str:

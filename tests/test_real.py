@@ -15,6 +15,7 @@ from simharness.modes import resolve_mode
 from simharness.realloop import RealLoop
 from simharness.records import DEVICE_PHASE_COLUMNS, STEP_COLUMNS
 from simharness.scenario import load_scenario
+from simharness.simulation import Simulation
 
 
 def run_real(sc, requests, model):  # noqa: F811
@@ -119,11 +120,17 @@ def test_a_capped_open_loop_takes_in_freed_slots_as_hil_does(requests, model):  
     assert (records.requests["arrival_s"].to_numpy()[2:] > 0).all()  # the later three waited for a slot
 
 
-def test_real_level_through_the_public_api(tmp_path):
-    """The CI variant of the hil scenario at the real level: the same tables as the other levels."""
+def test_real_level_through_the_public_api(tmp_path, monkeypatch):
+    """The CI variant of the hil scenario at the real level: the same tables as the other levels, its warm-up and
+    its run on the wall clock (`pointwork.run_on_clock` picks it), a sim point's on the virtual clock."""
+    clocks = []
+    for clock in (RealLoop, Simulation):
+        monkeypatch.setattr(clock, "run", lambda self, run=clock.run: clocks.append(type(self).__name__) or run(self))
     overrides = {"sweep": {}, "workload.num_requests": 3, "workload.output_len": {"dist": "fixed", "value": 8}}
     real = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.level": "real"}), tmp_path)
+    assert clocks == ["RealLoop", "RealLoop"]
     sim = simharness.run(load_scenario("scenarios/hil-cpu.yaml", {**overrides, "engine.level": "sim"}), tmp_path)
+    assert clocks[2:] == ["Simulation"]
     assert list(real.summary["level"]) == ["real"]
     for name in ("summary", "requests", "steps", "syncs", "emissions", "device_syncs"):
         assert list(getattr(real, name).columns) == list(getattr(sim, name).columns), name

@@ -13,6 +13,7 @@ from simharness.engine.torch_backend import TorchBackend, capacity
 from simharness.measured import build_model, run_level
 from simharness.model_backend import model_backend
 from simharness.modes import resolve_mode
+from simharness.pointwork import run_on_clock
 from simharness.scenario import ScenarioError, load_scenario, scenario_from_dict
 from simharness.seeds import SEEDS, seed_scenario_path
 from simharness.simulation import Simulation
@@ -96,7 +97,7 @@ def test_seed_options_run_on_the_real_decode_loop(level, monkeypatch):
         return original(self, step, name)
 
     monkeypatch.setattr(TorchBackend, "sync_op", spy)
-    records, _, backend_used = run_level(sc, requests, mode, model)
+    records, _, backend_used = run_level(sc, requests, mode, model, run_on_clock)
     assert len(backend_used.allocations.heap) == 1000
     syncs = records.syncs_frame()
     assert ops.count("bool_mask_index") == (syncs.name == "bool_mask_index").sum() >= len(records.steps_frame()) - 1
@@ -118,7 +119,7 @@ def test_hil_charges_a_sync_its_operations_own_time(monkeypatch):
     })  # fmt: skip
     requests = build_requests(sc.workload, sc.seed)
     mode = resolve_mode(sc)
-    records, _, _ = run_level(sc, requests, mode, build_model(sc.engine, *capacity(sc, requests, mode)))
+    records, _, _ = run_level(sc, requests, mode, build_model(sc.engine, *capacity(sc, requests, mode)), run_on_clock)
     syncs = records.syncs_frame()
     waits = (syncs["end_s"] - syncs["start_s"])[syncs["name"] == "bool_mask_index"]
     assert len(waits) > 3 and (waits >= 0.05).all()

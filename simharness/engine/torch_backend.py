@@ -132,7 +132,7 @@ class TorchBackend:
                 last = bool(b.completes_prefill[i])
                 # the whole prompt goes along with the last chunk (add_request writes the history)
                 ids = self.req.prompt_tokens[rid] if last else self.req.prompt_tokens[rid][start:end]
-                launch.prefills.append((rid, start, last, self._to_device(ids)))
+                launch.prefills.append((rid, start, last, self.loop.to_device(ids)))
             r = launch.decode_rids
             if len(r):  # host arrays: the decode loop copies them to the device with the step (one copy, graphed)
                 launch.slots = self.slots.of[r]
@@ -240,12 +240,6 @@ class TorchBackend:
                           (read.prefill_s, *decode_s), self.syncs.count(step.step), harness_s)
 
     # ---------------------------------------------------------------- helpers
-
-    def _to_device(self, values) -> torch.Tensor:
-        t = torch.as_tensor(np.ascontiguousarray(values), dtype=torch.int64)
-        if self.cuda:
-            return t.pin_memory().to(self.loop.device, non_blocking=True)
-        return t
 
     def _leave(self, t0: float) -> float:
         """Seconds since `t0`, counted as time inside the backend."""
