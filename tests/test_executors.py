@@ -341,7 +341,8 @@ def test_killed_worker_and_killed_driver_then_resume_redoes_nothing_finished(tmp
     assert "worker died: killed by SIGKILL" in stderr, stderr[-3000:]
     _wait_for(lambda: not any(_alive(w) for w in workers), 60)  # the workers leave with the driver
     finished = {p: (p / "summary.json").stat().st_mtime_ns for p in _finished(out)}
-    assert 4 <= len(finished) < 24, (len(finished), stderr[-3000:])
+    # what the waits above guarantee: a batch written after the retry, and not the whole sweep
+    assert before < len(finished) < 24, (before, len(finished), stderr[-3000:])
     run_dir = next(iter(finished)).parents[1]
     r = subprocess.run([*cmd, "--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
