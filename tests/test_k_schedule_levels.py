@@ -140,3 +140,31 @@ def test_a_constant_schedule_is_that_fixed_k_at_hil(depth, policy, proposer, inv
     for rid in range(n):
         np.testing.assert_array_equal(emitted(b1, rid), emitted(b2, rid))
     assert r1.steps_frame()["accepted"].sum() > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_schedules_unreached_ks_are_not_built(graphs, requests, model, monkeypatch):  # noqa: F811
+    """Under concurrency 3 a schedule's k for batches of 4 and more is never run: the decode loop is built for the ks
+    the point's batches reach only, which here makes it fixed k = 3's (on CUDA the same step graphs, and no captures
+    of k = 1 or 0 held for nothing: issue 31's schedule took 0.3 ms more host time a step than fixed k = 8 on the
+    H100 with only k = 8 reached). It runs fixed k's steps."""
+    built = []
+    init = DecodeLoop.__init__
+
+    def spy_init(loop, *args, **kwargs):
+        init(loop, *args, **{**kwargs, "step_graphs": graphs})  # graphs: the step graphs' staging on the CPU
+        built.append(loop)
+
+    monkeypatch.setattr(DecodeLoop, "__init__", spy_init)
+    reached = hil_scenario(2, "optimistic", "ngram_gpu", "trim").model_copy(deep=True)
+    reached.engine.speculation.k_schedule = {1: 3, 3: 1}
+    unreached = reached.model_copy(deep=True)
+    unreached.engine.speculation.k_schedule = {1: 3, 4: 1, 8: 0}
+    fixed = hil_scenario(2, "optimistic", "ngram_gpu", "trim")
+    runs = [run_hil(sc, requests, model) for sc in (reached, unreached, fixed)]
+    assert [loop.step_ks for loop in built] == [(1, 3), (3,), (3,)]
+    if graphs:
+        assert {k for _, k, _ in built[1].graphs._graphs} == {3}
+    (_, r1), (_, r2) = runs[1:]
+    counts = STEP_COLUMNS[1:10]
+    np.testing.assert_array_equal(r1.steps_frame()[counts].to_numpy(), r2.steps_frame()[counts].to_numpy())

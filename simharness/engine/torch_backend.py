@@ -52,6 +52,13 @@ def capacity(sc: Scenario, requests: Requests, mode: Mode) -> tuple[int, int]:
     return slots, longest + (mode.depth + 1) * (mode.k + 1) + 1
 
 
+def reachable_ks(schedule: tuple[tuple[int, int], ...], slots: int) -> list[int] | None:
+    """The ks a k schedule gives the batch sizes a point reaches (1..`slots`, its `capacity`); None without a
+    schedule. The decode loop builds its steps (on CUDA a step graph per bucket) for these only: a k that only
+    larger batches get would cost its captures and hold its graphs for nothing (docs/frontier.md)."""
+    return [k for size, k in schedule if size <= slots] or None
+
+
 class TorchBackend:
     """Runs each launched step on the real decode loop; durations and outcomes are measured. The caller says the
     level: `gate` is hil's, where each measurement is taken alone (on CUDA the device is held in front of each part
@@ -68,6 +75,11 @@ class TorchBackend:
         # synchronizing CUDA operations in the backend's calls; the level records inside `with backend.syncs:`
         self.syncs = SyncRecorder()
         self.cuda = model.device.type == "cuda"
+        n = len(requests.prompt_len)
+        slots, positions = capacity(sc, requests, mode)
+        if slots > model.max_slots or positions > model.max_len:
+            raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
+                             f"needs ({slots} x {positions})")
         self.loop = DecodeLoop(
             model,
             k=mode.k,
@@ -78,15 +90,10 @@ class TorchBackend:
             seed=sc.seed,
             device_proposer=not mode.ngram_cpu,
             max_in_flight=mode.depth + 1,
-            step_ks=[k for _, k in mode.k_schedule] or None,  # a k schedule's steps verify their own k
+            step_ks=reachable_ks(mode.k_schedule, slots),  # a k schedule's steps verify their own k
         )
         self.references = requests.output_tokens if steer else None  # what a first token is steered to
         self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
-        n = len(requests.prompt_len)
-        slots, positions = capacity(sc, requests, mode)
-        if slots > model.max_slots or positions > model.max_len:
-            raise ValueError(f"the model's cache ({model.max_slots} x {model.max_len}) is smaller than this point "
-                             f"needs ({slots} x {positions})")
         self.slots = Slots(n, model.max_slots)
         self.host = HostMirror(requests, positions, mode.k, valid_from_mirror=self.loop.invalid == "fill")
         self.launches: dict[int, Launch] = {}
