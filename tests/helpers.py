@@ -128,10 +128,10 @@ def emitted(backend, rid: int) -> np.ndarray:
     return host.history[rid, p : p + host.output_len[rid]]
 
 
-# With the committed H100 cost profiles (docs/validation.md) the sim no longer reproduces two seeds that hil and
-# real reproduce (results/seeds/effects.csv, 10 repeats): #32951 +1.2% where -3.2% was posted (the 8B profile's
-# soft memory/compute overlap charges the filled slots of the optimistic step), #41043's P99 -2.0% where -9.3%
-# was (0.21x). test_seeds marks them strict xfail: it fails the day the profile reproduces them again.
+# With the committed H100 cost profiles (docs/validation.md) the sim misses two posted effects
+# (results/seeds/effects.csv, 10 repeats): #32951 +1.2% where -3.2% was posted and hil and real reproduce it,
+# #41043's P99 -2.0% where -9.3% was (0.22x; hil and real miss it too). test_seeds marks them strict xfail: it
+# fails the day the profile reproduces them again.
 PROFILE_MISSES = {"32951": "profiled sim: +1.2%, posted -3.2%", "41043": "profiled sim: P99 -2.0%, posted -9.3%"}
 
 
