@@ -51,9 +51,8 @@ def model(requests):
 MODES = list(itertools.product([1, 2, 3], ["wait", "optimistic"], ["ngram_cpu", "ngram_gpu"], ["trim", "fill"]))
 
 
-@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
-def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
-    sc = hil_scenario(depth, policy, proposer, invalid)
+def replay(sc, requests, model):
+    """Run `sc` at hil on the GPU; every request's emitted tokens are its reference. The backend and the steps."""
     mode = resolve_mode(sc)
     backend = TorchBackend(sc, requests, model, mode, gate=True)
     with backend.syncs:
@@ -63,6 +62,12 @@ def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid
     steps = records.steps_frame()
     assert steps["emitted"].sum() == requests.output_len.sum()
     assert steps["accepted"].sum() > 0
+    return backend, steps
+
+
+@pytest.mark.parametrize(("depth", "policy", "proposer", "invalid"), MODES)
+def test_greedy_replays_reference_in_every_mode(depth, policy, proposer, invalid, requests, model):
+    _, steps = replay(hil_scenario(depth, policy, proposer, invalid), requests, model)
     device = steps[DEVICE_PHASE_COLUMNS]
     # the device phases fill the step's device window but for the times the device waited for the enqueue
     assert (device.sum(axis=1) <= (steps["gpu_end"] - steps["gpu_start"]) * (1 + 1e-9)).all()
@@ -79,16 +84,8 @@ def test_k_schedule_replays_reference_in_every_mode(depth, policy, proposer, inv
     replays exactly, and every decoding request's draft slots are at most its step's k."""
     sc = hil_scenario(depth, policy, proposer, invalid)
     sc.engine.speculation.k_schedule = SCHEDULE
-    mode = resolve_mode(sc)
-    backend = TorchBackend(sc, requests, model, mode, gate=True)
+    backend, steps = replay(sc, requests, model)
     assert backend.loop.graphs is not None and {key[1] for key in backend.loop.graphs._graphs} == {0, 2, 4}
-    with backend.syncs:
-        records, _ = Simulation(sc, requests, mode, backend).run()
-    for rid in range(N_REQUESTS):
-        np.testing.assert_array_equal(emitted(backend, rid), requests.output_tokens[rid], err_msg=f"req {rid}")
-    steps = records.steps_frame()
-    assert steps["emitted"].sum() == requests.output_len.sum()
-    assert steps["accepted"].sum() > 0
     decodes = steps[steps["n_reqs"] > steps["n_prefill_reqs"]]
     k = decodes["drafts_scheduled"] / (decodes["n_reqs"] - decodes["n_prefill_reqs"])
     assert (k[decodes["n_reqs"] >= 4] == 0).all() and (k <= 4).all() and (k > 0).any()
