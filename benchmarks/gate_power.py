@@ -22,7 +22,8 @@ Arms: the baseline A; the decode device step 1/2/5/10% slower; one extra host sy
 per-step host allocation (500 GC-tracked objects, with a 500,000-object heap on every arm); the scheduler's host phase
 10% slower; acceptance collapsed to a tenth; and each seed change reversed (base: the seed scenario after the change,
 current: before it). Knobs of the scenario inject what they can; the rest is injected in the worker process
-(`inject`): at sim the device costs scale exactly and the replay tables keep one accepted draft count in ten; at hil
+(`inject`): at sim the device costs scale exactly (the roofline's by the scenario, a cost profile's
+device terms in the worker) and the replay tables keep one accepted draft count in ten; at hil
 the measured device phases are scaled in virtual time; at real a spin kernel after each decode step adds the fraction
 of the running mean device time; at hil and real 9 in 10 of the GPU proposer's drafts are corrupted.
 
@@ -49,7 +50,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,7 @@ def arms(level: str, sc_path: Path, seeds: list[str]) -> dict[str, Arm]:
     out = [Arm("A", "none (A/A)", {})]
     for pct in (1, 2, 5, 10) if level == "sim" else (2, 5, 10):
         out.append(Arm(f"device+{pct}%", f"decode device step {pct}% slower", _device(base, 1 + pct / 100) if level
-                       == "sim" else {}, None if level == "sim" else ("device", 1 + pct / 100)))
+                       == "sim" else {}, ("device", 1 + pct / 100)))
     out += [
         Arm("extra-sync", "one extra host sync per step", {"scheduler.sync_points.add": ["metadata_item"]}),
         Arm("host-alloc", "500 GC-tracked objects allocated per step", {"engine.gc.allocations_per_step": 500}),
@@ -115,7 +116,8 @@ def quiet_load(path: Path, overrides: dict):
 
 
 def _device(sc, factor: float) -> dict:
-    """Sim: every device cost `factor` slower (rooflines' efficiencies down, fixed costs up): exact."""
+    """Sim without a cost profile: every device cost `factor` slower (rooflines' efficiencies down, fixed costs up):
+    exact. A profile's device terms are scaled in the worker (`inject`)."""
     g = sc.engine.gpu_costs
     scaled = ("step_overhead_us", "sampler_overhead_us", "ngram_gpu_us", "ngram_gpu_per_token_ns", "correction_us")
     return {"engine.gpu_costs.mem_efficiency": g.mem_efficiency / factor,
@@ -170,6 +172,19 @@ def inject(kind: str | None, value: float, level: str):
             return torch.where(flip, drafts ^ 1, drafts), valid
 
         patch(decode, "propose_ngram", corrupted)
+    elif kind == "device" and level == "sim":  # the cost profile's device terms, all but the datasheet's: exact
+        from simharness import costmodel
+        from simharness.profile import EXPONENT, S_PER_BYTE, S_PER_FLOP
+
+        resolve = costmodel.resolve_profile
+
+        def slower_profile(engine):
+            p = resolve(engine)
+            keep = (S_PER_BYTE, S_PER_FLOP, EXPONENT)
+            return None if p is None else replace(p, coef=tuple(c if i in keep else c * value
+                                                                for i, c in enumerate(p.coef)))
+
+        patch(costmodel, "resolve_profile", slower_profile)
     elif kind == "device":
         from simharness.engine.torch_backend import TorchBackend
 
