@@ -63,6 +63,7 @@ from simharness.compare import DIRECTION, compare_runs, load_run  # noqa: E402
 from simharness.gate_report import verdict  # noqa: E402
 from simharness.levels import LEVELS  # noqa: E402
 from simharness.overrides import parse_sets  # noqa: E402
+from simharness.profile import resolve as resolve_profile  # noqa: E402
 from simharness.scenario import load_scenario  # noqa: E402
 from simharness.seeds import SEEDS, seed_scenario_path  # noqa: E402
 
@@ -90,8 +91,9 @@ def arms(level: str, sc_path: Path, seeds: list[str]) -> dict[str, Arm]:
     h = base.engine.host_costs
     out = [Arm("A", "none (A/A)", {})]
     for pct in (1, 2, 5, 10) if level == "sim" else (2, 5, 10):
-        out.append(Arm(f"device+{pct}%", f"decode device step {pct}% slower", _device(base, 1 + pct / 100) if level
-                       == "sim" else {}, ("device", 1 + pct / 100)))
+        roofline = level == "sim" and resolve_profile(base.engine) is None  # else the worker scales the profile
+        out.append(Arm(f"device+{pct}%", f"decode device step {pct}% slower",
+                       _device(base, 1 + pct / 100) if roofline else {}, ("device", 1 + pct / 100)))
     out += [
         Arm("extra-sync", "one extra host sync per step", {"scheduler.sync_points.add": ["metadata_item"]}),
         Arm("host-alloc", "500 GC-tracked objects allocated per step", {"engine.gc.allocations_per_step": 500}),

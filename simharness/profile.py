@@ -149,9 +149,12 @@ def resolve(engine) -> Profile | None:
     """The profile a sim-level engine runs on: none with `engine.calibration` or `engine.profile: none`, the file
     `engine.profile` names, or (`auto`) the committed profile of `engine.gpu` and `engine.model` if there is one.
     ProfileError names the file and field of one that does not fit."""
-    if engine.calibration is not None or engine.profile == "none":
+    if engine.calibration is not None or engine.profile == "none" or own_device_costs(engine):
         return None
     path = default_path(engine.gpu, engine.model) if engine.profile == "auto" else Path(engine.profile)
+    if engine.profile != "auto" and engine.gpu_costs != type(engine.gpu_costs)():
+        raise ProfileError(f"{path}: engine.gpu_costs is set, but the profile replaces the roofline's device costs: "
+                           "unset engine.gpu_costs, or set engine.profile: none to run the roofline with them")
     if path is None or (engine.profile == "auto" and not path.is_file()):
         return None
     profile = load_profile(path)
@@ -165,6 +168,12 @@ def resolve(engine) -> Profile | None:
         raise ProfileError(f"{path}: field model: fitted for {profile.model!r}, the scenario runs {engine.model!r} "
                            "(engine.model)")
     return profile
+
+
+def own_device_costs(engine) -> bool:
+    """`engine.profile: auto` with device costs the scenario sets (`engine.gpu_costs` away from its defaults): the
+    roofline those costs describe runs, not the committed profile, which would ignore them (the run notes it)."""
+    return engine.profile == "auto" and engine.gpu_costs != type(engine.gpu_costs)()
 
 
 def describe(engine) -> str:

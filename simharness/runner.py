@@ -17,6 +17,7 @@ from simharness.executors import Event, Executor, LocalPool, make_executor, ray_
 from simharness.levels import LEVELS
 from simharness.modes import Mode, resolve_mode
 from simharness.pointwork import PointWork, ignored_fields, ignored_message
+from simharness.profile import own_device_costs
 from simharness.scenario import (
     Point,
     Scenario,
@@ -254,6 +255,11 @@ def note_ignored(points: list[Point]) -> None:
         fields = ignored_fields(p.scenario, level)
         if fields:
             message = ignored_message(fields, level)
+            where[message] = where.get(message, 0) + 1
+        if level == "sim" and own_device_costs(p.scenario.engine):
+            message = ("engine.gpu_costs: set, so the sim runs the roofline with them, not the committed cost profile "
+                       f"of {p.scenario.engine.gpu} and {p.scenario.engine.model} (engine.profile: auto); unset them "
+                       "to run the profile, or set engine.profile: none to say so")
             where[message] = where.get(message, 0) + 1
     for message, count in where.items():
         warnings.warn(ScenarioNote(f"{message} ({count} of {len(points)} points)"), stacklevel=3)

@@ -133,7 +133,9 @@ def test_a_value_in_an_implausible_unit_is_one_note(tmp_path):
     assert r.stderr.splitlines()[0] == ("note: engine.gpu_costs.mem_bandwidth_gbs: 3.35 GB/s is outside the "
                                         "plausible 100 to 20,000 GB/s; the field is in GB/s: is the value in another "
                                         "unit?")
-    assert r.stderr.count("note:") == 1 and "Warning" not in r.stderr
+    # and, the scenario's GPU and model having a cost profile, that the roofline with that bandwidth ran instead
+    assert r.stderr.count("note:") == 2 and "Warning" not in r.stderr
+    assert "engine.gpu_costs: set, so the sim runs the roofline" in " ".join(r.stderr.split())
 
 
 @pytest.mark.parametrize(("args", "message"), [

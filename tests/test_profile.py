@@ -155,6 +155,28 @@ def test_sim_uses_the_profile_of_its_gpu_and_model(profiles, tmp_path):
     assert "the sim is uncalibrated" in (roofline.run_dir / "report.md").read_text()
 
 
+def test_device_costs_the_scenario_sets_run_the_roofline_and_say_so(profiles, tmp_path):
+    """`engine.gpu_costs` set under `engine.profile: auto`: the roofline with those costs runs (the profile would
+    ignore them), and the run says so; with a profile named explicitly, they conflict: exit 2."""
+    sc = scenario_from_dict(TINY, {"engine.gpu_costs.mem_bandwidth_gbs": 2000})
+    assert CostModel(sc.engine, optimistic_correction=True).profile is None
+    assert CostModel(scenario_from_dict(TINY).engine, optimistic_correction=True).profile is not None
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(yaml.safe_dump(TINY))
+    r = CliRunner().invoke(app, ["run", str(scenario), "--out", str(tmp_path / "a"), "--set",
+                                 "engine.gpu_costs.mem_bandwidth_gbs=2000"])
+    assert r.exit_code == 0, r.output
+    assert "note: engine.gpu_costs: set, so the sim runs the roofline with them" in " ".join(r.stderr.split())
+    summary = next((tmp_path / "a").glob("*/*/summary.csv")).read_text()
+    assert ",none," in summary and "h100-tiny.yaml" not in summary
+    r = CliRunner().invoke(app, ["run", str(scenario), "--out", str(tmp_path / "b"), "--set",
+                                 "engine.gpu_costs.mem_bandwidth_gbs=2000", "--set",
+                                 f"engine.profile={profiles / 'h100-tiny.yaml'}"])
+    assert r.exit_code == 2, r.output
+    assert "engine.gpu_costs is set, but the profile replaces" in " ".join(r.stderr.split())
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize(
     "content,message",
     [
