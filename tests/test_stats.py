@@ -71,3 +71,22 @@ def test_t_interval_by_hand():
     assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)
     assert t_interval(np.array([5.0, 5.0]))[1] == 0.0
     assert t_interval(np.array([5.0]))[0] == 5.0 and np.isnan(t_interval(np.array([5.0]))[1])
+
+
+def test_aggregate_without_repeats_matches_one_repeat_of_each():
+    """Configurations run once each (a large sweep, aggregated column by column): the same columns, types and
+    values as when every configuration is a group of repeats of that value; an infinite metric is NaN."""
+    once = pd.DataFrame({"point": ["k=0", "k=1", "k=2"], "engine.speculation.k": [0, 1, 2],
+                         "output_throughput": [100.0, math.inf, 120.5], "mean_tpot_ms": [2.0, 1.5, math.nan],
+                         "note": ["", "fell back", math.nan], "failed": [math.nan] * 3, "level": "sim"})
+    once["note"] = once["note"].astype("str")
+    twice = pd.concat([once.assign(point=once["point"] + f",repeat={r}", repeat=r) for r in range(2)])
+    metrics = ["output_throughput", "mean_tpot_ms"]
+    fast = aggregate(once, metrics)
+    grouped = aggregate(twice.sort_values("engine.speculation.k", kind="stable"), metrics)
+    assert list(fast["repeats"]) == [1, 1, 1] and list(grouped["repeats"]) == [2, 2, 2]
+    assert list(fast["config"]) == list(once["point"])
+    assert math.isnan(fast.loc[1, "output_throughput"]) and fast.loc[2, "ci_low.output_throughput"] == 120.5
+    pd.testing.assert_frame_equal(fast.drop(columns=["repeats"]),
+                                  grouped.drop(columns=["repeats", "repeat"]).assign(point=once["point"]),
+                                  check_exact=True)
