@@ -193,6 +193,7 @@ def plot_frontier(fr: Frontier, path: Path) -> None:
     fig = Figure(figsize=(width, height))
     panels = [(TPOT, "tpot", "mean TPOT (ms)"), (THROUGHPUT, "throughput", "output throughput (tok/s)")]
     left, right, bottom, top = PLOT_MARGINS
+    loads = np.unique(fr.points[fr.load].to_numpy(dtype=float))
     for row, (pts, crossing) in enumerate(zip(groups, fr.crossovers.to_dict("records"), strict=True)):
         title = group_label(pts.iloc[0], fr.groups)
         ks, x, repeats = pts[K].to_numpy(), pts[fr.load].to_numpy(dtype=float), pts["repeats"].to_numpy()
@@ -219,6 +220,8 @@ def plot_frontier(fr: Frontier, path: Path) -> None:
                 ax.legend(handles=[ax.axvline(at, color="tab:red", linestyle=":", label=f"stops paying ({at:g})")],
                           fontsize=7)
             ax.set_xscale("log", base=2)
+            ax.set_xticks(loads, [f"{v:g}" for v in loads])  # the loads, as the metric plots label them
+            ax.minorticks_off()
             ax.set_xlabel(fr.load.rsplit(".", 1)[-1])
             ax.set_ylabel(ylabel)
             ax.set_title(title, fontsize=9, y=1.0)  # where it goes anyway; placed, it is not measured at each draw
