@@ -5,9 +5,11 @@ The sweep is depth x concurrency x k: 8 x 8 x 17 = 1,088 points of 8 requests ea
 k 0-16; --points 256 takes depth 1-4 and k 1-8, --points 64 depth 1-4, concurrency 1-8, k 1-4). Each source tree
 given (`--tree`, default this checkout) runs it as `simharness run` in a fresh process, the trees taking turns,
 `--repeats` times: on a shared, noisy machine only figures from one such interleaved run compare. The table gives
-each tree's median wall time per point and its spread (min-max). The runs' results must agree in every tree (the
-change is bookkeeping, not results): summary.csv's bytes, the run-level tables' contents, and every trace file that
-two runs both wrote (a tree may write traces for fewer points). Usage:
+each tree's median wall time per point and its spread (min-max), and the same of the CPU time (user and system,
+of the run and every process it started: the work, which a busy machine's other jobs slow less than the wall
+time; a run that draws in a process of its own spends more CPU than wall time). The runs' results must agree in
+every tree (the change is bookkeeping, not results): summary.csv's bytes, the run-level tables' contents, and every
+trace file that two runs both wrote (a tree may write traces for fewer points). Usage:
 
     python benchmarks/sweep_overhead.py --tree /tmp/base --tree . [--repeats 3] [--points 1088]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -49,13 +52,18 @@ def scenario(points: int) -> dict:
     }  # fmt: skip
 
 
-def timed_run(tree: Path, scenario_path: Path, out: Path) -> tuple[float, Path]:
-    """Wall time of `simharness run` from `tree` (start-up, points, combined tables, report); its run directory."""
+def timed_run(tree: Path, scenario_path: Path, out: Path) -> tuple[float, float, Path]:
+    """Wall time of `simharness run` from `tree` (start-up, points, combined tables, report), the CPU time (user and
+    system) of it and every process it started, and its run directory."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "simharness", "run", str(scenario_path), "--out", str(out)], cwd=tree,
                    env=env, check=True, capture_output=True)
-    return time.perf_counter() - start, next(out.glob("*/*/"))
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu, next(out.glob("*/*/"))
 
 
 def fingerprint(run_dir: Path, traces: dict[str, set[str]]) -> str:
@@ -87,23 +95,26 @@ def main() -> None:
         timed_run(tree, scenario_path, work / "warm-up")
         shutil.rmtree(work / "warm-up")
     walls: dict[Path, list[float]] = {tree: [] for tree in trees}
+    cpus: dict[Path, list[float]] = {tree: [] for tree in trees}
     prints: set[str] = set()
     traces: dict[str, set[str]] = {}
     for repeat in range(args.repeats):
         for tree in trees:
             out = work / f"run-{repeat}"
-            wall, run_dir = timed_run(tree, scenario_path, out)
+            wall, cpu, run_dir = timed_run(tree, scenario_path, out)
             walls[tree].append(wall)
+            cpus[tree].append(cpu)
             prints.add(fingerprint(run_dir, traces))
-            print(f"  run {repeat + 1}, {tree}: {wall:.1f} s ({wall / args.points * 1e3:.1f} ms a point; load average "
-                  f"{os.getloadavg()[0]:.2f} after)", flush=True)
+            print(f"  run {repeat + 1}, {tree}: {wall:.1f} s ({wall / args.points * 1e3:.1f} ms a point; CPU "
+                  f"{cpu:.1f} s; load average {os.getloadavg()[0]:.2f} after)", flush=True)
             shutil.rmtree(out)
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the end")
-    print("| tree | median ms a point | min-max |")
-    print("|---|---|---|")
-    for tree, times in walls.items():
-        per_point = [t / args.points * 1e3 for t in times]
-        print(f"| {tree} | {statistics.median(per_point):.1f} | {min(per_point):.1f}-{max(per_point):.1f} |")
+    print("| tree | median ms a point | min-max | median CPU ms a point | min-max |")
+    print("|---|---|---|---|---|")
+    for tree in trees:
+        wall, cpu = ([t / args.points * 1e3 for t in times] for times in (walls[tree], cpus[tree]))
+        print(f"| {tree} | {statistics.median(wall):.1f} | {min(wall):.1f}-{max(wall):.1f} | "
+              f"{statistics.median(cpu):.1f} | {min(cpu):.1f}-{max(cpu):.1f} |")
     print(f"results identical in every run: {'yes' if len(prints) == 1 else 'NO: ' + ', '.join(sorted(prints))}")
     differ = sorted(name for name, digests in traces.items() if len(digests) > 1)
     same = "the same bytes in every run that wrote it" if not differ else "DIFFER: " + ", ".join(differ)
