@@ -35,6 +35,20 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {message[0]}" if message else type(e).__name__
 
 
+def interrupted(e: BaseException) -> bool:
+    """Whether `e` carries a Ctrl-C: one that lands inside compiled code comes back from numba's dispatcher as a
+    SystemError caused by the KeyboardInterrupt ("returned a result with an exception set"); it must stop the run,
+    not be retried as a failed point."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 def wants_gpu(point: Point) -> bool:
     """A measured point (hil or real) that runs on a CUDA device: it gets a GPU of its own."""
     engine = point.scenario.engine

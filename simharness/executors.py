@@ -17,7 +17,7 @@ import subprocess
 import traceback
 from collections.abc import Iterator
 
-from simharness.execution import Event, Executor, Work, describe_error, wants_gpu
+from simharness.execution import Event, Executor, Work, describe_error, interrupted, wants_gpu
 from simharness.localpool import LocalPool
 from simharness.raycluster import RayCluster, ray_stopped
 from simharness.scenario import Point, ScenarioError
@@ -40,6 +40,8 @@ class Serial:
                 except ScenarioError:
                     raise
                 except Exception as e:
+                    if interrupted(e):
+                        raise KeyboardInterrupt from e
                     kind = "retry" if attempt < self.retries else "failed"
                     yield Event(kind, point, reason=describe_error(e), detail=traceback.format_exc())
                     continue

@@ -407,3 +407,34 @@ def test_ray_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch)
     assert result.exit_code == 2
     assert "Ray is not installed; install it with: pip install 'simharness[ray]'" in " ".join(result.output.split())
     assert not (tmp_path / "out").exists()
+
+
+def test_a_ctrl_c_inside_compiled_code_stops_the_serial_run_and_is_not_retried():
+    """numba's dispatcher hands a KeyboardInterrupt that lands in compiled code back as a SystemError caused by it:
+    the run stops (the CLI then keeps the finished points and prints --resume) instead of retrying the point."""
+    calls = []
+
+    def work(point):
+        calls.append(point.id)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as ki:
+            raise SystemError("CPUDispatcher(<function _schedule>) returned a result with an exception set") from ki
+
+    sc = scenario_from_dict(SMALL)
+    events = Serial(retries=2).run(sweep_points(sc), work)
+    assert next(events).kind == "started"
+    with pytest.raises(KeyboardInterrupt):
+        next(events)
+    assert len(calls) == 1
+
+
+def test_an_error_without_a_ctrl_c_in_its_chain_is_still_retried():
+    def work(point):
+        try:
+            raise ValueError("inner")
+        except ValueError as inner:
+            raise SystemError("outer") from inner
+
+    events = list(Serial(retries=1).run(sweep_points(scenario_from_dict(SMALL))[:1], work))
+    assert [e.kind for e in events] == ["started", "retry", "started", "failed"]
