@@ -194,7 +194,7 @@ def _host_work_s(steps: Table, syncs: Table) -> float:
     start = np.concatenate([s for s, _ in work.values()])
     end = np.concatenate([e for _, e in work.values()])
     order = _order(start, end)
-    return float(pd.Series(end[order] - start[order]).sum())
+    return float((end[order] - start[order]).sum())  # pairwise, as pandas' sum of these (NaN-free) gaps was
 
 
 def _order(start: np.ndarray, end: np.ndarray) -> np.ndarray:

@@ -161,7 +161,7 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     # the metrics read the tables' arrays, each table made a frame once for the writer
     steps, syncs, emissions = records.steps_columns(), records.syncs_columns(), records.emissions_columns()
     metrics = compute_metrics(
-        records.requests,
+        records.request_columns,
         emissions,
         steps,
         syncs,

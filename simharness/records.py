@@ -145,6 +145,7 @@ class Records:
         self.request_times = np.full((3, n_requests), np.nan)  # ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S (NaN: none)
         self.request_counts = np.zeros((5, n_requests), dtype=np.int64)  # NUM_CHUNKS .. REQUEST_WASTED_SLOTS
         self.requests: pd.DataFrame | None = None  # set at the end of the run (`requests_frame`)
+        self.request_columns: dict[str, np.ndarray] = {}  # the requests table's arrays, kept by `requests_frame`
 
     def add_step(self, step: Step, time: float) -> None:
         """A settled step (its batch table holds the outcome rows) and the time its tokens reached the clients."""
@@ -179,11 +180,13 @@ class Records:
         return pd.DataFrame(self.syncs_columns())
 
     def requests_frame(self, kind: np.ndarray, prompt_len: np.ndarray, output_len: np.ndarray) -> pd.DataFrame:
-        """The per-request table, given each request's kind name and lengths."""
+        """The per-request table, given each request's kind name and lengths; its arrays are kept in
+        `request_columns` (metrics read them)."""
         t = self.request_times
         columns = [np.arange(len(kind)), kind, t[ARRIVAL_S], prompt_len, output_len, t[FIRST_TOKEN_S],
                    t[LAST_TOKEN_S], *self.request_counts]
-        return pd.DataFrame(dict(zip(REQUEST_COLUMNS, columns, strict=True)))
+        self.request_columns = dict(zip(REQUEST_COLUMNS, columns, strict=True))
+        return pd.DataFrame(self.request_columns)
 
     def emissions_columns(self) -> dict[str, np.ndarray]:
         per_step = np.diff(self.emission_ends, prepend=0).astype(np.int64)
