@@ -8,6 +8,7 @@ vectorised over the record tables so that a long run costs milliseconds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -17,13 +18,16 @@ from simharness.scenario import Goodput
 MS = 1e3
 HOST_WORK = ("schedule", "prep", "launch", "update", "propose")  # host phases that are engine work
 INTERVAL_COLUMNS = ["step", "kind", "name", "phase", "waits_for", "start_s", "end_s"]
+# A record table as the metrics read it: a DataFrame, or its columns as arrays (`Records.steps_columns`), which a
+# small point reads in a fraction of a frame's per-column cost
+Table = pd.DataFrame | dict[str, Any]
 
 
 def compute_metrics(
-    requests: pd.DataFrame,
-    emissions: pd.DataFrame,
-    steps: pd.DataFrame,
-    syncs: pd.DataFrame,
+    requests: Table,
+    emissions: Table,
+    steps: Table,
+    syncs: Table,
     *,
     duration_s: float,
     percentiles: Sequence[float],
@@ -54,7 +58,7 @@ def compute_metrics(
         "output_throughput": _ratio(out_tokens.sum(), duration_s),
         "total_token_throughput": _ratio(out_tokens.sum() + in_tokens.sum(), duration_s),
     }
-    itl = pooled_itl(emissions, requests["request_id"].to_numpy()[done])
+    itl = pooled_itl(emissions, np.asarray(requests["request_id"])[done])
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
         metrics.update(latency_stats(name, values * MS, percentiles))
     if any(slo is not None for slo in (goodput.ttft_ms, goodput.tpot_ms, goodput.e2el_ms)):
@@ -66,13 +70,13 @@ def compute_metrics(
     return metrics
 
 
-def pooled_itl(emissions: pd.DataFrame, request_ids: np.ndarray) -> np.ndarray:
+def pooled_itl(emissions: Table, request_ids: np.ndarray) -> np.ndarray:
     """Gaps (s) between consecutive token-bearing emissions of each request, pooled over requests.
 
     One emission is one streamed chunk and may carry several tokens, so ITL is per chunk, as in
     vLLM's client."""
-    rid = emissions["request_id"].to_numpy()
-    keep = np.isin(rid, request_ids) & (emissions["tokens"].to_numpy() > 0)
+    rid = np.asarray(emissions["request_id"])
+    keep = np.isin(rid, request_ids) & (np.asarray(emissions["tokens"]) > 0)
     rid, t = rid[keep], _col(emissions, "time_s")[keep]
     order = np.lexsort((t, rid))
     rid, t = rid[order], t[order]
@@ -98,7 +102,7 @@ def percentile_label(p: float) -> str:
     return f"p{int(p)}" if int(p) == p else f"p{p}"
 
 
-def speculation_metrics(requests: pd.DataFrame, steps: pd.DataFrame, k: int) -> dict[str, float]:
+def speculation_metrics(requests: Table, steps: Table, k: int) -> dict[str, float]:
     """vLLM spec-decode counters: drafts are request-steps with >= 1 draft; acceptance rate in %.
 
     `scheduled_draft_tokens` counts the placeholder slots the scheduler reserved, which is what
@@ -119,12 +123,13 @@ def speculation_metrics(requests: pd.DataFrame, steps: pd.DataFrame, k: int) -> 
     return metrics
 
 
-def engine_metrics(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, float]:
+def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
     """Per-step engine-loop figures: GPU time and busy fraction, bubbles, syncs, host phases, GC.
 
     Syncs count only for recorded steps (a step launched as the run ends is never settled nor recorded)."""
-    n = len(steps)
-    recorded = np.isin(syncs["step"].to_numpy(), steps["step"].to_numpy())
+    step_ids = np.asarray(steps["step"])
+    n = len(step_ids)
+    recorded = np.isin(np.asarray(syncs["step"]), step_ids)
     gpu_start, gpu_end = _col(steps, "gpu_start"), _col(steps, "gpu_end")
     gpu = gpu_end - gpu_start
     span = float(gpu_end.max() - gpu_start.min()) if n else 0.0
@@ -183,13 +188,13 @@ def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
                          for name, values in frame.items()})
 
 
-def _host_work_s(steps: pd.DataFrame, syncs: pd.DataFrame) -> float:
+def _host_work_s(steps: Table, syncs: Table) -> float:
     """The engine thread's time in host work (the HOST_WORK phases), summed in `host_intervals`' order."""
     work = {kind: bounds for kind, bounds in _phases(steps, syncs).items() if kind in HOST_WORK}
     start = np.concatenate([s for s, _ in work.values()])
     end = np.concatenate([e for _, e in work.values()])
     order = _order(start, end)
-    return float(pd.Series(end[order] - start[order]).sum())
+    return float((end[order] - start[order]).sum())  # pairwise, as pandas' sum of these (NaN-free) gaps was
 
 
 def _order(start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -198,12 +203,12 @@ def _order(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     return keep[np.lexsort((-end[keep], start[keep]))]
 
 
-def _phases(steps: pd.DataFrame, syncs: pd.DataFrame) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _phases(steps: Table, syncs: Table) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each host phase's [start, end) per step. Launch runs from the end of prep, or of the step's launch-phase
     syncs, to launch_end; a GC pause ends where schedule starts, or where the step's first sync does."""
-    step_ids, sync_steps = steps["step"].to_numpy(), syncs["step"].to_numpy()
+    step_ids, sync_steps = np.asarray(steps["step"]), np.asarray(syncs["step"])
     first_sync = _per_step(step_ids, sync_steps, _col(syncs, "start_s"), np.fmin)
-    launch = syncs["phase"].to_numpy(dtype=object) == "launch"
+    launch = np.asarray(syncs["phase"], dtype=object) == "launch"
     launch_sync_end = _per_step(step_ids, sync_steps[launch], _col(syncs, "end_s")[launch], np.fmax)
     schedule_start = _col(steps, "schedule_start")
     gc_end = np.fmin(schedule_start, first_sync)
@@ -238,8 +243,8 @@ def _meets_slos(ttft_ms: np.ndarray, tpot_ms: np.ndarray, e2el_ms: np.ndarray, g
     return int(ok.sum())
 
 
-def _col(df: pd.DataFrame, name: str) -> np.ndarray:
-    return df[name].to_numpy(dtype=np.float64)
+def _col(table: Table, name: str) -> np.ndarray:
+    return np.asarray(table[name], dtype=np.float64)
 
 
 def _mean(values: np.ndarray) -> float:

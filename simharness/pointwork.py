@@ -158,9 +158,10 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     ignored = ignored_fields(sc, level)
     if ignored:
         notes.append(ignored_message(ignored, level))
-    steps, syncs, emissions = records.steps_frame(), records.syncs_frame(), records.emissions_frame()
+    # the metrics read the tables' arrays, each table made a frame once for the writer
+    steps, syncs, emissions = records.steps_columns(), records.syncs_columns(), records.emissions_columns()
     metrics = compute_metrics(
-        records.requests,
+        records.request_columns,
         emissions,
         steps,
         syncs,
@@ -175,6 +176,6 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     summary.update(metrics)
     summary.update(host)
     summary.update(profile_columns(sc.engine, level))
-    tables = {"requests": records.requests, "steps": steps, "syncs": syncs, "emissions": emissions,
-              "device_syncs": device_syncs}
+    tables = {"requests": records.requests, "steps": pd.DataFrame(steps), "syncs": pd.DataFrame(syncs),
+              "emissions": pd.DataFrame(emissions), "device_syncs": device_syncs}
     return PointResult(summary, tables)

@@ -202,3 +202,32 @@ def test_a_long_run() -> None:
     m = compute_metrics(requests, emissions, steps, EMPTY_SYNCS, duration_s=100.0, percentiles=[50, 90, 99],
                         goodput=Goodput(tpot_ms=50), k=4)
     assert m["completed"] == n_req and m["gpu_busy_fraction"] == pytest.approx(0.9 * 20_000 / 19_999.9)
+
+
+def test_tables_as_frames_or_arrays_give_the_same_metrics() -> None:
+    """The sweep hands the records' arrays (`Records.*_columns`), other callers frames: the same numbers, to the
+    bit, with syncs (text columns as numpy gives them) and GC pauses."""
+    ms = 1e-3
+    steps = _steps([
+        {"n_reqs": 2, "decode_tokens": 6, "emitted": 4, "drafts_scheduled": 3, "acc_pos_0": 1, "schedule_end": ms,
+         "prep_start": ms, "prep_end": 2 * ms, "launch_end": 5 * ms, "gpu_start": 5 * ms, "gpu_end": 105 * ms,
+         "update_start": 110 * ms, "update_end": 111 * ms},
+        {"n_reqs": 1, "decode_tokens": 4, "emitted": 3, "gc_pause_s": 5 * ms, "schedule_start": 107 * ms,
+         "schedule_end": 108 * ms, "prep_start": 108 * ms, "prep_end": 109 * ms, "launch_end": 110 * ms,
+         "gpu_start": 155 * ms, "gpu_end": 255 * ms, "bubble_s": 50 * ms},
+    ], k=1)
+    sync_rows = [(0, "metadata_item", "launch", "all_launched", 2 * ms, 4 * ms),
+                 (1, "early", "schedule", "all_launched", 106 * ms, 107 * ms)]
+    syncs = pd.DataFrame.from_records(sync_rows, columns=SYNC_COLUMNS)
+    sync_arrays = {c: np.array(values) for c, values in zip(SYNC_COLUMNS, zip(*sync_rows, strict=True), strict=True)}
+
+    def arrays(df: pd.DataFrame) -> dict[str, np.ndarray]:
+        return {c: df[c].to_numpy() for c in df.columns}
+
+    goodput = Goodput(ttft_ms=150)
+    framed = compute_metrics(REQUESTS, EMISSIONS, steps, syncs, duration_s=2.0, percentiles=[50, 99], goodput=goodput,
+                             k=1)
+    arrayed = compute_metrics(arrays(REQUESTS), arrays(EMISSIONS), arrays(steps), sync_arrays, duration_s=2.0,
+                              percentiles=[50, 99], goodput=goodput, k=1)
+    assert framed["mean_host_ms_per_step"] > 0 and framed["syncs_per_step"] == 1.0
+    assert framed == arrayed

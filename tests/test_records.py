@@ -1,10 +1,11 @@
 """Records: a settled step's batch table becomes step counts, emissions and per-request tallies."""
 
 import numpy as np
+import pandas as pd
 
 from simharness import policy
 from simharness.policy import Batch
-from simharness.records import ARRIVAL_S, HOST_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, Records, Step
+from simharness.records import ARRIVAL_S, HOST_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, SYNC_COLUMNS, Records, Step
 
 
 def table(**rows: list[int]) -> np.ndarray:
@@ -68,3 +69,17 @@ def test_steps_frame_types_each_host_column_from_its_values():
     assert frame["measured"].dtype == "str" and frame["measured"].tolist() == ["", "verify,sample", "verify,sample"]
     assert frame["harness_s"].dtype == np.float64 and frame["harness_s"].isna().all()
     assert [c for c in frame.columns if c in HOST_COLUMNS] == HOST_COLUMNS
+
+
+def test_syncs_frame_types_as_from_records():
+    """The syncs table column by column types each column as `DataFrame.from_records` did: text (None where a sync
+    waits for nothing), object columns for a run without syncs."""
+    records = Records(k=1, output_len=np.array([5]))
+    empty = pd.DataFrame.from_records([], columns=SYNC_COLUMNS)
+    pd.testing.assert_frame_equal(records.syncs_frame(), empty)
+    records.syncs += [(0, "a", "launch", None, 0.1, 0.2), (1, "b", "update", "all_launched", 0.3, 0.4)]
+    expected = pd.DataFrame.from_records(records.syncs, columns=SYNC_COLUMNS)
+    frame = records.syncs_frame()
+    assert frame["waits_for"].dtype == "str" and frame["waits_for"].isna().tolist() == [True, False]
+    pd.testing.assert_frame_equal(frame, expected)
+    assert records.syncs_columns()["step"].tolist() == [0, 1]
