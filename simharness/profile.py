@@ -152,7 +152,7 @@ def resolve(engine) -> Profile | None:
     if engine.calibration is not None or engine.profile == "none" or own_device_costs(engine):
         return None
     path = default_path(engine.gpu, engine.model) if engine.profile == "auto" else Path(engine.profile)
-    if engine.profile != "auto" and engine.gpu_costs != type(engine.gpu_costs)():
+    if engine.profile != "auto" and _sets_device_costs(engine):
         raise ProfileError(f"{path}: engine.gpu_costs is set, but the profile replaces the roofline's device costs: "
                            "unset engine.gpu_costs, or set engine.profile: none to run the roofline with them")
     if path is None or (engine.profile == "auto" and not path.is_file()):
@@ -171,9 +171,17 @@ def resolve(engine) -> Profile | None:
 
 
 def own_device_costs(engine) -> bool:
-    """`engine.profile: auto` with device costs the scenario sets (`engine.gpu_costs` away from its defaults): the
-    roofline those costs describe runs, not the committed profile, which would ignore them (the run notes it)."""
-    return engine.profile == "auto" and engine.gpu_costs != type(engine.gpu_costs)()
+    """`engine.profile: auto` with device costs the scenario sets where a committed profile would otherwise run:
+    the roofline those costs describe runs instead, not the profile, which would ignore them (the run notes it)."""
+    if engine.profile != "auto" or engine.calibration is not None or not _sets_device_costs(engine):
+        return False
+    path = default_path(engine.gpu, engine.model)
+    return path is not None and path.is_file()
+
+
+def _sets_device_costs(engine) -> bool:
+    """`engine.gpu_costs` away from its defaults (values decide, as for the host costs)."""
+    return engine.gpu_costs != type(engine.gpu_costs)()
 
 
 def describe(engine) -> str:

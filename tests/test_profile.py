@@ -25,6 +25,7 @@ from simharness.profile import (
     SAMPLER,
     TERMS,
     UNITS,
+    own_device_costs,
     prior_coefficients,
     profile_times,
     shape_sizes,
@@ -161,6 +162,10 @@ def test_device_costs_the_scenario_sets_run_the_roofline_and_say_so(profiles, tm
     sc = scenario_from_dict(TINY, {"engine.gpu_costs.mem_bandwidth_gbs": 2000})
     assert CostModel(sc.engine, optimistic_correction=True).profile is None
     assert CostModel(scenario_from_dict(TINY).engine, optimistic_correction=True).profile is not None
+    # only where a committed profile would have run: no H200 profile, no note (the roofline runs either way)
+    assert own_device_costs(sc.engine)
+    assert not own_device_costs(scenario_from_dict(TINY, {"engine.gpu": "H200",
+                                                          "engine.gpu_costs.mem_bandwidth_gbs": 2000}).engine)
     scenario = tmp_path / "s.yaml"
     scenario.write_text(yaml.safe_dump(TINY))
     r = CliRunner().invoke(app, ["run", str(scenario), "--out", str(tmp_path / "a"), "--set",
