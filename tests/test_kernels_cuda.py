@@ -192,3 +192,21 @@ def test_closed_gate_holds_the_stream_until_opened():
     gate.open()
     after.synchronize()
     assert before.elapsed_time(after) >= 45.0  # ms: the gate held the stream while the host slept
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim", [(32, 8, 64), (32, 8, 128)])
+def test_prefix_attention_agrees_at_realistic_size(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """A later prefill chunk of 700 tokens after 1,500 cached ones (bf16, the 1B's and the 8B's head shapes): the
+    Triton prefix kernel against the torch reference, to bf16 rounding."""
+    from simharness.engine.model import verify_attention_torch
+    from simharness.engine.model_triton import prefix_attention_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n_tokens, start, max_len = 700, 1500, 4096
+    k_cache, v_cache = torch.randn(2, 3, max_len, n_kv_heads, head_dim, generator=gen, device="cuda",
+                                   dtype=torch.bfloat16)  # fmt: skip
+    q = torch.randn(n_tokens, n_heads, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    slots, starts = torch.tensor([1], device="cuda"), torch.tensor([start], device="cuda")
+    expected = verify_attention_torch(q.float(), k_cache.float(), v_cache.float(), slots, starts, n_tokens)
+    got = prefix_attention_triton(q, k_cache, v_cache, slots, starts, n_tokens)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)

@@ -25,7 +25,7 @@ from simharness.engine.model import (
     steer_logits,
     verify_attention_torch,
 )
-from simharness.engine.model_triton import qk_norm_triton, rope_attention_triton
+from simharness.engine.model_triton import prefix_attention_triton, qk_norm_triton, rope_attention_triton
 from simharness.models import MODELS, RopeScaling
 from simharness.tokenizer import DEFAULT_VOCAB_SIZE
 
@@ -195,8 +195,8 @@ def test_steer_logits() -> None:
 @old_interpreter
 def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
     """The CUDA path's Triton kernels, run by Triton's CPU interpreter (it must be on before they are
-    decorated, hence a subprocess): same prefill and verify logits and the same cache as the torch ops, for
-    Llama and for a model with Qwen's q/k/v biases and q/k head norms."""
+    decorated, hence a subprocess): same prefill (a fresh prompt and a later chunk) and verify logits and the same
+    cache as the torch ops, for Llama and for a model with Qwen's q/k/v biases and q/k head norms."""
     code = textwrap.dedent("""
         import dataclasses
         import torch
@@ -211,6 +211,8 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
         outs = []
         for m in models:
             prefill = [m.prefill(slot, p) for slot, p in zip((2, 0), prompts)]
+            prefill.append(m.prefill(1, prompts[0][:8]))
+            prefill.append(m.prefill(1, prompts[0][8:], start=8))  # a later chunk: attention over its prefix
             outs.append((prefill, m.verify(tokens, torch.tensor([2, 0]), torch.tensor([20, 13])), m.k_cache, m.v_cache))
         for (p0, v0, k0, c0), (p1, v1, k1, c1) in (outs[:2], outs[2:]):
             for a, b in [*zip(p0, p1), (v0, v1), (k0, k1), (c0, c1)]:
@@ -226,6 +228,11 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
 def interpreted() -> Iterator[None]:
     """The attention kernel in Triton's CPU interpreter, in this process."""
     yield from interpreted_kernels(model_triton, ("_rope_attention_kernel", "_rotated"))
+
+
+@pytest.fixture
+def interpreted_prefix() -> Iterator[None]:
+    yield from interpreted_kernels(model_triton, ("_prefix_attention_kernel",))
 
 
 @pytest.fixture
@@ -313,6 +320,28 @@ def test_rope_attention_does_not_depend_on_where_a_step_starts(interpreted: None
         assert torch.equal(out[:, 0], together[:, i])
     for a, b in zip(apart, whole, strict=True):
         assert torch.equal(a[:, : start + n_tokens], b[:, : start + n_tokens])
+
+
+@old_interpreter
+def test_prefix_attention_matches_torch(interpreted_prefix: None) -> None:
+    """A later prefill chunk's attention (Triton, interpreted) against the torch reference: chunks of one token,
+    of a partial query block and of two blocks; prefixes of 0, mid-cache and up to the cache's end; grouped and
+    plain heads; two rows at once. Stale keys past each query (a longer earlier request in the slot) are ignored."""
+    gen = torch.Generator().manual_seed(5)
+    for batch, max_len, n_heads, n_kv_heads, head_dim, n_tokens in [
+        (1, 300, 4, 2, 16, 130),  # two query blocks of 128 (the second partial)
+        (2, 200, 6, 2, 32, 7),
+        (1, 90, 2, 2, 16, 1),
+    ]:
+        k_cache, v_cache = torch.randn(2, batch + 1, max_len, n_kv_heads, head_dim, generator=gen)
+        q = torch.randn(batch * n_tokens, n_heads, head_dim, generator=gen)
+        slots = torch.randperm(batch + 1, generator=gen)[:batch]
+        for first in (0, (max_len - n_tokens) // 2, max_len - n_tokens):
+            start = torch.full((batch,), first)
+            start[-1] = max(0, first - 3)
+            expected = verify_attention_torch(q, k_cache, v_cache, slots, start, n_tokens)
+            got = prefix_attention_triton(q, k_cache, v_cache, slots, start, n_tokens)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("batch,n_tokens", [(1, 7), (3, 1), (2, 4)])

@@ -150,10 +150,12 @@ class _Ops:
     qk_norm: Callable[..., None]
     rope_write_kv: Callable[..., Tensor]  # prefill: the attention itself is torch's
     rope_attention: Callable[..., Tensor]
+    prefix_attention: Callable[..., Tensor]  # a later prefill chunk over its cached prefix
     silu_mul: Callable[[Tensor], Tensor]
 
 
-TORCH_OPS = _Ops(rms_norm_torch, qk_norm_torch, rope_write_kv_torch, rope_attention_torch, silu_mul_torch)
+TORCH_OPS = _Ops(rms_norm_torch, qk_norm_torch, rope_write_kv_torch, rope_attention_torch,
+                 partial(verify_attention_torch, expand_heads=True), silu_mul_torch)
 
 
 def triton_ops() -> _Ops:
@@ -162,7 +164,7 @@ def triton_ops() -> _Ops:
     from simharness.engine import model_triton as t
 
     return _Ops(t.rms_norm_triton, t.qk_norm_triton, t.rope_write_kv_triton, t.rope_attention_triton,
-                t.silu_mul_triton)
+                t.prefix_attention_triton, t.silu_mul_triton)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,8 +310,9 @@ class Transformer(nn.Module):
 
     def _forward(self, tokens: Tensor, slots: Tensor, start_pos: Tensor, attention: str = "verify") -> Tensor:
         """Final normed hidden states [B*T, dim]; writes every layer's K/V for the tokens into the cache.
-        `attention`: "verify" (the verify kernel, built for T = 1 + k), "masked" (torch's masked attention over the
-        cached prefix, any T), "fresh" (one row at positions 0..T-1: causal attention over its own tokens only)."""
+        `attention`: "verify" (the verify kernel, built for T = 1 + k), "prefix" (a later prefill chunk: attention
+        over the cached prefix and the chunk's own earlier tokens, any T), "fresh" (one row at positions 0..T-1:
+        causal attention over its own tokens only)."""
         c, ops = self.config, self.ops
         n_tokens = tokens.shape[1]
         residual = F.embedding(tokens.reshape(-1), self.tok_embeddings)
@@ -325,8 +328,8 @@ class Transformer(nn.Module):
                 )
             else:
                 q = ops.rope_write_kv(qkv, k_cache, v_cache, self.cos, self.sin, slots, start_pos, n_tokens, c.n_heads)
-                if attention == "masked":
-                    attn = verify_attention_torch(q, k_cache, v_cache, slots, start_pos, n_tokens, expand_heads=True)
+                if attention == "prefix":
+                    attn = ops.prefix_attention(q, k_cache, v_cache, slots, start_pos, n_tokens)
                 else:  # a fresh sequence at positions 0..T-1 attends only to itself: plain causal SDPA
                     # index_select, not k_cache[slot]: the slot is a device tensor inside a prefill graph.
                     k = k_cache[:, :n_tokens].index_select(0, slots).transpose(1, 2)  # [1, Hkv, T, D]
@@ -356,8 +359,8 @@ class Transformer(nn.Module):
             return self._replay_prefill(slot, tokens, start)
         slots = self.slot_ids[slot : slot + 1]
         with sdpa_kernel(PREFILL_SDPA):
-            # A later chunk of a chunked prefill attends to the cached prefix too: the general masked path.
-            x = self._forward(tokens[None], slots, torch.full_like(slots, start), "fresh" if start == 0 else "masked")
+            # A later chunk of a chunked prefill attends to the cached prefix too.
+            x = self._forward(tokens[None], slots, torch.full_like(slots, start), "fresh" if start == 0 else "prefix")
         return self._logits(x[-1:])[0]
 
     def _replay_prefill(self, slot: int, tokens: Tensor, start: int) -> Tensor:
@@ -380,7 +383,7 @@ class Transformer(nn.Module):
     def capture_prefill_graphs(self, longest: int) -> None:
         """Capture the prefill of every token bucket up to `longest` tokens not yet captured, largest first, in
         the verify graphs' pool: a fresh prompt (causal attention over its own tokens, FlashAttention) and a later
-        chunk (masked attention over the cached prefix)."""
+        chunk (attention over the cached prefix)."""
         for size in reversed(prefill_sizes(longest)):
             for fresh in (True, False):
                 if (size, fresh) not in self._prefill_graphs:
@@ -393,7 +396,7 @@ class Transformer(nn.Module):
 
         def forward() -> Tensor:
             with sdpa_kernel(PREFILL_SDPA):
-                x = self._forward(tokens, slots, start_pos, "fresh" if fresh else "masked")
+                x = self._forward(tokens, slots, start_pos, "fresh" if fresh else "prefix")
             return self._logits(x.index_select(0, last))[0]
 
         graph, logits = self.capture(forward)

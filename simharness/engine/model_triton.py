@@ -1,7 +1,7 @@
 """The target model's per-token ops as Triton kernels (the torch versions and their semantics are `engine.model`'s):
 fused residual add + RMSNorm, q/k head norms, RoPE + KV write, RoPE + KV write + cached attention with its context
-chunks merged in the kernel, SiLU-mul. Imported only for a model that runs them (CUDA, or CPU tensors under
-TRITON_INTERPRET=1)."""
+chunks merged in the kernel, a later prefill chunk's attention over its cached prefix, SiLU-mul. Imported only for a
+model that runs them (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
 
 import torch
 import triton
@@ -249,6 +249,66 @@ def rope_attention_triton(
         n_tokens, max_len, chunk_size, head_dim**-0.5, k_cache.stride(0), k_cache.stride(1),
         HQ=n_heads, HKV=n_kv_heads, G=group, HALF=head_dim // 2, BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_T=triton.next_power_of_2(n_tokens),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, start_ptr, out_ptr,
+    n_tokens, max_len, sm_scale, stride_slot, stride_pos,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One program per (block of a chunk's queries, q head, row): FlashAttention over the row's cached prefix and the
+    # chunk's own earlier tokens, reading keys only up to its last query's position (start + its last token), which
+    # it reads on the device, so one graph per chunk size serves every prefix length.
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    start = tl.load(start_ptr + b)
+    slot = tl.load(slots_ptr + b)
+    t = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)[None, :]
+    row_ok = t < n_tokens
+    q = tl.load(q_ptr + ((b * n_tokens + t) * HQ + head)[:, None] * D + d, mask=row_ok[:, None], other=0.0)
+    q_pos = (start + t)[:, None]
+    hi = tl.minimum(start + tl.minimum(n_tokens, (m_block + 1) * BLOCK_M), max_len)
+    kv_base = slot * stride_slot + (head // G) * D
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for j0 in range(0, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        kv_off = kv_base + j[:, None] * stride_pos + d
+        kv_ok = (j < hi)[:, None]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        s = tl.where(j[None, :] <= q_pos, s, float("-inf"))  # causal; position 0 keeps every row's max finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out_ptrs = out_ptr + ((b * n_tokens + t) * HQ + head)[:, None] * D + d
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefix_attention_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, start_pos: Tensor, n_tokens: int
+) -> Tensor:
+    """`engine.model.verify_attention_torch` for long chunks (a later prefill chunk over its cached prefix): each
+    query reads its row's keys up to its own position only, not the whole cache (the masked SDPA path reads and
+    scores every cached position, docs/validation.md)."""
+    batch, (max_len, n_kv_heads, head_dim) = slots.shape[0], k_cache.shape[1:]
+    n_heads = q.shape[1]
+    out = torch.empty(q.shape[0], n_heads * head_dim, dtype=q.dtype, device=q.device)
+    block_m = 128 if n_tokens > 64 else 64
+    _prefix_attention_kernel[(triton.cdiv(n_tokens, block_m), n_heads, batch)](
+        q, k_cache, v_cache, slots, start_pos, out, n_tokens, max_len, head_dim**-0.5,
+        k_cache.stride(0), k_cache.stride(1), HQ=n_heads, G=n_heads // n_kv_heads, D=head_dim,
+        BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if head_dim > 64 else 4, num_stages=3,
     )  # fmt: skip
     return out
 
