@@ -56,16 +56,17 @@ def main() -> None:
         raise SystemExit("prefill_chunks.py measures CUDA; no CUDA device here")
     peak = gpu_spec(args.gpu).bf16_tflops * 1e12
     max_len = max(args.prefixes) + max(args.chunks) + 16
-    model = Transformer(model_config(args.model), max_slots=2, max_len=max_len, device="cuda", cuda_graphs=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    model.prefill(0, torch.randint(model.config.vocab_size, (max_len - 16,), generator=gen, device="cuda"))
-    masked = dataclasses.replace(model.ops, prefix_attention=partial(verify_attention_torch, expand_heads=True))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model}, {args.repeats} replays a point; "
           f"floor at {args.gpu}'s {peak / 1e12:.0f} TFLOP/s")
     print("chunk  prefix  path    median_ms  p10_ms  p90_ms  floor_ms  x_floor")
-    for path, ops in (("prefix", model.ops), ("masked", masked)):
-        model.ops = ops
-        model._prefill_graphs.clear()  # captured again with this path's attention
+    for path in ("prefix", "masked"):
+        # A model per path (the same seeded weights), its attention set before anything is captured.
+        model = Transformer(model_config(args.model), max_slots=2, max_len=max_len, device="cuda", cuda_graphs=True)
+        if path == "masked":
+            model.ops = dataclasses.replace(model.ops, prefix_attention=partial(verify_attention_torch,
+                                                                                expand_heads=True))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        model.prefill(0, torch.randint(model.config.vocab_size, (max_len - 16,), generator=gen, device="cuda"))
         for chunk in args.chunks:
             tokens = torch.randint(model.config.vocab_size, (chunk,), generator=gen, device="cuda")
             for prefix in args.prefixes:
@@ -77,6 +78,8 @@ def main() -> None:
                 median = statistics.median(ms)
                 print(f"{chunk:5d}  {prefix:6d}  {path:6s}  {median:9.2f}  {p10:6.2f}  {p90:6.2f}  {floor:8.2f}  "
                       f"{median / floor:7.2f}")
+        del model
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
