@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from simharness.acceptance import SurvivalAcceptance
-from simharness.costmodel import CostModel, gpu_seconds
+from simharness.costmodel import FORWARD_S, SEC_PER_BYTE, WEIGHT_BYTES, CostModel, gpu_seconds
+from simharness.models import MODELS
 from simharness.model_backend import ModelBackend
 from simharness.policy import (
     ACCEPTED,
@@ -88,11 +89,30 @@ def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     model = backend([5, 7], [50, 50])
     sizes, rates = model.cost.sizes, model.cost.rates
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
-    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0)
+    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0, 1)
     model.run(step([1], prefill=7))
     # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
     decode = step([0, 1], slots=2)
     timing = model.run(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
-    assert timing.device_s == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0)
+    assert timing.device_s == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0,
+                                          1)
     assert timing.readback_s == model.cost.sync() and timing.phases_s is None
+
+
+def test_each_prefill_chunk_is_a_forward_that_reads_the_weights_and_pays_its_layers_latency():
+    model = backend([5, 7], [50, 50])
+    sizes, rates = model.cost.sizes, model.cost.rates
+    two_chunks = model.run(step([0, 1], prefill=5)).device_s
+    assert two_chunks == gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 2)
+    # (the proposer scans each prompt and its first token) the second forward adds one weight read (memory-bound: a few tokens) and one forward's layer latencies
+    one_chunk = gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 1)
+    extra = sizes[WEIGHT_BYTES] * rates[SEC_PER_BYTE] + rates[FORWARD_S]
+    assert abs(two_chunks - one_chunk - extra) < 1e-12
+
+
+def test_a_forwards_latency_is_the_layers_times_the_per_layer_latency():
+    for name in ("llama-3.2-1b", "llama-3-8b"):
+        cost = CostModel(Engine(profile="none", model=name, gpu_costs={"layer_latency_us": 10.0}),
+                         optimistic_correction=False)
+        assert cost.rates[FORWARD_S] == MODELS[name].n_layers * 10.0 * 1e-6
