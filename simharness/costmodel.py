@@ -1,9 +1,10 @@
 """How long a step takes at the sim level: a roofline for the GPU, parameters for the host.
 
 GPU step time = fixed overhead + a fixed latency per layer of each forward (the decode step's and each
-prefill chunk's) + max(bytes moved / bandwidth, FLOPs / peak) for the target forwards over the batch's
-tokens (weights read once per forward, KV read), plus the rejection sampler (reads the logits), the GPU
-n-gram proposer and the optimistic correction kernel. Host phase costs are
+prefill chunk's) + the matrix products' max(weight bytes / bandwidth, FLOPs / peak) (weights read once per
+forward) + the attention's max(KV bytes / bandwidth, FLOPs / peak), plus the rejection sampler (reads the
+logits), the GPU n-gram proposer and the optimistic correction kernel (docs/validation.md, "The uncalibrated
+roofline"). Host phase costs are
 linear in requests and tokens with the scenario's `engine.host_costs`. With `engine.calibration` the step time
 is the calibration's linear model of what the step holds (`fitted_seconds`) and its fitted host costs replace
 those of `engine.host_costs`; otherwise a cost profile (`engine.profile`, simharness.profile) does the same with
@@ -129,12 +130,15 @@ def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: in
     # of query * (context + (query + 1) / 2) over the batch in any order. Sizes times token counts are exact
     # integers, rounded once when scaled by a rate.
     pairs = pairs2 / 2
-    mem = (sizes[WEIGHT_BYTES] * forwards + sizes[KV_BYTES_PER_TOKEN] * kv_tokens) * rates[SEC_PER_BYTE]
-    compute = (sizes[LINEAR_FLOPS_PER_TOKEN] * tokens + sizes[ATTN_FLOPS_PER_PAIR] * pairs) * rates[SEC_PER_FLOP]
+    # the matrix products and the attention are kernels of their own: each is bound by memory or by compute
+    linear = max(sizes[WEIGHT_BYTES] * forwards * rates[SEC_PER_BYTE],
+                 sizes[LINEAR_FLOPS_PER_TOKEN] * tokens * rates[SEC_PER_FLOP])
+    attention = max(sizes[KV_BYTES_PER_TOKEN] * kv_tokens * rates[SEC_PER_BYTE],
+                    sizes[ATTN_FLOPS_PER_PAIR] * pairs * rates[SEC_PER_FLOP])
     # the sampler reads fp32 logits of every verified position
     sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
     proposer = rates[NGRAM_S_PER_TOKEN] * history
-    return rates[FIXED_S] + forwards * rates[FORWARD_S] + max(mem, compute) + sampler + proposer
+    return rates[FIXED_S] + forwards * rates[FORWARD_S] + linear + attention + sampler + proposer
 
 
 @njit
