@@ -121,7 +121,8 @@ def _device(sc, factor: float) -> dict:
     """Sim without a cost profile: every device cost `factor` slower (rooflines' efficiencies down, fixed costs up):
     exact. A profile's device terms are scaled in the worker (`inject`)."""
     g = sc.engine.gpu_costs
-    scaled = ("step_overhead_us", "sampler_overhead_us", "ngram_gpu_us", "ngram_gpu_per_token_ns", "correction_us")
+    scaled = ("step_overhead_us", "layer_latency_us", "sampler_overhead_us", "ngram_gpu_us", "ngram_gpu_per_token_ns",
+              "correction_us")
     return {"engine.gpu_costs.mem_efficiency": g.mem_efficiency / factor,
             "engine.gpu_costs.compute_efficiency": g.compute_efficiency / factor,
             **{f"engine.gpu_costs.{k}": getattr(g, k) * factor for k in scaled}}

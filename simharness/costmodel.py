@@ -1,8 +1,10 @@
 """How long a step takes at the sim level: a roofline for the GPU, parameters for the host.
 
-GPU step time = fixed overhead + max(bytes moved / bandwidth, FLOPs / peak) for the target
-forward over the batch's tokens (weights + KV read), plus the rejection sampler (reads the
-logits), the GPU n-gram proposer and the optimistic correction kernel. Host phase costs are
+GPU step time = fixed overhead + a fixed latency per layer of each forward (the decode step's and each
+prefill chunk's) + the matrix products' max(weight bytes / bandwidth, FLOPs / peak) (weights read once per
+forward) + the attention's max(KV bytes / bandwidth, FLOPs / peak), plus the rejection sampler (reads the
+logits), the GPU n-gram proposer and the optimistic correction kernel (docs/validation.md, "The uncalibrated
+roofline"). Host phase costs are
 linear in requests and tokens with the scenario's `engine.host_costs`. With `engine.calibration` the step time
 is the calibration's linear model of what the step holds (`fitted_seconds`) and its fitted host costs replace
 those of `engine.host_costs`; otherwise a cost profile (`engine.profile`, simharness.profile) does the same with
@@ -68,7 +70,7 @@ class CostModel:
         self.sec_per_byte = 1.0 / bw
         self.sec_per_flop = 1.0 / flops
         self.correction = optimistic_correction
-        # fixed part of every step: overhead, weight read, sampler, proposer, correction
+        # fixed part of every step: overhead, sampler, proposer, correction
         self.fixed_s = (
             g.step_overhead_us * 1e-6
             + g.sampler_overhead_us * 1e-6
@@ -82,8 +84,9 @@ class CostModel:
         ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9 if self.ngram_gpu else 0.0
         # a random row's sampler work beyond a greedy row's, per verified token
         random_s_per_token = (g.sampler_random_factor - 1.0) * s.vocab_size * 4 * self.sec_per_byte
+        forward_s = s.n_layers * g.layer_latency_us * 1e-6  # a forward's kernel latencies
         self.rates = np.array([self.fixed_s, self.sec_per_byte, self.sec_per_flop, ngram_s_per_token,
-                               random_s_per_token])
+                               random_s_per_token, forward_s])
         # a full garbage collection's pause (sim: every `gc.full_every` allocations prep makes)
         self.full_gc_s = engine.gc.heap_objects * self.h.gc_ns_per_object * 1e-9
 
@@ -112,26 +115,30 @@ class CostModel:
 
 # Coefficients of `gpu_seconds`: CostModel.sizes and CostModel.rates.
 WEIGHT_BYTES, KV_BYTES_PER_TOKEN, LINEAR_FLOPS_PER_TOKEN, ATTN_FLOPS_PER_PAIR, LOGIT_BYTES = range(5)
-FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN, RANDOM_S_PER_TOKEN = range(5)
+FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN, RANDOM_S_PER_TOKEN, FORWARD_S = range(6)
 
 
 @njit
 def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int,
-                random_tokens: int) -> float:
+                random_tokens: int, forwards: int) -> float:
     """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache after the
     step (context + query), `pairs2` twice the attention pairs (sum over requests of query * (2 * context +
     query + 1)), `history` tokens the GPU n-gram proposer scans (its rate is 0 without it), `random_tokens`
-    verified tokens of rows sampled at a temperature (the sampler's random path)."""
+    verified tokens of rows sampled at a temperature (the sampler's random path), `forwards` the step's forward
+    passes (the decode step's, each prefill chunk's: each reads the weights and pays its layers' latency)."""
     # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
     # of query * (context + (query + 1) / 2) over the batch in any order. Sizes times token counts are exact
     # integers, rounded once when scaled by a rate.
     pairs = pairs2 / 2
-    mem = (sizes[WEIGHT_BYTES] + sizes[KV_BYTES_PER_TOKEN] * kv_tokens) * rates[SEC_PER_BYTE]
-    compute = (sizes[LINEAR_FLOPS_PER_TOKEN] * tokens + sizes[ATTN_FLOPS_PER_PAIR] * pairs) * rates[SEC_PER_FLOP]
+    # the matrix products and the attention are kernels of their own: each is bound by memory or by compute
+    linear = max(sizes[WEIGHT_BYTES] * forwards * rates[SEC_PER_BYTE],
+                 sizes[LINEAR_FLOPS_PER_TOKEN] * tokens * rates[SEC_PER_FLOP])
+    attention = max(sizes[KV_BYTES_PER_TOKEN] * kv_tokens * rates[SEC_PER_BYTE],
+                    sizes[ATTN_FLOPS_PER_PAIR] * pairs * rates[SEC_PER_FLOP])
     # the sampler reads fp32 logits of every verified position
     sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
     proposer = rates[NGRAM_S_PER_TOKEN] * history
-    return rates[FIXED_S] + max(mem, compute) + sampler + proposer
+    return rates[FIXED_S] + forwards * rates[FORWARD_S] + linear + attention + sampler + proposer
 
 
 @njit

@@ -231,7 +231,8 @@ def _run_step(
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
                                   prefill_tokens, random_tokens, history)
         return seconds, next_uniform
-    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens), next_uniform
+    forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
+    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards), next_uniform
 
 
 @njit

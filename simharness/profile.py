@@ -29,8 +29,8 @@ PACKAGE = Path(__file__).resolve().parent
 PROFILES_DIR = PACKAGE / "data" / "profiles"  # the committed profiles (package data)
 # What the sim without a profile (the roofline) carried against the real level on the validation families
 # (docs/validation.md, results/validation/validation.md: H100, medians per family).
-UNCALIBRATED_ERROR = ("mean TPOT median |error| 32-33% (llama-3.2-1b) and 17.6% (llama-3-8b) on the H100 validation "
-                      "families (docs/validation.md)")
+UNCALIBRATED_ERROR = ("mean TPOT median |error| 11-12% (llama-3.2-1b; 46% with 2,048-token prefill chunks) and 8.3% "
+                      "(llama-3-8b) on the H100 validation families (docs/validation.md)")
 
 # The device terms, in the order of the coefficient array (`profile_seconds`): seconds per step and per forward,
 # the datasheet's seconds per byte and per FLOP, the slowdowns against it of memory traffic, compute and the

@@ -201,6 +201,11 @@ class GpuCosts(Strict):
     mem_efficiency: float = Field(0.8, ge=0.01, le=1, description="achieved fraction of bandwidth")
     compute_efficiency: float = Field(0.6, ge=0.01, le=1, description="achieved fraction of peak FLOPs")
     step_overhead_us: NonNegFloat = Field(30.0, description="fixed per-step GPU time (graph launch, norms)")
+    layer_latency_us: NonNegFloat = Field(
+        24.0, description="fixed GPU time per layer of each forward (the decode step's and each prefill chunk's): "
+        "its ~8 kernels' latency, which no batch size hides (the default measured: docs/validation.md, "
+        "results/kernels/decode-step)",
+    )
     sampler_overhead_us: NonNegFloat = Field(15.0, description="rejection sampler fixed cost")
     ngram_gpu_us: NonNegFloat = Field(20.0, description="GPU n-gram proposer fixed cost")
     ngram_gpu_per_token_ns: NonNegFloat = Field(0.05, description="GPU n-gram cost per history token")

@@ -1,12 +1,15 @@
 """The model backend's compiled step: the device truth, the acceptance stream, GPU-time totals."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 
 from simharness.acceptance import SurvivalAcceptance
-from simharness.costmodel import CostModel, gpu_seconds
+from simharness.costmodel import FORWARD_S, SEC_PER_BYTE, WEIGHT_BYTES, CostModel, gpu_seconds
 from simharness.model_backend import ModelBackend
+from simharness.models import MODELS
 from simharness.policy import (
     ACCEPTED,
     BATCH_ROWS,
@@ -25,6 +28,7 @@ from simharness.scenario import Engine
 
 K = 4
 ALPHA = 0.7
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def backend(prompt: list[int], output: list[int], seed: int = 0) -> ModelBackend:
@@ -88,11 +92,57 @@ def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     model = backend([5, 7], [50, 50])
     sizes, rates = model.cost.sizes, model.cost.rates
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
-    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0)
+    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0, 1)
     model.run(step([1], prefill=7))
     # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
     decode = step([0, 1], slots=2)
     timing = model.run(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
-    assert timing.device_s == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0)
+    assert timing.device_s == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0,
+                                          1)
     assert timing.readback_s == model.cost.sync() and timing.phases_s is None
+
+
+def test_each_prefill_chunk_is_a_forward_that_reads_the_weights_and_pays_its_layers_latency():
+    model = backend([5, 7], [50, 50])
+    sizes, rates = model.cost.sizes, model.cost.rates
+    two_chunks = model.run(step([0, 1], prefill=5)).device_s
+    assert two_chunks == gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 2)
+    # (the proposer scans each prompt and its first token) a second forward adds one weight read (memory-bound
+    # at a few tokens) and one forward's layer latencies
+    one_chunk = gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 1)
+    extra = sizes[WEIGHT_BYTES] * rates[SEC_PER_BYTE] + rates[FORWARD_S]
+    assert abs(two_chunks - one_chunk - extra) < 1e-12
+
+
+def test_a_forwards_latency_is_the_layers_times_the_per_layer_latency():
+    for name in ("llama-3.2-1b", "llama-3-8b"):
+        cost = CostModel(Engine(profile="none", model=name, gpu_costs={"layer_latency_us": 10.0}),
+                         optimistic_correction=False)
+        assert cost.rates[FORWARD_S] == MODELS[name].n_layers * 10.0 * 1e-6
+
+
+def test_the_matrix_products_and_the_attention_are_each_bound_by_their_own_resource():
+    # one byte and one FLOP a second: the products compute-bound (2 s against 1), the attention memory-bound (3 s)
+    sizes = np.array([1, 1, 2, 0, 0], dtype=np.int64)  # weight bytes, KV bytes/token, FLOPs/token, /pair, logits
+    rates = np.array([0.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    assert gpu_seconds(sizes, rates, 1, 3, 0, 0, 0, 1) == 2.0 + 3.0
+
+
+def test_the_default_layer_latency_reproduces_the_measured_decode_step_at_one_row():
+    """The default `layer_latency_us` comes from the committed H100 decode-step runs at B = 1 of both shapes
+    (results/kernels/decode-step, docs/validation.md): the roofline with it is within 5% of each, without it
+    12-30% short."""
+    runs = pd.concat([pd.read_csv(ROOT / f"results/kernels/decode-step/run{i}.csv") for i in (1, 2, 3)])
+    one_row = runs[(runs["impl"] == "step_graph") & (runs["batch"] == 1)].groupby("model")["device_ms"].median()
+    assert set(one_row.index) == {"llama-3.2-1b", "llama-3-8b"}
+    k, context = 4, 512  # the runs' drafts and prompt
+    for name, measured_ms in one_row.items():
+        for latency_us, within in ((None, 0.05), (0.0, None)):
+            costs = {} if latency_us is None else {"layer_latency_us": latency_us}
+            engine = Engine(profile="none", model=name, gpu_costs=costs, speculation={"proposer": "ngram_gpu", "k": k})
+            cost = CostModel(engine, optimistic_correction=False)
+            seconds = gpu_seconds(cost.sizes, cost.rates, k + 1, context + k + 1, (k + 1) * (2 * context + k + 2),
+                                  context, 0, 1)
+            error = seconds * 1e3 / measured_ms - 1
+            assert abs(error) < within if within else error < -0.1, (name, latency_us, error)

@@ -55,8 +55,8 @@ def test_an_edit_to_an_inlined_function_reaches_the_cached_callers(tmp_path: Pat
     assert duration() == before  # unchanged sources: the cached code, the same result
     costmodel = tmp_path / "simharness" / "costmodel.py"
     text = costmodel.read_text()
-    line = "    return rates[FIXED_S] + max(mem, compute) + sampler + proposer\n"
+    line = "    return rates[FIXED_S] + forwards * rates[FORWARD_S] + linear + attention + sampler + proposer\n"
     assert text.count(line) == 1
-    doubled = "    return 2.0 * (rates[FIXED_S] + max(mem, compute) + sampler + proposer)\n"
+    doubled = line.replace("return ", "return 2.0 * (").replace("\n", ")\n")
     costmodel.write_text(text.replace(line, doubled))
     assert duration() > 1.5 * before
