@@ -7,7 +7,9 @@ or, where the host's enqueue is the slower, the launch's end plus a tail (`max(w
 gpu_start)`). The fit models that max, so launch-bound steps bound the work from above without being mistaken for
 it. Fitting is bounded robust least squares on relative errors (scipy's `least_squares`, soft-L1), with a weak
 pull of every term towards the roofline's (`profile.prior_coefficients`): a term the grid cannot separate
-stays at the roofline instead of wandering.
+stays at the roofline instead of wandering. The random sampling path's term is identified from twins alone: a point
+with random rows against its greedy twin (the same point at `random_fraction` 0), so that the model's misfit at
+their shape, which both share, is not charged to the random path (docs/calibration.md, "Profiles").
 """
 
 from __future__ import annotations
@@ -69,6 +71,38 @@ FITTED = tuple(SEARCH)
 TAIL_BOUNDS_US = (0.0, 1e4)
 
 
+@dataclass(frozen=True)
+class Twins:
+    """Per step, the twin group of its point (-1: none): `random` for a point with random rows, `greedy` for its
+    greedy twin (the same point at random_fraction 0). A random step is fitted against its greedy twin's misfit."""
+
+    random: np.ndarray
+    greedy: np.ndarray
+
+    def cut(self, mask: np.ndarray) -> Twins:
+        return Twins(self.random[mask], self.greedy[mask])
+
+    def relative(self, ratio: np.ndarray) -> np.ndarray:
+        """Predicted / measured of every step, a random step's divided by its greedy twin's geometric mean (1 where
+        the twin has no step): the random path against the greedy one at equal shape."""
+        on = self.greedy >= 0
+        groups = int(max(self.random.max(initial=-1), self.greedy.max(initial=-1))) + 1
+        counts = np.bincount(self.greedy[on], minlength=groups)
+        logs = np.bincount(self.greedy[on], weights=np.log(ratio[on]), minlength=groups)
+        misfit = np.exp(np.divide(logs, counts, out=np.zeros(groups), where=counts > 0))
+        return ratio / np.append(misfit, 1.0)[self.random]  # group -1 (no twin) takes the appended 1
+
+
+def step_twins(steps: pd.DataFrame) -> Twins | None:
+    """The twins of `steps` (their `twin` column, `profile_grid.grid_fit_data`), or None where no point with
+    random rows has a greedy twin."""
+    if "twin" not in steps:
+        return None
+    twin, random = steps["twin"].to_numpy(int), steps["random_fraction"].to_numpy(float) > 0
+    twins = Twins(np.where(random, twin, -1), np.where(random, -1, twin))
+    return twins if np.intersect1d(twins.random[twins.random >= 0], twins.greedy).size else None
+
+
 @dataclass
 class DeviceFit:
     """The fitted device coefficients (`profile.TERMS`, seconds), each depth's launch tail (seconds) and the
@@ -80,25 +114,28 @@ class DeviceFit:
 
 
 def fit_device(x: np.ndarray, window: np.ndarray, launch: np.ndarray | None, depth: np.ndarray,
-               sizes: np.ndarray, prior: np.ndarray, start: np.ndarray | None = None) -> DeviceFit:
+               sizes: np.ndarray, prior: np.ndarray, start: np.ndarray | None = None,
+               twins: Twins | None = None) -> DeviceFit:
     """Fit the device terms to each step's device `window` (seconds) from its FEATURES `x`. With `launch` (the
     launch's end less the device start, seconds: the real level), a step's window is modelled as
-    max(work, launch + tail of its depth); without (hil, gated), as the work alone."""
+    max(work, launch + tail of its depth); without (hil, gated), as the work alone. The random path's term is
+    fitted from `twins` (a random step against its greedy twin's misfit); without twins it stays at the prior."""
     from scipy.optimize import least_squares  # a second to import: only when fitting
 
+    fitted = FITTED if twins is not None else tuple(t for t in FITTED if t != RANDOM)
     depths = sorted(set(depth.tolist())) if launch is not None else []
     column = np.searchsorted(depths, depth) if depths else None
-    kinds = [SEARCH[t] for t in FITTED]
+    kinds = [SEARCH[t] for t in fitted]
     theta0 = np.array([np.log(prior[t]) if kind == "log" else prior[t] / scale
-                       for t, (kind, scale, _, _) in zip(FITTED, kinds, strict=True)] + [100.0] * len(depths))
+                       for t, (kind, scale, _, _) in zip(fitted, kinds, strict=True)] + [100.0] * len(depths))
     lower = np.array([b[0] for _, _, b, _ in kinds] + [TAIL_BOUNDS_US[0]] * len(depths))
     upper = np.array([b[1] for _, _, b, _ in kinds] + [TAIL_BOUNDS_US[1]] * len(depths))
     widths = np.array([w for _, _, _, w in kinds])
-    prior_theta = theta0[: len(FITTED)]
+    prior_theta = theta0[: len(fitted)]
 
     def coefficients(theta: np.ndarray) -> np.ndarray:
         coef = prior.copy()
-        for t, (kind, scale, _, _), p in zip(FITTED, kinds, theta, strict=False):
+        for t, (kind, scale, _, _), p in zip(fitted, kinds, theta, strict=False):
             coef[t] = np.exp(p) if kind == "log" else p * scale
         return coef
 
@@ -106,17 +143,18 @@ def fit_device(x: np.ndarray, window: np.ndarray, launch: np.ndarray | None, dep
         work = profile_times(coefficients(theta), sizes, x)
         if launch is None:
             return work
-        tails = theta[len(FITTED):] * 1e-6
+        tails = theta[len(fitted):] * 1e-6
         return np.maximum(work, launch + tails[column])
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        pull = PRIOR_WEIGHT * (theta[: len(FITTED)] - prior_theta) / widths
-        return np.concatenate([predict(theta) / window - 1.0, pull])
+        pull = PRIOR_WEIGHT * (theta[: len(fitted)] - prior_theta) / widths
+        ratio = predict(theta) / window
+        return np.concatenate([(ratio if twins is None else twins.relative(ratio)) - 1.0, pull])
 
     first = theta0 if start is None else np.clip(start, lower, upper)
     fit = least_squares(residuals, first, bounds=(lower, upper), loss="soft_l1", f_scale=ROBUST_SCALE,
                         x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=2000)
-    tails = {d: float(fit.x[len(FITTED) + i] * 1e-6) for i, d in enumerate(depths)}
+    tails = {d: float(fit.x[len(fitted) + i] * 1e-6) for i, d in enumerate(depths)}
     return DeviceFit(coefficients(fit.x), tails, fit.x)
 
 
@@ -153,7 +191,8 @@ def fit_overlap(ok: pd.DataFrame, tails: dict[int, float], censored: bool) -> di
     return out
 
 
-def kfold_errors(x, window, launch, depth, sizes, prior, start, folds: int = FOLDS, seed: int = 0) -> np.ndarray:
+def kfold_errors(x, window, launch, depth, sizes, prior, start, twins: Twins | None, folds: int = FOLDS,
+                 seed: int = 0) -> np.ndarray:
     """|predicted / measured - 1| of every step's window, each predicted by a fit on the other folds."""
     order = np.random.default_rng(seed).permutation(len(window))
     errors = np.empty(len(window))
@@ -161,7 +200,8 @@ def kfold_errors(x, window, launch, depth, sizes, prior, start, folds: int = FOL
         train = np.ones(len(window), dtype=bool)
         train[fold] = False
         cut = (lambda a, m: None if a is None else a[m])  # noqa: E731
-        fit = fit_device(x[train], window[train], cut(launch, train), depth[train], sizes, prior, start)
+        fit = fit_device(x[train], window[train], cut(launch, train), depth[train], sizes, prior, start,
+                         None if twins is None else twins.cut(train))
         errors[fold] = np.abs(predict_window(fit, x[fold], cut(launch, fold), depth[fold], sizes) / window[fold] - 1)
     return errors
 
@@ -181,8 +221,9 @@ def fit_profile(data: FitData) -> dict:
     depth = ok["depth"].to_numpy(int)
     censored = data.level == "real"
     launch = (ok["launch_end_s"] - ok["gpu_start_s"]).to_numpy(float) if censored else None
-    fit = fit_device(x, window, launch, depth, sizes, prior)
-    errors = kfold_errors(x, window, launch, depth, sizes, prior, fit.params)
+    twins = step_twins(ok)
+    fit = fit_device(x, window, launch, depth, sizes, prior, twins=twins)
+    errors = kfold_errors(x, window, launch, depth, sizes, prior, fit.params, twins)
     per_depth = {int(d): float(np.median(errors[depth == d])) for d in sorted(set(depth.tolist()))}
     # the steps whose window the device work sets (not the launch's end): the work terms alone predict them
     work = profile_times(fit.coef, sizes, x)
@@ -202,7 +243,11 @@ def fit_profile(data: FitData) -> dict:
                                "p90_rel_error": float(np.percentile(errors, 90)),
                                "median_rel_error_by_depth": per_depth, "device_bound_steps": int(bound.sum()),
                                "device_bound_median_rel_error": float(np.median(errors[bound])) if bound.any()
-                               else None}, **qualities},
+                               else None,
+                               # steps of points with random rows fitted against a greedy twin (0: the random
+                               # path's term is the roofline's)
+                               "random_twin_steps": 0 if twins is None else int((twins.random >= 0).sum())},
+                    **qualities},
         "validation": None,
         "provenance": {"runs": data.runs, "steps": len(data.steps), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "profile_source_digest": loaded_digest()},
