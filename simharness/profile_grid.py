@@ -10,8 +10,7 @@ sweep lists every value a point takes, so that `calibration.load_fit_data` rebui
 from __future__ import annotations
 
 import itertools
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -19,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from simharness import results
-from simharness.calibration import MEASURED_LEVELS, FitData, load_fit_data, point_scenario, read_run
+from simharness.calibration import MEASURED_LEVELS, FitData, load_fit_data, read_run
 from simharness.models import model_config
 from simharness.profile import default_path
 from simharness.profile_fit import fit_profile
@@ -145,55 +144,33 @@ def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, r
 
 def grid_fit_data(run_dirs: list[Path], level: str | None = None) -> tuple[FitData, list[str]]:
     """The measured steps of grid runs for a profile's fit (at `level`, default real where any run has real
-    points), each with its point's twin group (`twin_groups`, -1: none), and a line per run naming the blocks it
-    gave. A block that a later run also holds comes from the later run alone: a block measured again replaces its
-    earlier measurement."""
-    runs = [(Path(d), *read_run(Path(d))) for d in run_dirs]
-    levels = {lv for *_, summary in runs for lv in summary["level"]}
+    points) and a line per run naming the blocks it gave. A block that a later run also holds comes from the later
+    run alone: a block measured again replaces its earlier measurement."""
+    summaries = [(Path(d), read_run(Path(d))[2]) for d in run_dirs]
+    levels = {lv for _, summary in summaries for lv in summary["level"]}
     level = level or next((lv for lv in MEASURED_LEVELS if lv in levels), None)
     if level is None:
         raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no measured ({'/'.join(MEASURED_LEVELS)}) points to "
                             "fit")
-    later: set[str] = set()
-    chosen, sources = [], []
-    for run_dir, _, sc, summary in reversed(runs):  # the newest run first: its blocks replace the older runs'
+    later: set[str] = set()  # the blocks of the runs after this one
+    parts, sources = [], []
+    for run_dir, summary in reversed(summaries):
         block = summary["block"].fillna("") if "block" in summary else pd.Series("", index=summary.index)
         replaced = block.isin(later) & (block != "")
-        chosen.append((run_dir, sc, summary[~replaced & (summary["level"] == level)]))
         taken, dropped = sorted(set(block[~replaced]) - {""}), sorted(set(block[replaced]))
-        sources.append(f"{run_dir}: {', '.join(taken) or 'no block'}"
+        sources.insert(0, f"{run_dir}: {', '.join(taken) or 'no block'}"
                        + (f" (measured again in a later run: {', '.join(dropped)})" if dropped else ""))
         later |= set(block)
-    chosen.reverse()
-    twin = twin_groups(chosen)
-    parts, provenance = [], []
-    for run_dir, _, summary in chosen:
-        groups = summary["point"].map(lambda p, d=run_dir: twin.get((d, p), -1))
-        loaded = [(load_fit_data([run_dir], level=level, where={"point": list(summary["point"][groups == g])}), g)
-                  for g in sorted(set(groups))]
-        if loaded:  # one provenance entry a run, with the blocks it gave
-            provenance.append({**loaded[0][0].runs[0], "points": len(summary),
-                               "blocks": sorted(set(summary.get("block", pd.Series(dtype=str)).dropna()))})
-        parts += loaded
+        points = summary["point"][~replaced & (summary["level"] == level)]
+        if len(points):
+            data = load_fit_data([run_dir], level=level, where={"point": list(points)})
+            parts.insert(0, replace(data, runs=[{**data.runs[0], "blocks": taken}]))
     if not parts:
         raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no {level} point to fit")
-    for what, name in (("device", "different devices"), ("model", "different models")):
-        found = sorted({getattr(data, what) for data, _ in parts})
+    for what in ("device", "model"):
+        found = sorted({getattr(data, what) for data in parts})
         if len(found) > 1:
-            raise ScenarioError(f"runs of {name} mixed in one fit: {', '.join(found)}")
-    steps = pd.concat([data.steps.assign(twin=group) for data, group in parts], ignore_index=True)
-    first = parts[0][0]
-    return FitData(steps, first.device, first.gpu, first.model, level, provenance), sources[::-1]
-
-
-def twin_groups(chosen: list[tuple[Path, Scenario, pd.DataFrame]]) -> dict[tuple[Path, str], int]:
-    """(run, point) -> twin group: each point with random rows and its greedy twin (the same point, in any of the
-    runs, at `workload.random_fraction` 0) share a group, numbered from 0; points with neither are left out."""
-    by_shape: dict[str, list[tuple[Path, str, bool]]] = {}
-    for run_dir, sc, summary in chosen:
-        for _, row in summary.iterrows():
-            dump = point_scenario(sc, row).model_dump(mode="json")
-            random = dump["workload"].pop("random_fraction") > 0
-            by_shape.setdefault(json.dumps(dump, sort_keys=True), []).append((run_dir, row["point"], random))
-    twins = [members for members in by_shape.values() if len({random for *_, random in members}) == 2]
-    return {(run_dir, point): g for g, members in enumerate(twins) for run_dir, point, _ in members}
+            raise ScenarioError(f"runs of different {what}s mixed in one fit: {', '.join(found)}")
+    steps = pd.concat([data.steps for data in parts], ignore_index=True)
+    first = parts[0]
+    return FitData(steps, first.device, first.gpu, first.model, level, [d.runs[0] for d in parts]), sources

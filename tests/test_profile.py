@@ -30,7 +30,7 @@ from simharness.profile import (
     profile_times,
     shape_sizes,
 )
-from simharness.profile_fit import FITTED, fit_device
+from simharness.profile_fit import FITTED, Twins, fit_device, fit_profile_host
 from simharness.runner import run, without_ignored
 from simharness.scenario import GpuCosts, load_scenario, scenario_from_dict, sweep_points
 
@@ -73,7 +73,9 @@ def test_fit_recovers_known_physical_costs_within_1_percent():
     coef = truth()
     x = design(rng, 3000, 256, 8, 4096)
     window, launch, depth = measured(rng, x, coef)
-    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100", GpuCosts()))
+    random = x[:, 5] > 0  # one twin group: every step with random rows against every greedy one
+    twins = Twins(np.where(random, 0, -1), np.where(random, -1, 0))
+    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100", GpuCosts()), twins=twins)
     for term in FITTED:
         assert fit.coef[term] == pytest.approx(coef[term], rel=0.01), TERMS[term]
     for d, tail in TAILS.items():
@@ -99,6 +101,32 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
     beta = np.linalg.lstsq(linear_x, work, rcond=None)[0]
     linear_error = np.abs(np.column_stack([np.ones(len(far)), far[:, :5]]) @ beta / expected - 1)
     assert linear_error.max() > 0.2
+
+
+def test_the_random_path_is_fitted_against_greedy_twins_not_the_models_misfit():
+    """Mid-size decode steps (32-96 rows) run 20% over what any setting of the terms gives, greedy and random
+    alike, and the only random steps are there (as in the grid's sampling block). Fitted against greedy twins of
+    the same shapes, the random path's term comes back within 5%; fitted from the random steps' own level (no twin,
+    the fit before), it takes the misfit: over 5 times the truth. Without twins it stays at the prior."""
+    rng = np.random.default_rng(2)
+    coef = truth()
+    coef[RANDOM] = 3.0
+    x = design(rng, 3000, 256, 8, 4096)
+    x[:, 5] = 0.0
+    mid = (x[:, 0] >= 32) & (x[:, 0] <= 96)
+    x[mid & (rng.random(len(x)) < 0.4), 5] = 1.0  # random rows: all or half the tokens of 40% of the mid steps
+    x[:, 5] *= x[:, 1] * rng.choice([0.5, 1.0], len(x))
+    window, launch, depth = measured(rng, x, coef)
+    window = np.where(mid, window * 1.2, window)
+    random = x[:, 5] > 0
+    prior = prior_coefficients("H100", GpuCosts())
+    twins = fit_device(x, window, launch, depth, SIZES, prior,
+                       twins=Twins(np.where(random, 0, -1), np.where(mid & ~random, 0, -1)))
+    assert twins.coef[RANDOM] == pytest.approx(coef[RANDOM], rel=0.05)
+    alone = fit_device(x, window, launch, depth, SIZES, prior, twins=Twins(np.where(random, 0, -1),
+                                                                           np.full(len(x), -1)))
+    assert alone.coef[RANDOM] > 5 * coef[RANDOM]
+    assert fit_device(x, window, launch, depth, SIZES, prior).coef[RANDOM] == prior[RANDOM]
 
 
 # ------------------------------------------------------------------------------------------------ files
