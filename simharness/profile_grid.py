@@ -155,22 +155,23 @@ def grid_fit_data(run_dirs: list[Path], level: str | None = None) -> tuple[FitDa
     later: set[str] = set()  # the blocks of the runs after this one
     parts, sources = [], []
     for run_dir, summary in reversed(summaries):
+        summary = summary[summary["level"] == level]
         block = summary["block"].fillna("") if "block" in summary else pd.Series("", index=summary.index)
         replaced = block.isin(later) & (block != "")
         taken, dropped = sorted(set(block[~replaced]) - {""}), sorted(set(block[replaced]))
-        sources.insert(0, f"{run_dir}: {', '.join(taken) or 'no block'}"
+        sources.insert(0, f"{run_dir}: {', '.join(taken) or ('no block' if len(summary) else f'no {level} point')}"
                        + (f" (measured again in a later run: {', '.join(dropped)})" if dropped else ""))
         later |= set(block)
-        points = summary["point"][~replaced & (summary["level"] == level)]
+        points = summary["point"][~replaced]
         if len(points):
             data = load_fit_data([run_dir], level=level, where={"point": list(points)})
             parts.insert(0, replace(data, runs=[{**data.runs[0], "blocks": taken}]))
     if not parts:
         raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no {level} point to fit")
-    for what in ("device", "model"):
+    for what, runs in (("device", "runs from different devices"), ("model", "runs of different models")):
         found = sorted({getattr(data, what) for data in parts})
-        if len(found) > 1:
-            raise ScenarioError(f"runs of different {what}s mixed in one fit: {', '.join(found)}")
+        if len(found) > 1:  # as load_fit_data says it of the runs it is given together
+            raise ScenarioError(f"{runs} mixed in one fit: {', '.join(found)}")
     steps = pd.concat([data.steps for data in parts], ignore_index=True)
     first = parts[0]
     return FitData(steps, first.device, first.gpu, first.model, level, [d.runs[0] for d in parts]), sources

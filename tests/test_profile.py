@@ -2,6 +2,7 @@
 profile of its GPU and model; a profile that does not fit is refused with exit 2; the validation scenarios run at
 the sim level."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,7 @@ from simharness.profile import (
 )
 from simharness.profile_fit import FITTED, fit_device, fit_profile_host, fit_random_path
 from simharness.runner import run, without_ignored
-from simharness.scenario import GpuCosts, load_scenario, scenario_from_dict, sweep_points
+from simharness.scenario import GpuCosts, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 
 SIZES = shape_sizes(model_config("llama-3.2-1b"))
 TAILS = {1: 40e-6, 2: 60e-6, 3: 50e-6}
@@ -304,8 +305,6 @@ def test_validation_scenarios_run_at_the_sim_level(path, tmp_path):
 def measured_grid_run(root: Path, blocks: dict, source: Path) -> Path:
     """The committed grid's base with `blocks`, run at the sim level on the profile `source` (one request per user,
     16 tokens), its records relabelled as measured at the real level on an H100: what `profile --from` takes."""
-    import json
-
     from simharness.profile_grid import GRID, grid_points
     from simharness.runner import execute
 
@@ -388,6 +387,10 @@ def test_a_block_measured_again_replaces_the_earlier_runs(tmp_path):
     assert [run["points"] for run in data.runs] == [2, 2]
     reversed_data, _ = grid_fit_data([new, old])  # now the old run is the later one
     assert ((reversed_data.steps["gpu_end_s"] - reversed_data.steps["gpu_start_s"]) < 20e-3).all()
+    meta = json.loads((new / "meta.json").read_text())
+    (new / "meta.json").write_text(json.dumps({**meta, "device": "real: NVIDIA A100-SXM4-80GB, torch 2"}))
+    with pytest.raises(ScenarioError, match="runs from different devices mixed in one fit"):
+        grid_fit_data([old, new])
 
 
 def test_the_grid_is_cut_into_runs_whose_kv_cache_fits():
