@@ -203,6 +203,7 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
     out["gpu_start_s"], out["gpu_end_s"], out["launch_end_s"] = s["gpu_start"], s["gpu_end"], s["launch_end"]
     out["prev_gpu_end_s"] = s["gpu_end"].shift(1)
     out["random_fraction"], out["depth"] = sc.workload.random_fraction, sc.scheduler.depth
+    out["sample_s"] = s.get("gpu_sample_s", np.nan)  # the sampler's own device time (a profile's random path)
     # the sim starts a step on the device no earlier than its launch's end: its device time runs from then
     out["device_s"] = s["gpu_end"] - np.maximum(s["gpu_start"], s["launch_end"])
     out["schedule_s"] = s["schedule_end"] - s["schedule_start"]

@@ -345,7 +345,8 @@ def profile_cmd(
     p = result.profile
     print_fit_quality(f"{p['level']}, {p['device']}, {p['model']}", p["quality"])
     out.print("efficiency against the datasheet: " + ", ".join(f"{k} {v:.2f}" for k, v in p["efficiency"].items()))
-    out.print(f"grid run: {', '.join(map(str, result.run_dirs))}")
+    for line in result.sources:  # which blocks each grid run gave (a block measured again: its newest run)
+        out.print(f"grid run {escape(line)}", highlight=False, soft_wrap=True)
     out.print(f"profile: {result.path}")
 
 

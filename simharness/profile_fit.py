@@ -7,18 +7,29 @@ or, where the host's enqueue is the slower, the launch's end plus a tail (`max(w
 gpu_start)`). The fit models that max, so launch-bound steps bound the work from above without being mistaken for
 it. Fitting is bounded robust least squares on relative errors (scipy's `least_squares`, soft-L1), with a weak
 pull of every term towards the roofline's (`profile.prior_coefficients`): a term the grid cannot separate
-stays at the roofline instead of wandering.
+stays at the roofline instead of wandering. The random sampling path's term is not fitted to the step's window,
+where it would absorb whatever the other terms miss at the few shapes the grid samples at a temperature, but to the
+sampler's own device time, measured per step (docs/calibration.md, "Profiles").
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from simharness.calibration import FOLDS, FitData, fit_host
+from simharness.calibration import (
+    FOLDS,
+    HOST_PHASES,
+    MIN_STEPS_PER_TERM,
+    FitData,
+    fit_host,
+    fit_nonneg,
+    measured,
+)
 from simharness.jit import loaded_digest
 from simharness.models import model_config
 from simharness.profile import (
@@ -30,6 +41,7 @@ from simharness.profile import (
     PER_FORWARD,
     PROPOSER,
     RANDOM,
+    S_PER_BYTE,
     SAMPLER,
     TERMS,
     UNITS,
@@ -42,6 +54,7 @@ from simharness.scenario import GpuCosts, ScenarioError
 PRIOR_WEIGHT = 0.01  # a term one prior width off the roofline costs as much as a 1% error on one step
 ROBUST_SCALE = 0.05  # relative errors beyond this count linearly, not squared (soft-L1)
 MIN_STEPS = 200
+REWEIGHTINGS = 5  # of `fit_weighted` (on the grid's CPU proposer it settles after two)
 
 
 def step_features(steps: pd.DataFrame) -> np.ndarray:
@@ -61,11 +74,10 @@ SEARCH = {
     MEMORY: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
     COMPUTE: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
     SAMPLER: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
-    RANDOM: ("linear", 1.0, (0.0, 100.0), 1.0),
     PROPOSER: ("linear", 1e-9, (0.0, 1e4), 10.0),  # ns per token
     EXPONENT: ("linear", 1.0, (4.0, 16.0), 4.0),
 }
-FITTED = tuple(SEARCH)
+FITTED = tuple(SEARCH)  # the random path's term (RANDOM) is the sampler phase's (`fit_random_path`)
 TAIL_BOUNDS_US = (0.0, 1e4)
 
 
@@ -81,9 +93,9 @@ class DeviceFit:
 
 def fit_device(x: np.ndarray, window: np.ndarray, launch: np.ndarray | None, depth: np.ndarray,
                sizes: np.ndarray, prior: np.ndarray, start: np.ndarray | None = None) -> DeviceFit:
-    """Fit the device terms to each step's device `window` (seconds) from its FEATURES `x`. With `launch` (the
-    launch's end less the device start, seconds: the real level), a step's window is modelled as
-    max(work, launch + tail of its depth); without (hil, gated), as the work alone."""
+    """Fit the device terms (FITTED; the others stay at `prior`) to each step's device `window` (seconds) from
+    its FEATURES `x`. With `launch` (the launch's end less the device start, seconds: the real level), a step's
+    window is modelled as max(work, launch + tail of its depth); without (hil, gated), as the work alone."""
     from scipy.optimize import least_squares  # a second to import: only when fitting
 
     depths = sorted(set(depth.tolist())) if launch is not None else []
@@ -153,17 +165,82 @@ def fit_overlap(ok: pd.DataFrame, tails: dict[int, float], censored: bool) -> di
     return out
 
 
-def kfold_errors(x, window, launch, depth, sizes, prior, start, folds: int = FOLDS, seed: int = 0) -> np.ndarray:
-    """|predicted / measured - 1| of every step's window, each predicted by a fit on the other folds."""
-    order = np.random.default_rng(seed).permutation(len(window))
-    errors = np.empty(len(window))
+def fold_masks(n: int, folds: int = FOLDS, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(training mask, held-out indices) of each of `folds` random folds over `n` samples."""
+    order = np.random.default_rng(seed).permutation(n)
     for fold in np.array_split(order, folds):
-        train = np.ones(len(window), dtype=bool)
+        train = np.ones(n, dtype=bool)
         train[fold] = False
+        yield train, fold
+
+
+def kfold_errors(x, window, launch, depth, sizes, prior, start) -> np.ndarray:
+    """|predicted / measured - 1| of every step's window, each predicted by a fit on the other folds."""
+    errors = np.empty(len(window))
+    for train, fold in fold_masks(len(window)):
         cut = (lambda a, m: None if a is None else a[m])  # noqa: E731
         fit = fit_device(x[train], window[train], cut(launch, train), depth[train], sizes, prior, start)
         errors[fold] = np.abs(predict_window(fit, x[fold], cut(launch, fold), depth[fold], sizes) / window[fold] - 1)
     return errors
+
+
+def fit_weighted(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of y on x with each sample weighted by its predicted value, iterated from the
+    relative fit: for a phase whose time spans orders of magnitude and scatters in proportion, plain least squares
+    lets the largest samples set every term, and dividing by the measured time biases the fit low (by about 1.5
+    squared scatters: 6% at the CPU proposer's 20%)."""
+    coef = fit_nonneg(x, y, relative=True)
+    for _ in range(REWEIGHTINGS):
+        weight = 1 / np.maximum(x @ coef, 1e-3 * np.median(y))
+        coef = fit_nonneg(x * weight[:, None], y * weight, relative=False)
+    return coef
+
+
+def fit_weighted_phase(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict]:
+    """`fit_weighted`'s coefficients and its k-fold quality (relative error on samples each fit did not see)."""
+    errors = np.empty(len(y))
+    for train, fold in fold_masks(len(y)):
+        errors[fold] = np.abs(x[fold] @ fit_weighted(x[train], y[train]) / y[fold] - 1)
+    return fit_weighted(x, y), {"steps": len(y), "median_rel_error": float(np.median(errors)),
+                                "p90_rel_error": float(np.percentile(errors, 90))}
+
+
+def fit_proposer(steps: pd.DataFrame) -> tuple[np.ndarray, dict] | None:
+    """The CPU proposer's host phase (`calibration.HOST_PHASES["propose"]`: per step, per request, per history
+    token) by `fit_weighted`: its time spans 30 µs to 3 ms over the grid and scatters by about 20% at every size.
+    Coefficients (seconds per unit) and the k-fold quality; None with too few steps."""
+    features = HOST_PHASES["propose"][0]
+    ok = steps[measured(steps, "propose") & np.isfinite(steps["propose_s"]) & (steps["propose_s"] > 0)]
+    if len(ok) < MIN_STEPS_PER_TERM * len(features):
+        return None
+    return fit_weighted_phase(ok[list(features)].to_numpy(float), ok["propose_s"].to_numpy(float))
+
+
+def fit_profile_host(steps: pd.DataFrame) -> tuple[dict[str, float], list[str], dict[str, dict]]:
+    """`calibration.fit_host` (fitted host costs, fields kept from the scenario, per-phase quality), with the CPU
+    proposer's phase from `fit_proposer`."""
+    host, kept, qualities = fit_host(steps)
+    fitted = fit_proposer(steps)
+    if fitted is not None:
+        _, fields, units = HOST_PHASES["propose"]
+        host.update({f: float(c / unit) for f, c, unit in zip(fields, fitted[0], units, strict=True)})
+        qualities["propose"] = fitted[1]
+    return host, kept, qualities
+
+
+def fit_random_path(steps: pd.DataFrame, x: np.ndarray, logit_seconds: float) -> tuple[float, dict] | None:
+    """The random sampling path's extra (`random_sampler_extra`: logit reads at the datasheet's bandwidth per
+    verified token sampled at a temperature) from the sampler's own device time per step (`sample_s`): a base, a
+    cost per sampled position and one per random token (`fit_weighted`). `x` holds the steps' FEATURES,
+    `logit_seconds` one position's logit read at the datasheet's bandwidth. None where the sampler was not timed
+    or no step sampled at a temperature (the term then stays at the roofline's)."""
+    sample = steps["sample_s"].to_numpy(float) if "sample_s" in steps else np.full(len(steps), np.nan)
+    ok = np.isfinite(sample) & (sample > 0)
+    if ok.sum() < MIN_STEPS_PER_TERM * 3 or not (x[ok, 5] > 0).any():
+        return None
+    sampled = x[ok, 1] + x[ok, 3]  # each verified position, and a prompt's last (as `profile_seconds` counts)
+    coef, quality = fit_weighted_phase(np.column_stack([np.ones(ok.sum()), sampled, x[ok, 5]]), sample[ok])
+    return float(coef[2] / logit_seconds), {**quality, "random_steps": int((x[ok, 5] > 0).sum())}
 
 
 def fit_profile(data: FitData) -> dict:
@@ -181,13 +258,16 @@ def fit_profile(data: FitData) -> dict:
     depth = ok["depth"].to_numpy(int)
     censored = data.level == "real"
     launch = (ok["launch_end_s"] - ok["gpu_start_s"]).to_numpy(float) if censored else None
+    random_path = fit_random_path(ok, x, sizes[4] * prior[S_PER_BYTE])
+    if random_path is not None:  # measured in the sampler: the device fit takes it as it is
+        prior[RANDOM] = random_path[0]
     fit = fit_device(x, window, launch, depth, sizes, prior)
     errors = kfold_errors(x, window, launch, depth, sizes, prior, fit.params)
     per_depth = {int(d): float(np.median(errors[depth == d])) for d in sorted(set(depth.tolist()))}
     # the steps whose window the device work sets (not the launch's end): the work terms alone predict them
     work = profile_times(fit.coef, sizes, x)
     bound = work > launch + np.array([fit.tails[d] for d in depth.tolist()]) if censored else np.ones(len(x), bool)
-    host, kept, qualities = fit_host(data.steps)
+    host, kept, qualities = fit_profile_host(data.steps)
     return {
         "format": FORMAT,
         "note": f"fitted by `simharness profile` from {data.level}-level step records of a designed grid",
@@ -202,7 +282,9 @@ def fit_profile(data: FitData) -> dict:
                                "p90_rel_error": float(np.percentile(errors, 90)),
                                "median_rel_error_by_depth": per_depth, "device_bound_steps": int(bound.sum()),
                                "device_bound_median_rel_error": float(np.median(errors[bound])) if bound.any()
-                               else None}, **qualities},
+                               else None},
+                    # the sampler's own time, which gives the random path's term (absent: the roofline's)
+                    **({"sampler": random_path[1]} if random_path is not None else {}), **qualities},
         "validation": None,
         "provenance": {"runs": data.runs, "steps": len(data.steps), "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "profile_source_digest": loaded_digest()},

@@ -10,14 +10,15 @@ sweep lists every value a point takes, so that `calibration.load_fit_data` rebui
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pandas as pd
 import yaml
 from pydantic import BaseModel
 
 from simharness import results
-from simharness.calibration import load_fit_data
+from simharness.calibration import MEASURED_LEVELS, FitData, load_fit_data, read_run
 from simharness.models import model_config
 from simharness.profile import default_path
 from simharness.profile_fit import fit_profile
@@ -31,11 +32,13 @@ KV_BUDGET_BYTES = 30e9  # of an H100's 80 GB: room for the weights (16 GB for th
 
 @dataclass
 class ProfileResult:
-    """The profile written (`path`), its mapping and the grid run it was fitted from."""
+    """The profile written (`path`), its mapping, the grid runs it was fitted from and a line per run saying which
+    blocks it gave."""
 
     path: Path
     profile: dict
     run_dirs: list[Path]
+    sources: list[str]
 
 
 def grid_points(grid: Path, overrides: dict | None = None) -> tuple[Scenario, list[Point]]:
@@ -127,7 +130,7 @@ def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, r
         for group in run_groups(points):
             run_dirs.append(execute(scenario, group, runs))
             results.combine(run_dirs[-1])
-    data = load_fit_data(run_dirs, level="real" if not from_runs else None)
+    data, sources = grid_fit_data(run_dirs, level="real" if not from_runs else None)
     if data.model.lower() != model.lower():
         raise ScenarioError(f"{run_dirs[0]}: field engine.model: the runs measured {data.model!r}, not {model!r}")
     profile = fit_profile(data)
@@ -136,4 +139,39 @@ def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, r
         raise ScenarioError(f"--model {model}: not a catalogue model; name the profile file with --out")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(profile, sort_keys=False))
-    return ProfileResult(path, profile, run_dirs)
+    return ProfileResult(path, profile, run_dirs, sources)
+
+
+def grid_fit_data(run_dirs: list[Path], level: str | None = None) -> tuple[FitData, list[str]]:
+    """The measured steps of grid runs for a profile's fit (at `level`, default real where any run has real
+    points) and a line per run naming the blocks it gave. A block that a later run also holds comes from the later
+    run alone: a block measured again replaces its earlier measurement."""
+    summaries = [(Path(d), read_run(Path(d))[2]) for d in run_dirs]
+    levels = {lv for _, summary in summaries for lv in summary["level"]}
+    level = level or next((lv for lv in MEASURED_LEVELS if lv in levels), None)
+    if level is None:
+        raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no measured ({'/'.join(MEASURED_LEVELS)}) points to "
+                            "fit")
+    later: set[str] = set()  # the blocks of the runs after this one
+    parts, sources = [], []
+    for run_dir, summary in reversed(summaries):
+        summary = summary[summary["level"] == level]
+        block = summary["block"].fillna("") if "block" in summary else pd.Series("", index=summary.index)
+        replaced = block.isin(later) & (block != "")
+        taken, dropped = sorted(set(block[~replaced]) - {""}), sorted(set(block[replaced]))
+        sources.insert(0, f"{run_dir}: {', '.join(taken) or ('no block' if len(summary) else f'no {level} point')}"
+                       + (f" (measured again in a later run: {', '.join(dropped)})" if dropped else ""))
+        later |= set(block)
+        points = summary["point"][~replaced]
+        if len(points):
+            data = load_fit_data([run_dir], level=level, where={"point": list(points)})
+            parts.insert(0, replace(data, runs=[{**data.runs[0], "blocks": taken}]))
+    if not parts:
+        raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no {level} point to fit")
+    for what, runs in (("device", "runs from different devices"), ("model", "runs of different models")):
+        found = sorted({getattr(data, what) for data in parts})
+        if len(found) > 1:  # as load_fit_data says it of the runs it is given together
+            raise ScenarioError(f"{runs} mixed in one fit: {', '.join(found)}")
+    steps = pd.concat([data.steps for data in parts], ignore_index=True)
+    first = parts[0]
+    return FitData(steps, first.device, first.gpu, first.model, level, [d.runs[0] for d in parts]), sources

@@ -2,9 +2,11 @@
 profile of its GPU and model; a profile that does not fit is refused with exit 2; the validation scenarios run at
 the sim level."""
 
+import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -22,6 +24,7 @@ from simharness.profile import (
     PER_FORWARD,
     PROPOSER,
     RANDOM,
+    S_PER_BYTE,
     SAMPLER,
     TERMS,
     UNITS,
@@ -30,9 +33,9 @@ from simharness.profile import (
     profile_times,
     shape_sizes,
 )
-from simharness.profile_fit import FITTED, fit_device
+from simharness.profile_fit import FITTED, fit_device, fit_profile_host, fit_random_path
 from simharness.runner import run, without_ignored
-from simharness.scenario import GpuCosts, load_scenario, scenario_from_dict, sweep_points
+from simharness.scenario import GpuCosts, ScenarioError, load_scenario, scenario_from_dict, sweep_points
 
 SIZES = shape_sizes(model_config("llama-3.2-1b"))
 TAILS = {1: 40e-6, 2: 60e-6, 3: 50e-6}
@@ -59,6 +62,14 @@ def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) ->
                             decode_context + prefill_tokens])
 
 
+def known_prior(coef: np.ndarray) -> np.ndarray:
+    """The roofline prior with the random path's term at its true value, as the sampler's own time gives it
+    (`fit_random_path`): the device fit does not search it."""
+    prior = prior_coefficients("H100", GpuCosts())
+    prior[RANDOM] = coef[RANDOM]
+    return prior
+
+
 def measured(rng: np.random.Generator, x: np.ndarray, coef: np.ndarray):
     """Real-level windows: the device work, or the launch's end plus its depth's tail where the launch is slower."""
     depth = rng.integers(1, 4, len(x))
@@ -73,7 +84,8 @@ def test_fit_recovers_known_physical_costs_within_1_percent():
     coef = truth()
     x = design(rng, 3000, 256, 8, 4096)
     window, launch, depth = measured(rng, x, coef)
-    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100", GpuCosts()))
+    fit = fit_device(x, window, launch, depth, SIZES, known_prior(coef))
+    assert RANDOM not in FITTED and fit.coef[RANDOM] == coef[RANDOM]
     for term in FITTED:
         assert fit.coef[term] == pytest.approx(coef[term], rel=0.01), TERMS[term]
     for d, tail in TAILS.items():
@@ -88,7 +100,7 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
     coef = truth()
     x = design(rng, 3000, 64, 4, 1024)
     window, launch, depth = measured(rng, x, coef)
-    fit = fit_device(x, window, launch, depth, SIZES, prior_coefficients("H100", GpuCosts()))
+    fit = fit_device(x, window, launch, depth, SIZES, known_prior(coef))
     far = design(rng, 1000, 256, 8, 4096)
     far = far[(far[:, 0] > 128) | (far[:, 1] > 5 * far[:, 0]) | (far[:, 2] > 2048 * far[:, 0])]
     expected = profile_times(coef, SIZES, far)
@@ -99,6 +111,57 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
     beta = np.linalg.lstsq(linear_x, work, rcond=None)[0]
     linear_error = np.abs(np.column_stack([np.ones(len(far)), far[:, :5]]) @ beta / expected - 1)
     assert linear_error.max() > 0.2
+
+
+def test_the_random_path_comes_from_the_samplers_own_time():
+    """The sampler's device time per step, generated as a base, a cost per sampled position and 1.0 logit reads per
+    random token (3% scatter), gives the random path's term back within 2%. Steps whose sampler was not timed (the
+    sim's records) or with no random row leave it to the roofline (None)."""
+    rng = np.random.default_rng(3)
+    x = design(rng, 2000, 256, 8, 4096)
+    logit = SIZES[4] * prior_coefficients("H100", GpuCosts())[S_PER_BYTE]
+    sample = (8e-6 + 0.8e-6 * (x[:, 1] + x[:, 3]) + 1.0 * logit * x[:, 5]) * np.exp(rng.normal(0, 0.03, len(x)))
+    value, quality = fit_random_path(pd.DataFrame({"sample_s": sample}), x, logit)
+    assert value == pytest.approx(1.0, rel=0.02)
+    assert quality["random_steps"] == (x[:, 5] > 0).sum() and quality["median_rel_error"] < 0.03
+    assert fit_random_path(pd.DataFrame({"sample_s": np.full(len(x), np.nan)}), x, logit) is None
+    greedy = x.copy()
+    greedy[:, 5] = 0.0
+    assert fit_random_path(pd.DataFrame({"sample_s": sample}), greedy, logit) is None
+
+
+def proposer_steps(rng: np.random.Generator, prompts: list, steps: int = 60) -> pd.DataFrame:
+    """CPU proposer records of a host block: at each concurrency and prompt length, steps drafting for half to all
+    of the users, each request's history its prompt (`prompts`: fixed lengths, or one (low, high) range per
+    request) and up to 48 generated tokens; 20 µs + 3 µs a request + 10 ns a history token, 2% scatter."""
+    rows = []
+    for users in (1, 16, 64, 256):
+        for prompt in prompts:
+            for _ in range(steps):
+                reqs = int(rng.integers(max(1, users // 2), users + 1))
+                lengths = np.full(reqs, prompt) if np.isscalar(prompt) else rng.integers(*prompt, reqs)
+                rows.append({"proposed": reqs, "history": float(lengths.sum() + rng.integers(0, 49, reqs).sum())})
+    out = pd.DataFrame(rows).assign(step=1.0, measured="propose")
+    out["propose_s"] = (20e-6 + 3e-6 * out["proposed"] + 10e-9 * out["history"]) * np.exp(
+        rng.normal(0, 0.02, len(out)) - 0.02**2 / 2)
+    for phase in ("schedule", "prep", "launch", "update", "readback"):  # not measured
+        out[f"{phase}_s"] = np.nan
+    return out.assign(n_reqs=out["proposed"], n_tokens=0.0, prefill_reqs=0.0)
+
+
+def test_the_cpu_proposers_per_request_and_per_token_costs_separate():
+    """The host block at two prompt lengths per concurrency (scenarios/profile/grid.yaml): requests and history
+    tokens vary apart, and the proposer's three costs come back within 1%. Plain least squares (the calibration's
+    host fit) gets the per-step cost wrong by several percent on the same records: the largest steps decide."""
+    from simharness.calibration import fit_host
+
+    truth = {"ngram_cpu_us": 20.0, "ngram_cpu_per_req_us": 3.0, "ngram_cpu_per_token_ns": 10.0}
+    steps = proposer_steps(np.random.default_rng(4), [192, 1536])
+    host, kept, quality = fit_profile_host(steps)
+    for field, value in truth.items():
+        assert host[field] == pytest.approx(value, rel=0.01), field
+    assert quality["propose"]["steps"] == len(steps) and "ngram_cpu_us" not in kept
+    assert abs(fit_host(steps)[0]["ngram_cpu_us"] / truth["ngram_cpu_us"] - 1) > 0.02
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -239,41 +302,56 @@ def test_validation_scenarios_run_at_the_sim_level(path, tmp_path):
 # ------------------------------------------------------------------------------------------------ through records
 
 
-def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkeypatch):
-    """The designed grid (tiny sizes) run at the sim level on a known profile, its records relabelled as measured at
-    the real level, then `simharness profile --from`: the step records' features, the device windows and the
-    launch overlap give back the profile the run was made with. The records hold no sampling flag per row, no
-    prefill context and the CPU proposer's history, not the GPU's, so the recovery is close, not exact."""
-    import json
-
-    import pandas as pd
-
+def measured_grid_run(root: Path, blocks: dict, source: Path) -> Path:
+    """The committed grid's base with `blocks`, run at the sim level on the profile `source` (one request per user,
+    16 tokens), its records relabelled as measured at the real level on an H100: what `profile --from` takes."""
     from simharness.profile_grid import GRID, grid_points
     from simharness.runner import execute
 
-    source = tmp_path / "truth.yaml"
-    source.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
-    grid = yaml.safe_load(GRID.read_text())  # the committed grid's base, smaller blocks of the same kinds
-    grid["blocks"] = {"batch_tokens": {"workload.concurrency": [1, 8, 48], "engine.speculation.k": [0, 4, 8]},
-                      "context": {"workload.prompt_len": [{"dist": "fixed", "value": 2000}]},
-                      "sampling": {"workload.random_fraction": [1.0]},
-                      "prefill": {"scheduler.max_num_batched_tokens": [256], "workload.concurrency": [2]},
-                      "depth": {"scheduler.depth": [1, 3], "workload.concurrency": [4]}}
-    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
-    scenario, points = grid_points(tmp_path / "grid.yaml", {
+    grid = {**yaml.safe_load(GRID.read_text()), "blocks": blocks}
+    root.mkdir(parents=True)
+    (root / "grid.yaml").write_text(yaml.safe_dump(grid))
+    scenario, points = grid_points(root / "grid.yaml", {
         "engine.level": "sim", "engine.profile": str(source), "workload.requests_per_user": 1,
         "workload.output_len": {"dist": "fixed", "value": 16}})
-    run_dir = execute(scenario, points, tmp_path / "runs")
+    run_dir = execute(scenario, points, root / "runs")
     for path in (run_dir / "points").glob("*/summary.json"):
         path.write_text(json.dumps({**json.loads(path.read_text()), "level": "real"}))
     for path in [*(run_dir / "points").glob("*/steps.parquet"), *run_dir.glob("steps.parquet")]:  # batches, run's
         pd.read_parquet(path).assign(measured="prep,launch,gpu,readback").to_parquet(path, index=False)
     meta = json.loads((run_dir / "meta.json").read_text())
     (run_dir / "meta.json").write_text(json.dumps({**meta, "device": "real: NVIDIA H100 80GB HBM3, torch 2"}))
+    return run_dir
+
+
+DEPTH_BLOCK = {"depth": {"scheduler.depth": [1, 3], "workload.concurrency": [4]}}
+
+
+def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path):
+    """The designed grid (tiny sizes) run at the sim level on a known profile, its records relabelled as measured at
+    the real level, then `simharness profile --from`: the step records' features, the device windows and the
+    launch overlap give back the profile the run was made with. The records hold no sampling flag per row, no
+    prefill context and the CPU proposer's history, not the GPU's, so the recovery is close, not exact. The depth
+    block measured again in a second run comes from that run, and the command says which blocks each run gave."""
+    source = tmp_path / "truth.yaml"
+    source.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
+    blocks = {"batch_tokens": {"workload.concurrency": [1, 8, 48], "engine.speculation.k": [0, 4, 8]},
+              "context": {"workload.prompt_len": [{"dist": "fixed", "value": 2000}]},
+              "sampling": {"workload.random_fraction": [1.0]},
+              "prefill": {"scheduler.max_num_batched_tokens": [256], "workload.concurrency": [2]}, **DEPTH_BLOCK}
+    run_dir = measured_grid_run(tmp_path / "a", blocks, source)  # the committed grid's blocks, smaller
+    again = measured_grid_run(tmp_path / "b", DEPTH_BLOCK, source)
     out = tmp_path / "fitted.yaml"
-    r = CliRunner().invoke(app, ["profile", "--model", "llama-3.2-1b", "--from", str(run_dir), "--out", str(out)])
+    r = CliRunner().invoke(app, ["profile", "--model", "llama-3.2-1b", "--from", str(run_dir), "--from", str(again),
+                                 "--out", str(out)])
     assert r.exit_code == 0, r.output
+    output = " ".join(r.stdout.split())
+    assert f"grid run {run_dir}: batch_tokens, context, prefill, sampling (measured again in a later run: depth)" \
+        in output
+    assert f"grid run {again}: depth" in output
     fitted = yaml.safe_load(out.read_text())
+    assert [run["blocks"] for run in fitted["provenance"]["runs"]] == [
+        ["batch_tokens", "context", "prefill", "sampling"], ["depth"]]
     assert (fitted["gpu"], fitted["model"], fitted["level"]) == ("H100", "llama-3.2-1b", "real")
     assert fitted["quality"]["device"]["median_rel_error"] < 0.02
     true_step = profile_mapping()["device_step"]
@@ -284,6 +362,35 @@ def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path, monkey
         assert overlap["lead_us"] == pytest.approx(truth_overlap["lead_us"], rel=0.01)
     assert fitted["host_costs"]["launch_us"] == pytest.approx(300.0, rel=0.01)
     assert profile.load_profile(out).model == "llama-3.2-1b"
+
+
+def test_a_block_measured_again_replaces_the_earlier_runs(tmp_path):
+    """Fitting from an old run and a new one: the points of a block the new run also holds come from the new run
+    alone (its slower device here), the old run's other blocks stay; given the other way round, the old run's
+    block replaces the new one's."""
+    from simharness.profile_grid import grid_fit_data
+
+    old_costs, new_costs = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old_costs.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
+    slower = {**profile_mapping()["device_step"], "fixed_us": 50000.0}
+    new_costs.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b", device_step=slower)))
+    blocks = {"batch_tokens": {"workload.concurrency": [1, 8]}, **DEPTH_BLOCK}
+    old = measured_grid_run(tmp_path / "old", blocks, old_costs)
+    new = measured_grid_run(tmp_path / "new", DEPTH_BLOCK, new_costs)
+    data, sources = grid_fit_data([old, new])
+    window = data.steps["gpu_end_s"] - data.steps["gpu_start_s"]
+    depth_block = data.steps["depth"] != 2  # the base runs at depth 2, the depth block at 1 and 3
+    assert (window[depth_block] >= 50e-3).all() and (window[~depth_block] < 20e-3).all()
+    alone = [grid_fit_data([run])[0].steps for run in (old, new)]
+    assert len(data.steps) == (alone[0]["depth"] == 2).sum() + len(alone[1])
+    assert sources == [f"{old}: batch_tokens (measured again in a later run: depth)", f"{new}: depth"]
+    assert [run["points"] for run in data.runs] == [2, 2]
+    reversed_data, _ = grid_fit_data([new, old])  # now the old run is the later one
+    assert ((reversed_data.steps["gpu_end_s"] - reversed_data.steps["gpu_start_s"]) < 20e-3).all()
+    meta = json.loads((new / "meta.json").read_text())
+    (new / "meta.json").write_text(json.dumps({**meta, "device": "real: NVIDIA A100-SXM4-80GB, torch 2"}))
+    with pytest.raises(ScenarioError, match="runs from different devices mixed in one fit"):
+        grid_fit_data([old, new])
 
 
 def test_the_grid_is_cut_into_runs_whose_kv_cache_fits():
