@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import yaml
 
 from simharness import results
@@ -111,8 +112,12 @@ def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict
         for _, row in fitted.iterrows():
             point_sc = point_scenario(sc, row)
             models.add(point_sc.engine.model)
-            parts.append(point_steps(*(tables.get(name, int(row["index"]), row["point"]) for name in TABLES),
-                                     point_sc))
+            try:
+                point = [tables.get(name, int(row["index"]), row["point"]) for name in TABLES]
+            except (OSError, ValueError, pa.ArrowException) as e:  # a run copied in part, a truncated table
+                raise ScenarioError(f"{run_dir}: point {int(row['index'])}: its records cannot be read "
+                                    f"({type(e).__name__}: {e})") from None
+            parts.append(point_steps(*point, point_sc))
         provenance.append({"run": str(run_dir), "run_id": meta.get("run_id"), "device": meta["device"],
                            "source_digest": meta.get("source_digest"), "git_revision": meta.get("git_revision"),
                            "points": len(fitted)})  # fmt: skip

@@ -393,6 +393,26 @@ def test_a_block_measured_again_replaces_the_earlier_runs(tmp_path):
         grid_fit_data([old, new])
 
 
+def test_a_run_copied_in_part_exits_2_naming_the_run(tmp_path):
+    """A grid run whose points' record batches lost their tables (copied with a filter, say): `profile --from` says
+    which run and point cannot be read, exit 2, no traceback."""
+    source = tmp_path / "truth.yaml"
+    source.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
+    run_dir = measured_grid_run(tmp_path / "a", DEPTH_BLOCK, source)
+    batches = list((run_dir / "points").glob("batch-*"))
+    assert batches
+    for batch in batches:
+        for path in batch.iterdir():
+            path.unlink()
+    r = CliRunner().invoke(app, ["profile", "--model", "llama-3.2-1b", "--from", str(run_dir),
+                                 "--out", str(tmp_path / "fitted.yaml")])
+    assert r.exit_code == 2, r.output
+    message = " ".join(r.stderr.split())
+    assert "its records cannot be read" in message and "point 0" in message, message
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "fitted.yaml").exists()
+
+
 def test_the_grid_is_cut_into_runs_whose_kv_cache_fits():
     """One run's model is sized for its largest batch and longest request together: the 8B grid as one run would
     need over 100 GB of KV cache; cut by blocks, every run stays within the budget and every point runs once."""
