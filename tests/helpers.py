@@ -5,6 +5,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -128,11 +129,27 @@ def emitted(backend, rid: int) -> np.ndarray:
     return host.history[rid, p : p + host.output_len[rid]]
 
 
-# With the committed H100 cost profiles (docs/validation.md) the sim misses two posted effects
-# (results/seeds/effects.csv, 10 repeats): #32951 +1.2% where -3.2% was posted and hil and real reproduce it,
-# #41043's P99 -2.0% where -9.3% was (0.22x; hil and real miss it too). test_seeds marks them strict xfail: it
-# fails the day the profile reproduces them again.
-PROFILE_MISSES = {"32951": "profiled sim: +1.2%, posted -3.2%", "41043": "profiled sim: P99 -2.0%, posted -9.3%"}
+class SimMiss(NamedTuple):
+    """A posted effect the sim level misses (results/seeds/effects.csv, 10 repeats), and why."""
+
+    reason: str
+    seed_0: bool  # whether seed 0 alone (tests/test_seeds.py's one repeat) misses it too
+
+
+# The posted effects the sim level misses (results/seeds/effects.csv, 10 repeats; docs/seeds.md): two with the
+# committed H100 cost profiles (docs/validation.md), two on the roofline, which runs the Qwen3-1.7B seeds (no
+# profile) and since its per-layer latency (`gpu_costs.layer_latency_us`) gives them a longer step, over which the
+# host's share shrinks. test_seeds marks the seeds whose seed 0 misses strict xfail (it fails the day the sim
+# reproduces them again); test_notebooks asserts these are exactly the sim's misses.
+SIM_MISSES = {
+    ("29184", "output_throughput"): SimMiss(
+        "roofline: +7.8% [+7.6, +7.9], posted +20.6% (0.38x; seed 0 +7.9%); real H100 +10.4%, hil +14.3%", True),
+    ("32951", "mean_tpot_ms"): SimMiss("8B profile: +1.2%, posted -3.2%; hil and real reproduce it", True),
+    ("41043", "p99_tpot_ms"): SimMiss("1B profile: P99 -2.0%, posted -9.3% (0.22x); hil and real miss it too", True),
+    ("38047", "mean_ttft_ms"): SimMiss(
+        "roofline: TTFT -8.8% [-11.7, -5.8], posted -20% (0.44x); real H100 -16.2%, hil -14.7%; seed 0 alone -13.0% "
+        "(0.65x: inside 2x)", False),
+}
 
 
 def load_benchmark(name: str) -> ModuleType:
