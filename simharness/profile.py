@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parent
 PROFILES_DIR = PACKAGE / "data" / "profiles"  # the committed profiles (package data)
 # What the sim without a profile (the roofline) carried against the real level on the validation families
 # (docs/validation.md, results/validation/validation.md: H100, medians per family).
-UNCALIBRATED_ERROR = ("mean TPOT median |error| 11-12% (llama-3.2-1b; 46% with 2,048-token prefill chunks) and 8.3% "
+UNCALIBRATED_ERROR = ("mean TPOT median |error| 7-19% (llama-3.2-1b; 23% with 2,048-token prefill chunks) and 9.4% "
                       "(llama-3-8b) on the H100 validation families (docs/validation.md)")
 
 # The device terms, in the order of the coefficient array (`profile_seconds`): seconds per step and per forward,
