@@ -98,10 +98,10 @@ class EngineLoop:
         self.requests, self.n = requests, len(requests.prompt_len)
 
     def result(self) -> tuple[Records, float]:
-        """Once run: the records, with their requests table, and the run's duration (until the last token)."""
+        """Once run: the records, with their requests' arrays, and the run's duration (until the last token)."""
         r, records = self.requests, self.core.records
         kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
-        records.requests = records.requests_frame(kind, r.prompt_len, r.output_len)
+        records.set_requests(kind, r.prompt_len, r.output_len)
         return records, float(np.nanmax(records.request_times[LAST_TOKEN_S]))
 
     def run(self):

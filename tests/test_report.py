@@ -50,8 +50,9 @@ def make_run(root: Path, sweep: dict) -> Path:
         note = f"fell back: depth {sc.scheduler.depth} -> 1" if depth != sc.scheduler.depth else ""
         summary = {"point": point.id, "index": point.index, **point.values, "effective_depth": depth, "note": note,
                    **metrics}
-        tables = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
-        writer.add(point.index, point.id, summary, tables)
+        frames = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
+        writer.add(point.index, point.id, summary, {name: {c: df[c].to_numpy() for c in df.columns}
+                                                    for name, df in frames.items()})
     writer.flush()
     results.combine(run_dir)
     return run_dir
