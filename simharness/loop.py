@@ -168,7 +168,7 @@ class EngineLoop:
         the waits and return the time the last one ends. The GPU runs steps in launch order, so a virtual clock waits
         at most once, for the newest step the points wait for (`EngineCore.newest_sync_target`)."""
         core, clock = self.core, self.clock
-        newest = clock.wait(core.newest_sync_target(ph, points))
+        newest = clock.wait(core.newest_sync_target(step, ph))
         if newest is not None:
             yield newest
         for sp in points:
