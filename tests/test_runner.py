@@ -1,5 +1,6 @@
 """End to end at the sim level: run directory contents, determinism, resume after a kill."""
 
+import gc
 import json
 import os
 import pickle
@@ -98,6 +99,16 @@ def test_a_batch_of_points_tables_is_the_frame_pandas_concatenates():
         pd.testing.assert_frame_equal(got, want, check_exact=True)
         assert pa.Table.from_pandas(got, preserve_index=False).schema.equals(
             pa.Table.from_pandas(want, preserve_index=False).schema, check_metadata=True)
+
+
+def test_a_run_keeps_the_libraries_out_of_full_collections_and_then_restores_them(tmp_path):
+    """While points run, the objects alive at the start (and those the first point loaded) are frozen, out of the
+    garbage collector's full passes; the run leaves the collector as it found it."""
+    before = gc.get_freeze_count()
+    frozen = []
+    simharness.run(scenario_from_dict(SMALL), out=tmp_path, progress=lambda _: frozen.append(gc.get_freeze_count()))
+    assert gc.get_freeze_count() == before
+    assert min(frozen) > before + 10_000 and frozen[-1] > frozen[0]
 
 
 def test_only_text_columns_are_dictionary_encoded(tmp_path):
