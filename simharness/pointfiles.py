@@ -86,7 +86,7 @@ def batch_dirs(run_dir: Path) -> list[Path]:
 def _parts(run_dir: Path, name: str, point_of: dict[int, str]) -> list[_Part]:
     """The files of table `name` that hold the finished points (`point_of`: their ids by index): each point's
     rows from the last batch listing it, else (a point run before batches) from its own file. Only the points no
-    batch lists are looked for on disk: a file system call per point and table was a tenth of a small sweep."""
+    batch lists are looked for on disk: a file system call per point and table was a twentieth of a small sweep."""
     batches = batch_dirs(run_dir)
     manifests = [_manifest(batch) for batch in batches]
     last = {index: n for n, manifest in enumerate(manifests) for index, _ in manifest}

@@ -68,8 +68,8 @@ def ignored_message(fields: list[str], level: str) -> str:
 class PointResult:
     """One finished point as a worker hands it to the driver: its summary row and its tables (requests, steps,
     syncs, emissions, device_syncs) as arrays by column (the writer makes each table of a batch of points a frame
-    once: a frame per point cost about as much as its simulation), and for a measured point the device that ran it
-    and the checkpoint's load statistics (meta.json)."""
+    once: frames per point cost a sweep of tiny points 2 ms a point), and for a measured point the device that ran
+    it and the checkpoint's load statistics (meta.json)."""
 
     summary: dict
     tables: dict[str, dict[str, np.ndarray]]
