@@ -9,7 +9,8 @@ each tree's median wall time per point and its spread (min-max), and the same of
 of the run and every process it started: the work, which a busy machine's other jobs slow less than the wall
 time; a run that draws in a process of its own spends more CPU than wall time). The runs' results must agree in
 every tree (the change is bookkeeping, not results): summary.csv's bytes, the run-level tables' contents, and every
-trace file that two runs both wrote (a tree may write traces for fewer points). Usage:
+trace file that two runs both wrote (a tree may write traces for fewer points); the plots, frontier.csv and
+report.md too. Usage:
 
     python benchmarks/sweep_overhead.py --tree /tmp/base --tree . [--repeats 3] [--points 1088]
 """
@@ -67,9 +68,15 @@ def timed_run(tree: Path, scenario_path: Path, out: Path) -> tuple[float, float,
 
 
 def fingerprint(run_dir: Path, traces: dict[str, set[str]]) -> str:
-    """A digest of the run's results: summary.csv and the run-level tables' contents; each trace file's digest is
-    added to `traces` (by file name)."""
+    """A digest of the run's results: summary.csv, the run-level tables' contents, frontier.csv, the plots' bytes and
+    report.md but for its line naming the run (its id and source digest); each trace file's digest is added to
+    `traces` (by file name)."""
     digest = hashlib.sha256((run_dir / "summary.csv").read_bytes())
+    for path in [run_dir / "frontier.csv", *sorted((run_dir / "plots").glob("*.png"))]:
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    report = (run_dir / "report.md").read_text().splitlines()
+    digest.update("\n".join(line for line in report if not line.startswith("Run `")).encode())
     for name in TABLES:
         table = pd.read_parquet(run_dir / f"{name}.parquet")
         digest.update(",".join(f"{c}:{t}" for c, t in table.dtypes.items()).encode())

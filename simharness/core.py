@@ -49,11 +49,13 @@ class EngineCore:
         self.gc = sc.engine.gc
         self.gc_rng = np.random.default_rng(np.random.SeedSequence([sc.seed, GC_STREAM]))
         self.phase_syncs = {ph: [sp for sp in mode.syncs if sp.phase == ph] for ph in HOST_PHASES}
-        self.oldest_only = {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts)
-                            for ph, pts in self.phase_syncs.items()}  # fmt: skip
         # under a k schedule, a step at k = 0 has no drafts to trim: it skips the valid-draft-count sync
         self.undrafted_syncs = {ph: [sp for sp in pts if sp.name != "valid_draft_counts"]
                                 for ph, pts in self.phase_syncs.items()}  # fmt: skip
+        # whether every sync point of a phase waits for the oldest step in flight, for either set of points
+        self.oldest_only, self.undrafted_oldest_only = (
+            {ph: all(sp.waits_for == "oldest_in_flight" for sp in pts) for ph, pts in syncs.items()}
+            for syncs in (self.phase_syncs, self.undrafted_syncs))
         # Prep cuts the verified slots of a step with decodes to the valid drafts when async and trimming: a
         # synchronous scheduler already reserved the drafts the host holds, and with nothing in flight the
         # device has not moved since.
@@ -114,10 +116,11 @@ class EngineCore:
         step that a k schedule gives k = 0."""
         return self.undrafted_syncs if self.mode.k_schedule and not step.batch.k else self.phase_syncs
 
-    def newest_sync_target(self, ph: str, points: list[SyncPoint]) -> Step | None:
-        """The newest step any of a step's sync points `points` of phase `ph` waits for: the GPU runs steps in launch
-        order, so the others have ended once it has."""
-        if self.in_flight and (self.oldest_only[ph] or all(sp.waits_for == "oldest_in_flight" for sp in points)):
+    def newest_sync_target(self, step: Step, ph: str) -> Step | None:
+        """The newest step any of `step`'s sync points of phase `ph` waits for: the GPU runs steps in launch order,
+        so the others have ended once it has."""
+        oldest_only = self.undrafted_oldest_only if self.mode.k_schedule and not step.batch.k else self.oldest_only
+        if self.in_flight and oldest_only[ph]:
             return self.in_flight[0]
         return self.last_launched
 

@@ -98,10 +98,10 @@ class EngineLoop:
         self.requests, self.n = requests, len(requests.prompt_len)
 
     def result(self) -> tuple[Records, float]:
-        """Once run: the records, with their requests table, and the run's duration (until the last token)."""
+        """Once run: the records, with their requests' arrays, and the run's duration (until the last token)."""
         r, records = self.requests, self.core.records
         kind = np.asarray(r.kind_names)[r.kind] if hasattr(r, "kind_names") else np.asarray(r.kind)
-        records.requests = records.requests_frame(kind, r.prompt_len, r.output_len)
+        records.set_requests(kind, r.prompt_len, r.output_len)
         return records, float(np.nanmax(records.request_times[LAST_TOKEN_S]))
 
     def run(self):
@@ -168,7 +168,7 @@ class EngineLoop:
         the waits and return the time the last one ends. The GPU runs steps in launch order, so a virtual clock waits
         at most once, for the newest step the points wait for (`EngineCore.newest_sync_target`)."""
         core, clock = self.core, self.clock
-        newest = clock.wait(core.newest_sync_target(ph, points))
+        newest = clock.wait(core.newest_sync_target(step, ph))
         if newest is not None:
             yield newest
         for sp in points:

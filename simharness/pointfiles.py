@@ -85,13 +85,15 @@ def batch_dirs(run_dir: Path) -> list[Path]:
 
 def _parts(run_dir: Path, name: str, point_of: dict[int, str]) -> list[_Part]:
     """The files of table `name` that hold the finished points (`point_of`: their ids by index): each point's
-    rows from its own file if it has one, else from the last batch listing it."""
-    own = {i: path for i in sorted(point_of) if (path := point_table(run_dir, i, name))}
-    parts = [_Part(path, [i], own=point_of[i]) for i, path in own.items()]
-    manifests = [_manifest(batch) for batch in batch_dirs(run_dir)]
+    rows from the last batch listing it, else (a point run before batches) from its own file. Only the points no
+    batch lists are looked for on disk: a file system call per point and table was a twentieth of a small sweep."""
+    batches = batch_dirs(run_dir)
+    manifests = [_manifest(batch) for batch in batches]
     last = {index: n for n, manifest in enumerate(manifests) for index, _ in manifest}
-    for n, batch in enumerate(batch_dirs(run_dir)):
-        kept = [(i, pid) for i, pid in manifests[n] if i in point_of and i not in own and last[i] == n]
+    own = {i: path for i in sorted(point_of) if i not in last and (path := point_table(run_dir, i, name))}
+    parts = [_Part(path, [i], own=point_of[i]) for i, path in own.items()]
+    for n, batch in enumerate(batches):
+        kept = [(i, pid) for i, pid in manifests[n] if i in point_of and last[i] == n]
         if kept and (batch / f"{name}.parquet").is_file():
             keep = None if len(kept) == len(manifests[n]) else [pid for _, pid in kept]
             parts.append(_Part(batch / f"{name}.parquet", [i for i, _ in kept], keep=keep))

@@ -14,7 +14,6 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from simharness.gcwatch import GC_COLUMNS
 from simharness.levels import LEVELS
@@ -24,7 +23,7 @@ from simharness.models import checkpoint_dir
 from simharness.modes import Mode
 from simharness.profile import summary_columns as profile_columns
 from simharness.realloop import RealLoop
-from simharness.records import Records, device_syncs_frame
+from simharness.records import Records, device_syncs_columns
 from simharness.scenario import Point, Scenario, resolve_field
 from simharness.simulation import Simulation
 from simharness.workload import Requests, build_requests
@@ -55,9 +54,9 @@ def _defaults() -> Scenario:
 
 
 @cache
-def _no_device_syncs() -> pd.DataFrame:
-    """The empty device-syncs table of every sim point, built once (0.1 ms a point otherwise); only read."""
-    return device_syncs_frame([])
+def _no_device_syncs() -> dict[str, np.ndarray]:
+    """The empty device-syncs table of every sim point, built once; only read."""
+    return device_syncs_columns([])
 
 
 def ignored_message(fields: list[str], level: str) -> str:
@@ -68,11 +67,12 @@ def ignored_message(fields: list[str], level: str) -> str:
 @dataclass
 class PointResult:
     """One finished point as a worker hands it to the driver: its summary row and its tables (requests, steps,
-    syncs, emissions, device_syncs), and for a measured point the device that ran it and the checkpoint's load
-    statistics (meta.json)."""
+    syncs, emissions, device_syncs) as arrays by column (the writer makes each table of a batch of points a frame
+    once: frames per point cost a sweep of tiny points 2 ms a point), and for a measured point the device that ran
+    it and the checkpoint's load statistics (meta.json)."""
 
     summary: dict
-    tables: dict[str, pd.DataFrame]
+    tables: dict[str, dict[str, np.ndarray]]
     device: str | None = None
     checkpoint_load: dict | None = None
 
@@ -146,7 +146,8 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
         if limit is not None and (run.host_attempts > 1 or run.host_slowdown > limit):
             notes.append(f"measured {run.host_attempts} times: the host was {run.host_slowdown:.2f}x slower than its "
                          f"fastest around the run kept (engine.host_slowdown: {limit})")
-        device_syncs = backend.syncs.frame()
+        frame = backend.syncs.frame()
+        device_syncs = {c: frame[c].to_numpy() for c in frame.columns}
         if level == "hil" and backend.starved_steps:
             notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
                          "may include launch gaps)")
@@ -158,7 +159,7 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     ignored = ignored_fields(sc, level)
     if ignored:
         notes.append(ignored_message(ignored, level))
-    # the metrics read the tables' arrays, each table made a frame once for the writer
+    # the metrics read the tables' arrays, which the writer takes as they are
     steps, syncs, emissions = records.steps_columns(), records.syncs_columns(), records.emissions_columns()
     metrics = compute_metrics(
         records.request_columns,
@@ -176,6 +177,6 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
     summary.update(metrics)
     summary.update(host)
     summary.update(profile_columns(sc.engine, level))
-    tables = {"requests": records.requests, "steps": pd.DataFrame(steps), "syncs": pd.DataFrame(syncs),
-              "emissions": pd.DataFrame(emissions), "device_syncs": device_syncs}
+    tables = {"requests": records.request_columns, "steps": steps, "syncs": syncs, "emissions": emissions,
+              "device_syncs": device_syncs}
     return PointResult(summary, tables)

@@ -144,8 +144,7 @@ class Records:
         self.n_emissions = 0
         self.request_times = np.full((3, n_requests), np.nan)  # ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S (NaN: none)
         self.request_counts = np.zeros((5, n_requests), dtype=np.int64)  # NUM_CHUNKS .. REQUEST_WASTED_SLOTS
-        self.requests: pd.DataFrame | None = None  # set at the end of the run (`requests_frame`)
-        self.request_columns: dict[str, np.ndarray] = {}  # the requests table's arrays, kept by `requests_frame`
+        self.request_columns: dict[str, np.ndarray] = {}  # the requests table's arrays, set at the end of the run
 
     def add_step(self, step: Step, time: float) -> None:
         """A settled step (its batch table holds the outcome rows) and the time its tokens reached the clients."""
@@ -179,13 +178,17 @@ class Records:
     def syncs_frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.syncs_columns())
 
-    def requests_frame(self, kind: np.ndarray, prompt_len: np.ndarray, output_len: np.ndarray) -> pd.DataFrame:
-        """The per-request table, given each request's kind name and lengths; its arrays are kept in
-        `request_columns` (metrics read them)."""
+    def set_requests(self, kind: np.ndarray, prompt_len: np.ndarray, output_len: np.ndarray) -> None:
+        """The per-request table's arrays (`request_columns`, which metrics and the point's writer read), given each
+        request's kind name and lengths, once the run ended."""
         t = self.request_times
         columns = [np.arange(len(kind)), kind, t[ARRIVAL_S], prompt_len, output_len, t[FIRST_TOKEN_S],
                    t[LAST_TOKEN_S], *self.request_counts]
         self.request_columns = dict(zip(REQUEST_COLUMNS, columns, strict=True))
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        """The per-request table (made on each call: a sweep point's writer takes its arrays instead)."""
         return pd.DataFrame(self.request_columns)
 
     def emissions_columns(self) -> dict[str, np.ndarray]:
@@ -257,8 +260,12 @@ def record_step(
     return n_emissions
 
 
-def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:
-    """The device-syncs table from (step, phase, site, wait_s) rows; empty at the sim level."""
+def device_syncs_columns(rows: list[tuple[int, str, str, float]]) -> dict[str, np.ndarray]:
+    """The device-syncs table's arrays from (step, phase, site, wait_s) rows; empty at the sim level."""
     columns = list(zip(*rows, strict=True)) if rows else [()] * len(DEVICE_SYNC_DTYPES)
     dtypes = DEVICE_SYNC_DTYPES.items()
-    return pd.DataFrame({c: pd.array(v, dtype=t) for (c, t), v in zip(dtypes, columns, strict=True)})
+    return {c: np.array(v, dtype=t) for (c, t), v in zip(dtypes, columns, strict=True)}
+
+
+def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:
+    return pd.DataFrame(device_syncs_columns(rows))

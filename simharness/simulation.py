@@ -247,6 +247,9 @@ def _overlapped_end(step: Step, start: float) -> float:
     and ends no earlier than its own device time after that, nor before its enqueue ended (its last kernel
     cannot run before it was launched). docs/hil.md gives the measurements behind this model."""
     t0, end = step.launch_start, start
+    if len(step.enqueue) == len(step.parts_s) == 1:  # one part (a sim step on a profile): the loop unrolled
+        (begin, enqueued), device_s = step.enqueue[0], step.parts_s[0]
+        return max(max(end, t0 + begin) + device_s, t0 + enqueued)
     for (begin, enqueued), device_s in zip(step.enqueue, step.parts_s, strict=True):
         part_start = max(end, t0 + begin)
         end = max(part_start + device_s, t0 + enqueued)

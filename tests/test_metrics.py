@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from simharness.metrics import compute_metrics, host_intervals, percentile_label
+from simharness.metrics import compute_metrics, host_intervals, latency_stats, percentile_label
 from simharness.records import EMISSION_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, SYNC_COLUMNS
 from simharness.scenario import Goodput
 
@@ -231,3 +231,21 @@ def test_tables_as_frames_or_arrays_give_the_same_metrics() -> None:
                               percentiles=[50, 99], goodput=goodput, k=1)
     assert framed["mean_host_ms_per_step"] > 0 and framed["syncs_per_step"] == 1.0
     assert framed == arrayed
+
+
+def test_latency_stats_are_numpys_to_the_bit():
+    """mean, median, std and percentiles (computed on the values sorted once) are exactly numpy's np.mean,
+    np.median, np.std and np.percentile: odd and even counts, one value, ties, wide ranges, the 0th and 100th
+    percentile, a NaN."""
+    rng = np.random.default_rng(0)
+    percentiles = [0, 1, 25, 50, 90, 99, 99.9, 100]
+    samples = [rng.lognormal(0, 2, n) for n in (1, 2, 3, 7, 8, 9, 40, 41, 517) for _ in range(20)]
+    samples += [np.array([2.5, 2.5, 2.5]), rng.integers(0, 4, 12) * 0.1, np.array([1.0, np.nan, 3.0])]
+    for values in samples:
+        got = latency_stats("x", values, percentiles)
+        want = [np.mean(values), np.median(values), np.std(values), *np.percentile(values, percentiles)]
+        np.testing.assert_array_equal(np.array(list(got.values())), np.array(want, dtype=np.float64), strict=True)
+        assert list(got) == ["mean_x_ms", "median_x_ms", "std_x_ms", *(f"{percentile_label(p)}_x_ms"
+                                                                       for p in percentiles)]
+    assert latency_stats("x", np.array([]), [50]) == {"mean_x_ms": 0.0, "median_x_ms": 0.0, "std_x_ms": 0.0,
+                                                      "p50_x_ms": 0.0}

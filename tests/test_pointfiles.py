@@ -49,3 +49,25 @@ def test_some_points_are_read_from_the_files_that_hold_them(tmp_path, monkeypatc
     pd.testing.assert_frame_equal(steps, whole[whole["point"].isin(wanted)].reset_index(drop=True))
     listed = [json.loads((run_dir / "points" / name / "points.json").read_text()) for name in opened]
     assert {pid for batch in listed for _, pid in batch} == wanted
+
+
+def test_only_points_no_batch_lists_are_looked_for_in_their_own_directory(tmp_path, monkeypatch):
+    """A point a batch lists is read from the batch, with no look at its own directory (a file system call per
+    point and table); one that no batch lists (run before batches) is read from its own files."""
+    run_dir = simharness.run(scenario_from_dict(SMALL), out=tmp_path).run_dir
+    looked = []
+    point_table = pointfiles.point_table
+    monkeypatch.setattr(pointfiles, "point_table", lambda run_dir, i, name: looked.append(i) or
+                        point_table(run_dir, i, name))
+    whole = results.read_table(run_dir, "steps")
+    pd.testing.assert_frame_equal(pointfiles.read_points(run_dir, "steps"), whole)
+    assert looked == []
+    (batch,) = pointfiles.batch_dirs(run_dir)  # point 0 made a point of the old layout: its own file, not batched
+    first = whole["point"].iloc[0]
+    whole[whole["point"] == first].drop(columns="point").to_parquet(pointfiles.point_dir(run_dir, 0) / "steps.parquet",
+                                                                 index=False)
+    listed = json.loads((batch / "points.json").read_text())
+    (batch / "points.json").write_text(json.dumps([p for p in listed if p[0] != 0]))
+    whole[whole["point"] != first].to_parquet(batch / "steps.parquet", index=False)
+    pd.testing.assert_frame_equal(pointfiles.read_points(run_dir, "steps"), whole)
+    assert looked == [0]

@@ -40,7 +40,8 @@ def test_step_counts_emissions_and_request_tallies():
     emissions = records.emissions_frame()
     assert emissions.to_numpy().tolist() == [[0, 0, 1.0, 1], [0, 1, 2.0, 3], [1, 1, 2.0, 1]]
     assert [str(t) for t in emissions.dtypes] == ["int64", "int64", "float64", "int64"]
-    requests = records.requests_frame(np.array(["free"] * 3), np.array([7, 6, 9]), np.array([5, 5, 5]))
+    records.set_requests(np.array(["free"] * 3), np.array([7, 6, 9]), np.array([5, 5, 5]))
+    requests = records.requests
     assert list(requests.columns) == REQUEST_COLUMNS
     np.testing.assert_array_equal(requests.first_token_s, [1.0, 2.0, np.nan])
     np.testing.assert_array_equal(requests.last_token_s, [2.0, 2.0, np.nan])

@@ -3,6 +3,7 @@ sections only when points were measured on hardware."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def make_run(root: Path, sweep: dict) -> Path:
         note = f"fell back: depth {sc.scheduler.depth} -> 1" if depth != sc.scheduler.depth else ""
         summary = {"point": point.id, "index": point.index, **point.values, "effective_depth": depth, "note": note,
                    **metrics}
-        tables = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
-        writer.add(point.index, point.id, summary, tables)
+        frames = {"requests": requests, "steps": steps, "syncs": syncs, "emissions": emissions}
+        writer.add(point.index, point.id, summary, {name: {c: df[c].to_numpy() for c in df.columns}
+                                                    for name, df in frames.items()})
     writer.flush()
     results.combine(run_dir)
     return run_dir
@@ -159,8 +161,8 @@ def sim_run_dir(tmp_path_factory) -> Path:
 
 
 def _as_hil_run(sim_run_dir: Path, tmp_path: Path, device_syncs: pd.DataFrame | None) -> tuple[Path, pd.DataFrame]:
-    """A copy of the run whose first point (depth=1) is made a hil point (files of its own, as a run written
-    before batches kept them: the report reads them before the batch); returns it and that point's steps."""
+    """A copy of the run whose first point (depth=1) is made a hil point with files of its own, as a run written
+    before batches kept them (the batches no longer list it); returns it and that point's steps."""
     run_dir = Path(shutil.copytree(sim_run_dir, tmp_path / sim_run_dir.name))
     summary = pd.read_csv(run_dir / "summary.csv")
     summary.loc[0, "level"] = "hil"
@@ -173,6 +175,15 @@ def _as_hil_run(sim_run_dir: Path, tmp_path: Path, device_syncs: pd.DataFrame | 
     (point / "device_syncs.parquet").unlink(missing_ok=True)
     if device_syncs is not None:
         device_syncs[["step", "phase", "site", "wait_s"]].to_parquet(point / "device_syncs.parquet", index=False)
+    for name in ("requests", "syncs", "emissions"):  # its other tables, as its own files too
+        table = pointfiles.read_points(run_dir, name, points={summary.loc[0, "point"]}).drop(columns="point")
+        table.to_parquet(point / f"{name}.parquet", index=False)
+    for batch in pointfiles.batch_dirs(run_dir):  # the point's rows and place in the batches go
+        listed = json.loads((batch / "points.json").read_text())
+        (batch / "points.json").write_text(json.dumps([p for p in listed if p[0] != int(summary.loc[0, "index"])]))
+        for path in batch.glob("*.parquet"):
+            table = pd.read_parquet(path)
+            table[table["point"] != summary.loc[0, "point"]].to_parquet(path, index=False)
     return run_dir, hil
 
 

@@ -1,5 +1,6 @@
 """End to end at the sim level: run directory contents, determinism, resume after a kill."""
 
+import gc
 import json
 import os
 import pickle
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,9 +67,48 @@ def test_a_trace_written_later_is_the_one_its_point_computed(tmp_path):
     d = simharness.run(sc, out=tmp_path).run_dir
     point = sweep_points(sc)[2]
     result = point_result(point, resolve_mode(point.scenario), Workloads().get(point.scenario), None)
-    events = trace_events(result.tables["steps"], result.tables["syncs"], max_steps=sc.report.trace_steps)
+    steps, syncs = (pd.DataFrame(result.tables[name]) for name in ("steps", "syncs"))
+    events = trace_events(steps, syncs, max_steps=sc.report.trace_steps)
     (path,) = write_traces(d, {point.id})
     assert path.name.startswith("0002_") and path.read_text() == trace_json(events, {"point": point.id})
+
+
+def test_a_batch_of_points_tables_is_the_frame_pandas_concatenates():
+    """The writer makes a batch's table of the points' arrays (`results.concat_columns`): column for column, types
+    and the parquet schema included, what pd.concat makes of the points' frames: points of three k (the steps'
+    acc_pos columns some lack), text of several widths, integers beside floats, and columns of other types (objects,
+    flags or text that some points lack), which go through pandas."""
+    sc = scenario_from_dict({**SMALL, "sweep": {"engine.speculation.k": [3, 0, 5]}})
+    points = sweep_points(sc)
+    work = PointWork({p.index: resolve_mode(p.scenario) for p in points}, [])
+    tables = [work(p).tables for p in points]
+    mixed = [{"n": np.array([1, 2]), "s": np.array(["x", "yyy"]), "f": np.array([1, 2])},
+             {"n": np.array([], dtype=np.int64), "s": np.array([], dtype=str), "f": np.array([], dtype=np.float64)},
+             {"n": np.array([4]), "s": np.array(["zz"]), "f": np.array([0.5])}]
+    cases = [[t[name] for t in tables] for name in results.TABLES] + [
+        [tables[0]["steps"]], mixed, [*mixed, {"s": np.array(["z"])}],
+        [*mixed, {"n": np.array([3]), "s": np.array(["z"]), "f": np.array([1.5]), "o": np.array([None], dtype=object)}],
+        [*mixed, {"n": np.array([3]), "s": np.array(["z"]), "f": np.array([1.5]), "b": np.array([True])}],
+        [*mixed, {"n": np.array([3]), "f": np.array([1.5])}],
+        [{"o": np.array(["x"], dtype=object)}, {"o": np.array([], dtype=object)}],
+    ]
+    assert {len(t["steps"]) for t in tables} != {0} and len({tuple(t["steps"]) for t in tables}) == 3
+    for parts in cases:
+        got = results.concat_columns(parts)
+        want = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
+        pd.testing.assert_frame_equal(got, want, check_exact=True)
+        assert pa.Table.from_pandas(got, preserve_index=False).schema.equals(
+            pa.Table.from_pandas(want, preserve_index=False).schema, check_metadata=True)
+
+
+def test_a_run_keeps_the_libraries_out_of_full_collections_and_then_restores_them(tmp_path):
+    """While points run, the objects alive at the start (and those the first point loaded) are frozen, out of the
+    garbage collector's full passes; the run leaves the collector as it found it."""
+    before = gc.get_freeze_count()
+    frozen = []
+    simharness.run(scenario_from_dict(SMALL), out=tmp_path, progress=lambda _: frozen.append(gc.get_freeze_count()))
+    assert gc.get_freeze_count() == before
+    assert min(frozen) > before + 10_000 and frozen[-1] > frozen[0]
 
 
 def test_only_text_columns_are_dictionary_encoded(tmp_path):
