@@ -111,6 +111,18 @@ def test_a_run_keeps_the_libraries_out_of_full_collections_and_then_restores_the
     assert min(frozen) > before + 10_000 and frozen[-1] > frozen[0]
 
 
+def test_a_measured_run_leaves_the_heap_as_it_is(tmp_path):
+    """At a measured level a full collection's pause over the whole heap is part of what is measured: nothing is
+    frozen while its points run."""
+    before = gc.get_freeze_count()
+    frozen = []
+    sc = scenario_from_dict({"name": "hil", "workload": {"num_requests": 3, "concurrency": 2,
+                                                         "output_len": {"dist": "fixed", "value": 8}},
+                             "engine": {"level": "hil", "model": "tiny", "device": "cpu"}})
+    simharness.run(sc, out=tmp_path, progress=lambda _: frozen.append(gc.get_freeze_count()))
+    assert frozen and set(frozen) == {before}
+
+
 def test_only_text_columns_are_dictionary_encoded(tmp_path):
     """The run's and the batches' parquet tables dictionary-encode their text columns and no others (a dictionary
     on every float column made a large table 4x slower to read)."""
