@@ -350,10 +350,13 @@ def profile_cmd(
     out.print(f"profile: {result.path}")
 
 
+SUMMARY_ROWS = 40  # a terminal shows this many points of a sweep; the rest are in summary.csv and the report
+
+
 def summary_table(summary, swept: list[str]) -> Table:
-    """The run's headline metrics, a row per point, labelled by its swept values as in the report. The numbers
-    never wrap (their two-line headers are as narrow as they are); the label takes the width that is left, which
-    holds two swept values at 80 columns, and wraps between values, never inside one."""
+    """The run's headline metrics, a row per point (the first SUMMARY_ROWS of a larger sweep), labelled by its swept
+    values as in the report. The numbers never wrap (their two-line headers are as narrow as they are); the label
+    takes the width that is left, which holds two swept values at 80 columns, and wraps between values."""
     from simharness.report import point_label
 
     table = Table(title="summary (latencies in ms)", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1))
@@ -364,9 +367,11 @@ def summary_table(summary, swept: list[str]) -> Table:
     table.add_column("point", overflow="fold")
     for title, _, _ in cols:
         table.add_column(title, justify="right", no_wrap=True)
-    for _, row in summary.iterrows():
+    for _, row in summary.head(SUMMARY_ROWS).iterrows():
         label = point_label(row, swept) or row["point"]
         table.add_row(label, *(fmt.format(row[key]) if key in row else "" for _, key, fmt in cols))
+    if len(summary) > SUMMARY_ROWS:
+        table.caption = f"the first {SUMMARY_ROWS} of {len(summary)} points; all of them: summary.csv, report.md"
     return table
 
 

@@ -263,6 +263,18 @@ def test_summary_labels_do_not_wrap_at_80_columns():
     assert label_lines and all(set(line.split()) <= items for line in label_lines), label_lines
 
 
+def test_a_large_sweeps_summary_shows_its_first_points_and_says_where_the_rest_are():
+    from simharness.cli import SUMMARY_ROWS
+
+    summary = pd.DataFrame([{"point": f"p{i}", "workload.concurrency": i, "mean_tpot_ms": 1.0}
+                            for i in range(SUMMARY_ROWS + 7)])
+    console = Console(width=100, record=True)
+    console.print(summary_table(summary, ["workload.concurrency"]))
+    text = console.export_text()
+    assert f"concurrency={SUMMARY_ROWS - 1} " in text and f"concurrency={SUMMARY_ROWS} " not in text
+    assert f"the first {SUMMARY_ROWS} of {SUMMARY_ROWS + 7} points" in " ".join(text.split())
+
+
 @pytest.mark.parametrize("command", [[], ["run"], ["compare"], ["report"], ["fidelity"], ["bench", "kernels"]])
 def test_help_pages_are_plain_and_list_exit_codes(command):
     r = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "100"})
