@@ -227,12 +227,12 @@ def test_triton_ops_match_torch_ops_in_the_interpreter() -> None:
 @pytest.fixture
 def interpreted() -> Iterator[None]:
     """The attention kernel in Triton's CPU interpreter, in this process."""
-    yield from interpreted_kernels(model_triton, ("_rope_attention_kernel", "_rotated"))
+    yield from interpreted_kernels(model_triton, ("_rope_attention_kernel", "_rotated", "_attend_tile"))
 
 
 @pytest.fixture
 def interpreted_prefix() -> Iterator[None]:
-    yield from interpreted_kernels(model_triton, ("_prefix_attention_kernel",))
+    yield from interpreted_kernels(model_triton, ("_prefix_attention_kernel", "_attend_tile"))
 
 
 @pytest.fixture
