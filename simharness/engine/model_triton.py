@@ -127,17 +127,21 @@ def _rotated(ptr, rows, cos_ptr, sin_ptr, pos, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, j, q_pos, sm_scale, m_i, l_i, acc):
-    """One K/V tile of FlashAttention's online softmax: q's causal scores against k (positions past a query are
-    masked), then the running max, sum and output updated. A row that sees no position yet keeps a max of -inf
-    and adds nothing."""
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_ok, j, q_pos, sm_scale, m_i, l_i, acc):
+    """One K/V tile (positions j, at kv_off in the caches) of FlashAttention's online softmax: q's causal scores
+    against the tile's keys (positions past a query are masked), then the running max, sum and output updated. A
+    row that sees no position yet keeps a max of -inf and adds nothing. V is loaded after the scores, as the
+    kernels had it (its load overlaps the softmax)."""
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
     s = tl.dot(q, tl.trans(k)) * sm_scale
     s = tl.where(j[None, :] <= q_pos, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -193,11 +197,9 @@ def _rope_attention_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         kv_off = kv_base + j[:, None] * stride_pos + d
         kv_ok = (j < hi)[:, None]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         # Causal: positions past the query (this step's later tokens, stale rejected drafts) are masked; a row may
         # see no position in a chunk.
-        m_i, l_i, acc = _attend_tile(q, k, v, j, q_pos, sm_scale, m_i, l_i, acc)
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_ok, j, q_pos, sm_scale, m_i, l_i, acc)
     last_chunk = (n_ctx - 1) // chunk_size
     if last_chunk > 0:
         head = b * HKV + kv_head
@@ -288,10 +290,8 @@ def _prefix_attention_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         kv_off = kv_base + j[:, None] * stride_pos + d
         kv_ok = (j < hi)[:, None]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_ok, other=0.0)
         # causal: position 0 is before every query, so every row's max is finite after the first tile
-        m_i, l_i, acc = _attend_tile(q, k, v, j, q_pos, sm_scale, m_i, l_i, acc)
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, kv_off, kv_ok, j, q_pos, sm_scale, m_i, l_i, acc)
     out_ptrs = out_ptr + ((b * n_tokens + t) * HQ + head)[:, None] * D + d
     tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
