@@ -18,7 +18,7 @@ from typing import TextIO
 import pandas as pd
 
 from simharness.phases import current_phase, last_boundary
-from simharness.records import DEVICE_SYNC_DTYPES, device_syncs_frame
+from simharness.records import DEVICE_SYNC_DTYPES, device_syncs_columns
 
 # The text torch's sync debug mode warns with ("... (Triggered internally at ...)" follows it).
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -115,6 +115,10 @@ class SyncRecorder:
         """Syncs recorded in `step`."""
         return self._counts.get(step, 0)  # without Counter's __missing__ call for a step with none
 
+    def columns(self) -> dict:
+        """The recorded syncs as arrays by column (DEVICE_SYNC_COLUMNS), as a point's writer takes its tables."""
+        return device_syncs_columns(self._rows)
+
     def frame(self) -> pd.DataFrame:
         """The recorded syncs, one row each, with columns DEVICE_SYNC_COLUMNS."""
-        return device_syncs_frame(self._rows)
+        return pd.DataFrame(self.columns())

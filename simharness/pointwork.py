@@ -146,8 +146,7 @@ def point_result(point: Point, mode: Mode, requests: Requests, measured: Measure
         if limit is not None and (run.host_attempts > 1 or run.host_slowdown > limit):
             notes.append(f"measured {run.host_attempts} times: the host was {run.host_slowdown:.2f}x slower than its "
                          f"fastest around the run kept (engine.host_slowdown: {limit})")
-        frame = backend.syncs.frame()
-        device_syncs = {c: frame[c].to_numpy() for c in frame.columns}
+        device_syncs = backend.syncs.columns()
         if level == "hil" and backend.starved_steps:
             notes.append(f"{backend.starved_steps} steps' enqueue may have outlasted a GPU gate (their device times "
                          "may include launch gaps)")

@@ -266,6 +266,3 @@ def device_syncs_columns(rows: list[tuple[int, str, str, float]]) -> dict[str, n
     dtypes = DEVICE_SYNC_DTYPES.items()
     return {c: np.array(v, dtype=t) for (c, t), v in zip(dtypes, columns, strict=True)}
 
-
-def device_syncs_frame(rows: list[tuple[int, str, str, float]]) -> pd.DataFrame:
-    return pd.DataFrame(device_syncs_columns(rows))

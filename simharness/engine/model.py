@@ -148,7 +148,7 @@ def silu_mul_torch(gate_up: Tensor) -> Tensor:
 class _Ops:
     rms_norm: Callable[..., Tensor]
     qk_norm: Callable[..., None]
-    rope_write_kv: Callable[..., Tensor]  # prefill: the attention itself is torch's
+    rope_write_kv: Callable[..., Tensor]  # prefill: RoPE and the K/V write, then the chunk's own attention
     rope_attention: Callable[..., Tensor]
     prefix_attention: Callable[..., Tensor]  # a later prefill chunk over its cached prefix
     silu_mul: Callable[[Tensor], Tensor]
