@@ -111,15 +111,19 @@ class EngineCore:
             return self.in_flight[0]
         return self.last_launched
 
+    def _undrafted(self, step: Step) -> bool:
+        """Whether a k schedule gives `step` k = 0 (no drafts, so no valid-draft-count sync)."""
+        return bool(self.mode.k_schedule) and not step.batch.k
+
     def syncs_of(self, step: Step) -> dict[str, list[SyncPoint]]:
         """The sync points of each host phase that `step` runs: the mode's, less the valid-draft-count sync for a
         step that a k schedule gives k = 0."""
-        return self.undrafted_syncs if self.mode.k_schedule and not step.batch.k else self.phase_syncs
+        return self.undrafted_syncs if self._undrafted(step) else self.phase_syncs
 
     def newest_sync_target(self, step: Step, ph: str) -> Step | None:
         """The newest step any of `step`'s sync points of phase `ph` waits for: the GPU runs steps in launch order,
         so the others have ended once it has."""
-        oldest_only = self.undrafted_oldest_only if self.mode.k_schedule and not step.batch.k else self.oldest_only
+        oldest_only = self.undrafted_oldest_only if self._undrafted(step) else self.oldest_only
         if self.in_flight and oldest_only[ph]:
             return self.in_flight[0]
         return self.last_launched

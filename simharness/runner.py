@@ -163,8 +163,7 @@ def execute(
     try:
         _require_devices(local)
         run_dir = _run_dir(scenario, out, resume)
-        sim_only = not any(LEVELS[p.scenario.engine.level].measured for p in points)
-        with _heap_frozen(sim_only), results.writing(run_dir, fresh=resume is None):
+        with results.writing(run_dir, fresh=resume is None):
             _execute_points(run_dir, scenario, points, modes, progress, executor)
     finally:
         if isinstance(executor, LocalPool):
@@ -206,28 +205,29 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
     done = results.finished_points(run_dir)
     todo = [p for p in points if p.index not in done]
     measured = [(p.scenario, modes[p.index]) for p in todo if LEVELS[p.scenario.engine.level].measured]
-    results.write_meta(run_dir, scenario, device=None if measured else "sim (virtual time, cost model)")
-    status = SweepStatus(run_dir, total=len(points), done=len(points) - len(todo))
-    if progress is not None:
-        progress(status)
-    described = refrozen = False
-    writer = results.PointWriter(run_dir)
-    try:
-        with closing(executor.run(todo, PointWork(modes, measured))) as events:
-            for event in events:
-                if event.kind == "done" and not refrozen and not measured:
-                    gc.freeze()  # what the first point loaded (numba, the requests) is left out too (_heap_frozen)
-                    refrozen = True
-                if event.kind == "done" and event.result.device is not None and not described:
-                    loaded = event.result.checkpoint_load
-                    results.write_meta(run_dir, scenario, device=event.result.device,
-                                       extra={"checkpoint_load": loaded} if loaded else None)
-                    described = True
-                _record(writer, event, status)
-                if progress is not None:
-                    progress(status)
-    finally:
-        writer.flush()  # whatever stopped the run, the points it finished are kept
+    with _heap_frozen(not measured):  # sim points only: measured ones keep the whole heap (`_heap_frozen`)
+        results.write_meta(run_dir, scenario, device=None if measured else "sim (virtual time, cost model)")
+        status = SweepStatus(run_dir, total=len(points), done=len(points) - len(todo))
+        if progress is not None:
+            progress(status)
+        described = refrozen = False
+        writer = results.PointWriter(run_dir)
+        try:
+            with closing(executor.run(todo, PointWork(modes, measured))) as events:
+                for event in events:
+                    if event.kind == "done" and not refrozen and not measured:
+                        gc.freeze()  # what the first point loaded (numba, the requests) is left out too (_heap_frozen)
+                        refrozen = True
+                    if event.kind == "done" and event.result.device is not None and not described:
+                        loaded = event.result.checkpoint_load
+                        results.write_meta(run_dir, scenario, device=event.result.device,
+                                           extra={"checkpoint_load": loaded} if loaded else None)
+                        described = True
+                    _record(writer, event, status)
+                    if progress is not None:
+                        progress(status)
+        finally:
+            writer.flush()  # whatever stopped the run, the points it finished are kept
 
 
 def _record(writer: results.PointWriter, event: Event, status: SweepStatus) -> None:
