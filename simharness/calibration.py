@@ -91,22 +91,32 @@ def parse_where(items: list[str]) -> dict[str, list]:
     return where
 
 
-def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict[str, list] | None = None) -> FitData:
-    """The measured steps of `run_dirs` (run or fidelity directories) at `level` (default: real where any run
-    has real points, else hil), of the points whose summary values are in `where`."""
-    runs = [(Path(d), read_run(Path(d))) for d in run_dirs]
-    levels = {lv for _, (_, _, s) in runs for lv in s["level"]}
+def fit_level(run_dirs: list[Path], summaries: list[pd.DataFrame], level: str | None) -> str:
+    """The level a fit of these runs' summaries uses: `level`, or real where any run has real points, else hil;
+    ScenarioError where the runs hold no measured point at it."""
+    levels = {lv for s in summaries for lv in s["level"]}
     level = level or next((lv for lv in MEASURED_LEVELS if lv in levels), None)
     if level not in MEASURED_LEVELS or level not in levels:
         raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no measured ({'/'.join(MEASURED_LEVELS)}) points "
                             f"{'at level ' + level if level else ''} to fit")
+    return level
+
+
+def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict[str, list] | None = None,
+                  skip: list[set[str]] | None = None) -> FitData:
+    """The measured steps of `run_dirs` (run or fidelity directories) at `level` (`fit_level`), of the points whose
+    summary values are in `where`, less those of each run's `skip` (point ids, a set per run)."""
+    runs = [(Path(d), read_run(Path(d))) for d in run_dirs]
+    level = fit_level(run_dirs, [s for _, (_, _, s) in runs], level)
     devices = {device_name(meta["device"]) for _, (meta, _, _) in runs}
     if len(devices) > 1:
         raise ScenarioError(f"runs from different devices mixed in one fit: {', '.join(sorted(devices))}")
     parts, held_out, provenance, models = [], [], [], set()
-    for run_dir, (meta, sc, summary) in runs:
+    for i, (run_dir, (meta, sc, summary)) in enumerate(runs):
         at_level = summary[summary["level"] == level]
         fitted = _where(at_level, where or {}, run_dir)
+        if skip is not None:
+            fitted = fitted[~fitted["point"].isin(skip[i])]
         held_out.append((run_dir, sc, at_level[~at_level.index.isin(fitted.index)]))
         tables = _Tables(run_dir)
         for _, row in fitted.iterrows():

@@ -10,7 +10,7 @@ sweep lists every value a point takes, so that `calibration.load_fit_data` rebui
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from simharness import results
-from simharness.calibration import MEASURED_LEVELS, FitData, load_fit_data, read_run
+from simharness.calibration import FitData, fit_level, load_fit_data, read_run
 from simharness.models import model_config
 from simharness.profile import default_path
 from simharness.profile_fit import fit_profile
@@ -143,35 +143,25 @@ def measure_profile(model: str, *, grid: Path = GRID, out: Path | None = None, r
 
 
 def grid_fit_data(run_dirs: list[Path], level: str | None = None) -> tuple[FitData, list[str]]:
-    """The measured steps of grid runs for a profile's fit (at `level`, default real where any run has real
-    points) and a line per run naming the blocks it gave. A block that a later run also holds comes from the later
-    run alone: a block measured again replaces its earlier measurement."""
-    summaries = [(Path(d), read_run(Path(d))[2]) for d in run_dirs]
-    levels = {lv for _, summary in summaries for lv in summary["level"]}
-    level = level or next((lv for lv in MEASURED_LEVELS if lv in levels), None)
-    if level is None:
-        raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no measured ({'/'.join(MEASURED_LEVELS)}) points to "
-                            "fit")
+    """The measured steps of grid runs for a profile's fit (`calibration.load_fit_data`) and a line per run naming
+    the blocks it gave. A block that a later run also holds comes from the later run alone: a block measured again
+    replaces its earlier measurement."""
+    runs = [Path(d) for d in run_dirs]
+    summaries = [read_run(d)[2] for d in runs]
+    level = fit_level(runs, summaries, level)
     later: set[str] = set()  # the blocks of the runs after this one
-    parts, sources = [], []
-    for run_dir, summary in reversed(summaries):
+    skip, blocks, sources = [], [], []
+    for run_dir, summary in reversed(list(zip(runs, summaries, strict=True))):
         summary = summary[summary["level"] == level]
         block = summary["block"].fillna("") if "block" in summary else pd.Series("", index=summary.index)
         replaced = block.isin(later) & (block != "")
         taken, dropped = sorted(set(block[~replaced]) - {""}), sorted(set(block[replaced]))
         sources.insert(0, f"{run_dir}: {', '.join(taken) or ('no block' if len(summary) else f'no {level} point')}"
                        + (f" (measured again in a later run: {', '.join(dropped)})" if dropped else ""))
+        skip.insert(0, set(summary["point"][replaced]))
+        blocks.insert(0, taken)
         later |= set(block)
-        points = summary["point"][~replaced]
-        if len(points):
-            data = load_fit_data([run_dir], level=level, where={"point": list(points)})
-            parts.insert(0, replace(data, runs=[{**data.runs[0], "blocks": taken}]))
-    if not parts:
-        raise ScenarioError(f"{', '.join(map(str, run_dirs))}: no {level} point to fit")
-    for what, runs in (("device", "runs from different devices"), ("model", "runs of different models")):
-        found = sorted({getattr(data, what) for data in parts})
-        if len(found) > 1:  # as load_fit_data says it of the runs it is given together
-            raise ScenarioError(f"{runs} mixed in one fit: {', '.join(found)}")
-    steps = pd.concat([data.steps for data in parts], ignore_index=True)
-    first = parts[0]
-    return FitData(steps, first.device, first.gpu, first.model, level, [d.runs[0] for d in parts]), sources
+    data = load_fit_data(runs, level=level, skip=skip)
+    for run, taken in zip(data.runs, blocks, strict=True):
+        run["blocks"] = taken
+    return data, sources
