@@ -24,8 +24,9 @@ per-step host allocation (500 GC-tracked objects, with a 500,000-object heap on 
 current: before it). Knobs of the scenario inject what they can; the rest is injected in the worker process
 (`inject`): at sim the device costs scale exactly (the roofline's by the scenario, a cost profile's
 device terms in the worker) and the replay tables keep one accepted draft count in ten; at hil
-the measured device phases are scaled in virtual time; at real a spin kernel after each decode step adds the fraction
-of the running mean device time; at hil and real 9 in 10 of the GPU proposer's drafts are corrupted.
+the measured device phases are scaled in virtual time; at real a sleep kernel inside each decode step's measured span
+adds the fraction of the recent median decode device time (`_slower_steps`); at hil and real 9 in 10 of the GPU
+proposer's drafts are corrupted.
 
 Writes OUT/<level>.csv (one row per comparison, n and trial: gate verdict), OUT/power-<level>.csv (rates) and
 OUT/power.md (the tables, machine and pool sizes, and each metric's run-to-run spread and each arm's change:
@@ -202,7 +203,9 @@ def inject(kind: str | None, value: float, level: str):
 
             patch(TorchBackend, "run", slower)
         else:  # wall clock: the device really spends the extra time, after each decode step
-            patch(TorchBackend, "run", _spin_after_steps(TorchBackend, run, value - 1))
+            measured, (owner, name, slower) = _slower_steps(run, value - 1)
+            patch(TorchBackend, "run", measured)
+            patch(owner, name, slower)
     try:
         yield
     finally:
@@ -210,49 +213,73 @@ def inject(kind: str | None, value: float, level: str):
             setattr(owner, name, old)
 
 
-def _spin_after_steps(backend_cls, run, fraction: float):
-    """Real level: after each decode step's kernels, `fraction` of the running mean device time of the steps read
-    back so far: a `torch.cuda._sleep` on the stream (cycles per second measured once), or on a CPU, where the step
-    runs inside the call, a spin of the host."""
+def _slower_steps(run, fraction: float):
+    """Real level: each decode step's device time `fraction` longer, by a `torch.cuda._sleep` enqueued inside the
+    step's measured span (between its start event and its inputs' copy: counted in its verify phase, as a slower
+    kernel would be), of `fraction` times the median decode device time of the last steps read back, less the
+    injection itself (measured / (1 + fraction): a fixed point at fraction x the base time, with no bookkeeping
+    of which step slept how long). The clock rate is measured warm, as a median, right before the run. On a CPU,
+    where the step runs inside the call, a spin of the host after each decode step."""
+    import statistics
+    from collections import deque
+
     import torch
 
     from simharness.engine.decode import DecodeLoop
+    from simharness.engine.step_graph import StepGraphs
     from simharness.realloop import spin
 
-    cycles_per_s = 0.0
+    recent: deque[float] = deque(maxlen=32)  # decode device seconds of the last steps read back
+
+    def extra_s() -> float:
+        return fraction * statistics.median(recent) / (1 + fraction) if recent else 0.0
+
+    def measured(self, s):
+        timing = run(self, s)
+        decode_s = sum(timing.phases_s[1:]) if timing.phases_s else 0.0
+        if decode_s > 0:
+            recent.append(decode_s)
+        return timing
+
     if torch.cuda.is_available():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
-    mean = {"s": 0.0, "n": 0}
+        cycles_per_s = _sleep_rate()
+        fill = StepGraphs._fill_pads
+
+        def filled(self, block, batch, size, k, seed):
+            fill(self, block, batch, size, k, seed)
+            if batch and recent:  # a launch (a capture fills batch 0), once a step was read back
+                torch.cuda._sleep(int(extra_s() * cycles_per_s))
+
+        return measured, (StepGraphs, "_fill_pads", filled)
     step = DecodeLoop.step
 
     def stepped(self, *args, **kwargs):
         result = step(self, *args, **kwargs)
-        extra_s = fraction * mean["s"]
-        if extra_s and self.device.type == "cuda":
-            torch.cuda._sleep(int(extra_s * cycles_per_s))
-        elif extra_s:
-            spin(extra_s)
+        spin(extra_s())
         return result
 
-    def measured(self, s):
-        timing = run(self, s)
-        mean["n"] += 1
-        mean["s"] += (timing.device_s - mean["s"]) / mean["n"]
-        return timing
+    return measured, (DecodeLoop, "step", stepped)
 
-    DecodeLoop.step = stepped  # undone with the backend's run: see `worker`
-    return measured
+
+def _sleep_rate() -> float:
+    """`torch.cuda._sleep` cycles per second on the warm device: the median of five 2 ms sleeps after three."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rates = []
+    for i in range(8):
+        start.record()
+        torch.cuda._sleep(4_000_000)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            rates.append(4_000_000 / (start.elapsed_time(end) / 1e3))
+    return float(np.median(rates))
 
 
 def worker(pool: Path, level: str, process: int) -> None:
     """Run every arm of the plan once, in an order shuffled by `process`, each into pool/<level>/<arm>/p<process>."""
     from simharness import results
-    from simharness.engine.decode import DecodeLoop
     from simharness.runner import execute
     from simharness.scenario import sweep_points
 
@@ -260,7 +287,6 @@ def worker(pool: Path, level: str, process: int) -> None:
     arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     order = list(arm_set)
     random.Random(process).shuffle(order)
-    step = DecodeLoop.step
     for name in order:
         arm = arm_set[name]
         path = seed_scenario_path(arm.seed) if arm.seed else ROOT / plan["scenario"]
@@ -277,8 +303,6 @@ def worker(pool: Path, level: str, process: int) -> None:
             traceback.print_exc()
             print(f"{level} p{process} {name}: FAILED", flush=True)
             continue
-        finally:
-            DecodeLoop.step = step
         results.combine(run_dir)  # no report: the gate reads the summary and the samples
         for p in run_dir.iterdir():
             if p.name not in KEEP:

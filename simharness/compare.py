@@ -6,7 +6,7 @@ clock the same way). Measured runs (hil / real) are judged with the run as the u
 with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of the last N runs) a
 change is a regression only when it is beyond the threshold and the runs' values differ
 (`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
-records' figures are gated too (`STEP_METRICS`: device and host time per step, tokens per step; far
+records' figures are gated too (`STEP_METRICS`: device window and busy time, host time per step, tokens per step; far
 steadier run to run than latency); with one run a side that has `repeats: N` the repeats are the
 units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
 p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
@@ -52,7 +52,8 @@ METRICS: dict[str, tuple[bool | None, str]] = {
 # run-to-run spread of TPOT several times that of the step time (docs/ci.md, "The GPU gate's statistic"). The sim
 # keeps METRICS' exact verdicts.
 STEP_METRICS: dict[str, tuple[bool | None, str]] = {
-    "mean_step_ms": (False, "ms"),  # device time per step; gated only between runs of the same steps (SAME_STEPS)
+    "mean_step_ms": (False, "ms"),  # the steps' device windows; gated only between runs of the same steps (SAME_STEPS)
+    "mean_device_ms": (False, "ms"),  # the device phases' busy time per step: the same steps only, as above
     "mean_host_ms_per_step": (False, "ms"),
     "tokens_per_step": (True, "tokens"),
 }
@@ -60,6 +61,7 @@ STEP_METRICS: dict[str, tuple[bool | None, str]] = {
 # requests, more accepted tokens) takes another device time, which is no regression of the device
 SAME_STEPS = ("num_steps", "mean_batch_size", "tokens_per_step")
 SAME_STEPS_TOL = 0.005
+SAME_STEPS_METRICS = ("mean_step_ms", "mean_device_ms")  # what another step's work moves without a regression
 DIRECTION = {**METRICS, **STEP_METRICS}  # every metric compare may gate: (bigger is better, unit)
 NUMERIC = tuple(dict.fromkeys((*DIRECTION, *SAME_STEPS)))  # the summary columns a side's median is taken of
 FLOAT_TOL = 1e-9
@@ -235,7 +237,7 @@ def compare_runs(base: Run | list[Run], current: Run | list[Run], *, threshold: 
                 values = float(b[metric]), float(c[metric])
             except (TypeError, ValueError):
                 raise CompareError(f"point {point}: {metric} is not a number") from None
-            if metric == "mean_step_ms" and not _same_steps(b, c):
+            if metric in SAME_STEPS_METRICS and not _same_steps(b, c):
                 bigger_better = None  # other work per step: a diagnostic
             rows.append(_verdict(point, metric, *values, bigger_better, threshold, samples))
     if not rows:

@@ -133,3 +133,32 @@ def test_table_reports_rates_and_smallest_detected_slowdown():
     text = gp.table(power, "hil")
     assert "| A/A | A/A | 0.0% (10) | 0.0% (10) |" in text
     assert text.splitlines()[-1] == "| smallest device slowdown failed in >= 95% | | 5% | 2% |"
+
+
+def test_the_real_device_arm_settles_at_its_fraction_of_the_base_step(monkeypatch):
+    # each step's measured decode time holds the sleep injected into it; the injection reads the measured times
+    # back and must settle at fraction x the base time, not compound (CPU path: a host spin after each step)
+    import torch
+
+    from simharness import realloop
+    from simharness.backend import StepTiming
+    from simharness.engine.decode import DecodeLoop
+
+    bench = load_benchmark("gate_power")
+    spins = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(realloop, "spin", spins.append)
+    monkeypatch.setattr(DecodeLoop, "step", lambda self: None)
+    base = [1e-3 * (1 + 0.1 * math.sin(i)) for i in range(200)]
+
+    def run(self, step):  # the step's phases: prefill, then the decode phases, the last spin in the verify
+        return StepTiming(0.0, 0.0, phases_s=(0.0, base[step] * 0.6 + (spins[-1] if spins else 0.0),
+                                              base[step] * 0.4, 0.0, 0.0))
+
+    measured, (owner, name, slower) = bench._slower_steps(run, 0.05)
+    assert (owner, name) == (DecodeLoop, "step")
+    for i in range(200):
+        slower(None)
+        measured(None, i)
+    assert spins[0] == 0.0  # nothing read back yet
+    assert np.median(spins[50:]) == pytest.approx(0.05 * np.median(base), rel=0.01)

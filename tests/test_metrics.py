@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from simharness.metrics import compute_metrics, host_intervals, latency_stats, percentile_label
-from simharness.records import EMISSION_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, SYNC_COLUMNS
+from simharness.records import DEVICE_PHASE_COLUMNS, EMISSION_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, SYNC_COLUMNS
 from simharness.scenario import Goodput
 
 NO_SLO = Goodput()
@@ -167,6 +169,20 @@ def test_engine_metrics() -> None:
     assert (gc["start_s"], gc["end_s"]) == pytest.approx((101 * ms, 106 * ms))  # ends where the sync starts
     launch = iv[(iv["kind"] == "launch") & (iv["step"] == 0)].iloc[0]
     assert (launch["start_s"], launch["end_s"]) == pytest.approx((4 * ms, 5 * ms))
+
+
+def test_device_busy_time_per_step_is_the_sum_of_its_phases() -> None:
+    # the window (gpu_start..gpu_end) holds idle gaps while the device waits for the host; the busy time does not
+    ms = 1e-3
+    phases = [{"gpu_prefill_s": 0.0, "gpu_verify_s": 1 * ms, "gpu_sample_s": 0.5 * ms, "gpu_commit_s": 0.1 * ms,
+               "gpu_propose_s": 0.4 * ms, "gpu_start": 0.0, "gpu_end": 3 * ms},
+              {"gpu_prefill_s": 2 * ms, "gpu_verify_s": 1 * ms, "gpu_sample_s": 0.5 * ms, "gpu_commit_s": 0.1 * ms,
+               "gpu_propose_s": 0.4 * ms, "gpu_start": 3 * ms, "gpu_end": 8 * ms}]
+    m = _metrics(steps=_steps(phases), syncs=EMPTY_SYNCS)
+    assert m["mean_device_ms"] == pytest.approx(3.0)  # (2 + 4) / 2
+    assert m["mean_step_ms"] == pytest.approx(4.0)  # the windows: (3 + 5) / 2
+    sim = _steps([{c: math.nan for c in DEVICE_PHASE_COLUMNS} | {"gpu_end": 1 * ms}])
+    assert "mean_device_ms" not in _metrics(steps=sim, syncs=EMPTY_SYNCS)  # the sim models no phases
 
 
 def test_single_token_requests_have_no_tpot() -> None:
