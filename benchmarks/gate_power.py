@@ -24,8 +24,8 @@ per-step host allocation (500 GC-tracked objects, with a 500,000-object heap on 
 current: before it). Knobs of the scenario inject what they can; the rest is injected in the worker process
 (`inject`): at sim the device costs scale exactly (the roofline's by the scenario, a cost profile's
 device terms in the worker) and the replay tables keep one accepted draft count in ten; at hil
-the measured device phases are scaled in virtual time; at real a sleep kernel inside each decode step's measured span
-adds the fraction of the recent median decode device time (`_slower_steps`); at hil and real 9 in 10 of the GPU
+the measured device phases are scaled in virtual time; at real a device copy inside each decode step's measured span
+adds the fraction of the recent mean device time per step (`_slower_steps`); at hil and real 9 in 10 of the GPU
 proposer's drafts are corrupted.
 
 Writes OUT/<level>.csv (one row per comparison, n and trial: gate verdict), OUT/power-<level>.csv (rates) and
@@ -214,13 +214,15 @@ def inject(kind: str | None, value: float, level: str):
 
 
 def _slower_steps(run, fraction: float):
-    """Real level: each decode step's device time `fraction` longer, by a `torch.cuda._sleep` enqueued inside the
-    step's measured span (between its start event and its inputs' copy: counted in its verify phase, as a slower
-    kernel would be), of `fraction` times the median decode device time of the last steps read back, less the
-    injection itself (measured / (1 + fraction): a fixed point at fraction x the base time, with no bookkeeping
-    of which step slept how long). The clock rate is measured warm, as a median, right before the run. On a CPU,
-    where the step runs inside the call, a spin of the host after each decode step."""
-    import statistics
+    """Real level: each step's device time `fraction` longer: device work enqueued inside each decode step's
+    measured span (between its start event and its inputs' copy: counted in its verify phase, as a slower kernel's
+    time would be) of `fraction` times the mean device time of the last steps read back, less the injection itself
+    (measured / (1 + fraction): a fixed point at fraction x the base time, with no bookkeeping of which step got
+    how much). The work is a device-to-device copy sized by the copy's own timing, measured warm before the run: a
+    copy runs at the memory's bandwidth whatever the SM clock (a sleep kernel counts SM cycles, and the clock it
+    was timed at is not the clock of the run: it injected 10-90% of its share). The steps before the first
+    readback (two or three) get none. On a CPU, where the step runs inside the call, a spin of the host after each
+    decode step."""
     from collections import deque
 
     import torch
@@ -229,26 +231,26 @@ def _slower_steps(run, fraction: float):
     from simharness.engine.step_graph import StepGraphs
     from simharness.realloop import spin
 
-    recent: deque[float] = deque(maxlen=32)  # decode device seconds of the last steps read back
+    recent: deque[float] = deque(maxlen=32)  # device seconds of the last steps read back
 
     def extra_s() -> float:
-        return fraction * statistics.median(recent) / (1 + fraction) if recent else 0.0
+        return fraction * float(np.mean(recent)) / (1 + fraction) if recent else 0.0
 
     def measured(self, s):
         timing = run(self, s)
-        decode_s = sum(timing.phases_s[1:]) if timing.phases_s else 0.0
-        if decode_s > 0:
-            recent.append(decode_s)
+        recent.append(timing.device_s)
         return timing
 
     if torch.cuda.is_available():
-        cycles_per_s = _sleep_rate()
+        source, target = (torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda") for _ in range(2))
+        fixed_s, per_byte_s = _copy_time(source, target)
         fill = StepGraphs._fill_pads
 
         def filled(self, block, batch, size, k, seed):
             fill(self, block, batch, size, k, seed)
-            if batch and recent:  # a launch (a capture fills batch 0), once a step was read back
-                torch.cuda._sleep(int(extra_s() * cycles_per_s))
+            n = min(int((extra_s() - fixed_s) / per_byte_s), COPY_BYTES)
+            if batch and n > 0:  # a launch (a capture fills batch 0), once a step was read back
+                target[:n].copy_(source[:n])
 
         return measured, (StepGraphs, "_fill_pads", filled)
     step = DecodeLoop.step
@@ -261,20 +263,28 @@ def _slower_steps(run, fraction: float):
     return measured, (DecodeLoop, "step", stepped)
 
 
-def _sleep_rate() -> float:
-    """`torch.cuda._sleep` cycles per second on the warm device: the median of five 2 ms sleeps after three."""
+COPY_BYTES = 1 << 30  # the largest injected copy: 0.35 ms on an H100, a tenth of a 3.5 ms step
+
+
+def _copy_time(source, target) -> tuple[float, float]:
+    """A device-to-device copy's time as fixed + per-byte seconds, from the medians of five copies of 64 MiB and of
+    512 MiB each (after two of each), on the warm device."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rates = []
-    for i in range(8):
-        start.record()
-        torch.cuda._sleep(4_000_000)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            rates.append(4_000_000 / (start.elapsed_time(end) / 1e3))
-    return float(np.median(rates))
+    sizes, medians = (1 << 26, 1 << 29), []
+    for n in sizes:
+        times = []
+        for i in range(7):
+            start.record()
+            target[:n].copy_(source[:n])
+            end.record()
+            end.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end) / 1e3)
+        medians.append(float(np.median(times)))
+    per_byte = (medians[1] - medians[0]) / (sizes[1] - sizes[0])
+    return medians[0] - per_byte * sizes[0], per_byte
 
 
 def worker(pool: Path, level: str, process: int) -> None:
