@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from simharness import results
@@ -23,19 +24,25 @@ from simharness.runner import execute
 from simharness.stats import error_stats, error_table
 
 METRICS = ("mean_tpot_ms", "p99_tpot_ms", "output_throughput", "mean_ttft_ms")
+STEP_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "update_end"]
+REQUEST_COLUMNS = ["point", "output_tokens", "first_token_s", "last_token_s"]
+PERIOD_PARTS = ("decode_device", "prefill_device", "host")
 SIMS = {"sim": "auto", "sim-uncalibrated": "none"}  # level label -> engine.profile
 
 
 def family_errors(run_dir: Path, out: Path) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
     """Per sim variant and metric: median and worst |error| against the run's real medians; per sim variant and
-    point, the step split (`step_split`)."""
+    point, the step split (`step_split`) and the mean TPOT split (`tpot_split`), side by side."""
     sc = results.load_run_scenario(run_dir)
     summary = pd.read_csv(run_dir / "summary.csv")
     real = summary[summary["level"] == "real"]
     points = sim_checks(sc, real, SIMS)
-    sims = results.combine(execute(sc, points, out))
+    sim_dir = execute(sc, points, out)
+    sims = results.combine(sim_dir)
     stats = error_stats(error_table(pd.concat([real, sims], ignore_index=True)))
-    return stats[stats["metric"].isin(METRICS)], step_split(real, sims), drift(summary, sims)
+    tpot = tpot_split(real, sims, point_periods(run_dir, real["point"]), point_periods(sim_dir, sims["point"]))
+    split = step_split(real, sims).merge(tpot, on=["sim", "config"])
+    return stats[stats["metric"].isin(METRICS)], split, drift(summary, sims)
 
 
 def step_split(real: pd.DataFrame, sims: pd.DataFrame) -> pd.DataFrame:
@@ -57,6 +64,61 @@ def step_split(real: pd.DataFrame, sims: pd.DataFrame) -> pd.DataFrame:
             "real_device_ms": ref_device, "sim_device_ms": device,
         }).reset_index(drop=True))  # fmt: skip
     return pd.concat(rows, ignore_index=True)
+
+
+def decode_periods(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, float]:
+    """One point's mean TPOT (s) as a sum over its steps, exactly: each step's period (from the previous step's
+    update to its own, when its tokens reach the clients) counts once for every request between its first token
+    and its last, over that request's output tokens less one and the requests. Returns that sum (`tpot`), the
+    steps' total weight (`weight`: steps per output token after the first, averaged as TPOT averages) and the sum
+    split into the device time of steps with decodes only, of steps with a prefill chunk, and the rest of the
+    period (`host`: the device idle on the host, or a step's time before the previous one's update), and the share
+    of the weight on steps with a prefill chunk (`prefill_weight`)."""
+    steps = steps.sort_values("update_end")
+    end = steps["update_end"].to_numpy()
+    period = np.diff(end, prepend=end[0])
+    device = (steps["gpu_end"] - steps["gpu_start"]).to_numpy()
+    prefill = steps["n_prefill_reqs"].to_numpy() > 0
+    done = requests[requests["last_token_s"].notna() & (requests["output_tokens"] > 1)]
+    share = 1.0 / ((done["output_tokens"].to_numpy() - 1) * len(done))
+    # each request weighs the steps that settled after its first token, up to and including its last
+    delta = np.zeros(len(end) + 1)
+    np.add.at(delta, np.searchsorted(end, done["first_token_s"].to_numpy(), "right"), share)
+    np.add.at(delta, np.searchsorted(end, done["last_token_s"].to_numpy(), "right"), -share)
+    weight = np.cumsum(delta)[:-1]
+    return {"tpot": float(weight @ period), "weight": float(weight.sum()),
+            "decode_device": float(weight[~prefill] @ device[~prefill]),
+            "prefill_device": float(weight[prefill] @ device[prefill]),
+            "host": float(weight @ (period - device)), "prefill_weight": float(weight[prefill].sum() / weight.sum())}
+
+
+def point_periods(run_dir: Path, points: pd.Series) -> dict[str, dict[str, float]]:
+    """`decode_periods` of each of the run's `points`, from its step and request records."""
+    steps = results.read_table(run_dir, "steps", STEP_COLUMNS).groupby("point", observed=True)
+    requests = results.read_table(run_dir, "requests", REQUEST_COLUMNS).groupby("point", observed=True)
+    return {p: decode_periods(steps.get_group(p), requests.get_group(p)) for p in points}
+
+
+def tpot_split(real: pd.DataFrame, sims: pd.DataFrame, real_periods: dict, sim_periods: dict) -> pd.DataFrame:
+    """Per sim variant and configuration, the mean TPOT error against the real runs' mean (`decode_periods`, the
+    median of two runs) split exactly into: the steps a request spends per output token (`tpot_steps`: the
+    run's structure) and, in the period of those steps, the device time of steps with decodes only, of steps with
+    a prefill chunk and the host's rest, each a fraction of the real mean TPOT. Also the real runs' spread in
+    mean TPOT (max / min - 1) and the weight on steps with a prefill chunk at either level."""
+    rows = []
+    for config, ref in real.groupby("config"):
+        runs = pd.DataFrame([real_periods[p] for p in ref["point"]])
+        r = runs.mean()
+        for _, sim in sims[sims["config"] == config].iterrows():
+            s = sim_periods[sim["point"]]
+            row = {"sim": sim["level"], "config": config, "tpot_split_error": s["tpot"] / r["tpot"] - 1,
+                   "tpot_steps": s["weight"] / r["weight"] - 1,
+                   "real_spread": runs["tpot"].max() / runs["tpot"].min() - 1,
+                   "real_prefill_weight": r["prefill_weight"], "sim_prefill_weight": s["prefill_weight"]}
+            for part in PERIOD_PARTS:  # the sim's part less the real one's per unit weight, at the sim's weight
+                row[f"tpot_{part}"] = (s[part] - s["weight"] * r[part] / r["weight"]) / r["tpot"]
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def drift(summary: pd.DataFrame, sims: pd.DataFrame) -> str | None:
@@ -101,6 +163,17 @@ def main() -> None:
         lines.append(f"| {family} | {sim} | {r['tpot_error']:+.1%} | {r['step_error']:+.1%} | "
                      f"{r['device_part']:+.1%} | {r['host_part']:+.1%} | "
                      f"{r['real_device_ms']:.2f} / {r['sim_device_ms']:.2f} |")
+    lines += ["", "The mean TPOT error split exactly over the steps a request spends per output token (the run's structure) "
+              "and the period of those steps: device time of steps with decodes only, of steps with a prefill chunk, and "
+              "the host's rest (medians over a family's points, fractions of the real mean TPOT; `tpot_split`). The "
+              "real runs' spread in mean TPOT, and the share of the decoding requests' steps that carry a prefill chunk:",
+              "", "| family | sim | mean TPOT error | steps per token | device, decode-only steps | "
+              "device, steps with a prefill chunk | host | real runs' spread | prefill-chunk steps real / sim |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for (family, sim), r in split.groupby(["family", "sim"], sort=False).median(numeric_only=True).iterrows():
+        lines.append(f"| {family} | {sim} | {r['tpot_split_error']:+.1%} | {r['tpot_steps']:+.1%} | "
+                     f"{r['tpot_decode_device']:+.1%} | {r['tpot_prefill_device']:+.1%} | {r['tpot_host']:+.1%} | "
+                     f"{r['real_spread']:.1%} | {r['real_prefill_weight']:.1%} / {r['sim_prefill_weight']:.1%} |")
     args.table.write_text("\n".join(lines) + "\n")
     table.to_csv(args.table.with_suffix(".csv"), index=False)
     split.to_csv(args.table.with_name(args.table.stem + "-steps.csv"), index=False)
