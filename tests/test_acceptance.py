@@ -1,10 +1,14 @@
 """Acceptance models: iid and positional statistics, replay tables against the real n-gram proposer."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 from numba import njit
 
 from simharness.acceptance import _replay_request, accepted_drafts, build_replay, held_drafts, make_acceptance
+from simharness.kernels.ngram import propose_ngram_reference
 from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.scenario import LengthDist, Speculation, Workload
 from simharness.workload import KINDS, build_requests
@@ -209,3 +213,36 @@ def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break):
                     np.testing.assert_array_equal(valid[1 : n_out + 1], want_valid, err_msg=f"{history} {p}")
                     np.testing.assert_array_equal(accepted[1 : n_out + 1], want_accepted, err_msg=f"{history} {p}")
                     assert valid[0] == valid[-1] == accepted[0] == accepted[-1] == 0  # nothing outside its rows
+
+
+def test_replay_with_fillers_accepts_those_the_reference_repeats(requests):
+    """With fillers verified (`fill`, the GPU proposer), an entry accepts the leading slots of the kernels' reference
+    proposer's k drafts, fillers (the last token) included, that equal the reference's next tokens."""
+    # a request whose reference repeats its last prompt token where the n-gram match breaks off
+    prompt = np.arange(100, 140, dtype=np.int32)
+    output = np.concatenate([np.full(6, 139), np.arange(100, 110), np.full(5, 7)]).astype(np.int32)
+    repeats = dataclasses.replace(requests, kind=requests.kind[:1], prompt_len=np.array([40]),
+                                  output_len=np.array([len(output)]), prompt_tokens=[prompt], output_tokens=[output],
+                                  random=None)  # fmt: skip
+    k = 4
+    cfg = speculation(k=k, invalid_slots="fill", min_n=2, max_n=4)
+    rng = np.random.default_rng(1)
+    cases = [(repeats, 0, j) for j in range(len(output))]
+    cases += [(requests, int(r), int(j)) for r, j in zip(rng.integers(len(requests), size=40),
+                                                         rng.integers(1, 64, size=40), strict=True)]
+    fillers_accepted = 0
+    for reqs, r, j in cases:
+        acc = make_acceptance(cfg, reqs)
+        history = np.concatenate([reqs.prompt_tokens[r], reqs.output_tokens[r]])
+        size = reqs.prompt_len[r] + j
+        drafts, valid = propose_ngram_reference(torch.from_numpy(history[None, :size].astype(np.int64)),
+                                                torch.tensor([size]), min_n=2, max_n=4, k=k, invalid="fill")
+        ref = reqs.output_tokens[r][j : j + k]
+        lead = int(np.cumprod(drafts[0, : ref.size].numpy() == ref).sum())
+        assert acc.valid[acc.offset[r] + j] == int(valid[0])
+        assert accepted_drafts(acc.survival, acc.offset, acc.accepted, r, j, k, 0.0) == lead
+        fillers_accepted += lead > int(valid[0])
+    assert fillers_accepted >= 5
+    # without fillers (trim) an entry accepts at most its valid drafts
+    trim = make_acceptance(speculation(k=k, min_n=2, max_n=4), repeats)
+    assert (trim.accepted <= trim.valid).all() and trim.accepted.sum() < make_acceptance(cfg, repeats).accepted.sum()
