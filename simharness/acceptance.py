@@ -171,9 +171,9 @@ def _replay_request(history: np.ndarray, p: int, k: int, min_n: int, max_n: int,
         return
     for j in range(total - p):
         size = p + j
-        last = history[size - 1]
         drafts = same = 0
         if size > min_n:
+            last = history[size - 1]
             best_n, best_end = 0, -1
             for end in range(size - 1):
                 if history[end] != last:
@@ -189,8 +189,8 @@ def _replay_request(history: np.ndarray, p: int, k: int, min_n: int, max_n: int,
                 while same < ref and history[best_end + 1 + same] == history[size + same]:
                     same += 1
         valid[base + j] = drafts
-        if fill and same == drafts:
-            while same < k and size + same < total and history[size + same] == last:
+        if fill and size > 0 and same == drafts:  # the fillers: the last token (none before any token)
+            while same < k and size + same < total and history[size + same] == history[size - 1]:
                 same += 1
         accepted[base + j] = same
 

@@ -177,25 +177,30 @@ def test_replay_is_deterministic():
     np.testing.assert_array_equal(a.offset, b.offset)
 
 
-def _replay_reference(history, p, k, min_n, max_n, tie_break):
-    """The replay tables of one request from the numpy proposer, position by position (the old build)."""
+def _replay_reference(history, p, k, min_n, max_n, tie_break, fill):
+    """The replay tables of one request from the numpy proposer, position by position (the old build); with `fill`
+    the k slots past the valid drafts hold the last token (none before any token)."""
     n_out = len(history) - p
     valid, accepted = np.zeros(n_out, np.int64), np.zeros(n_out, np.int64)
     for j in range(n_out):
         drafts = propose_ngram_row(history[: p + j], min_n=min_n, max_n=max_n, k=k, tie_break=tie_break)
+        valid[j] = drafts.size
+        if fill and p + j > 0:
+            drafts = np.concatenate([drafts, np.full(k - drafts.size, history[p + j - 1])])
         if drafts.size == 0:
             continue
         ref = history[p + j : p + j + drafts.size]
         same = drafts[: ref.size] == ref
-        valid[j] = drafts.size
         accepted[j] = ref.size if same.all() else int(same.argmin())
     return valid, accepted
 
 
+@pytest.mark.parametrize("fill", [False, True])
 @pytest.mark.parametrize("tie_break", ["earliest", "latest"])
-def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break):
+def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break, fill):
     """Random histories over small vocabularies (many repeats, so long matches and ties), every min_n <= max_n
-    up to 4 and k up to 5, and edge cases: an empty prompt, a one-token history, no output."""
+    up to 4 and k up to 5, with and without fillers, and edge cases: an empty prompt, a one-token history, no
+    output."""
     rng = np.random.default_rng(7)
     cases = [(np.array([3], np.int64), 1), (np.array([1, 1, 1, 1], np.int64), 0), (np.array([2, 2, 2], np.int64), 3)]
     for _ in range(120):
@@ -208,8 +213,8 @@ def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break):
                 for k in (1, 3, 5):
                     n_out = len(history) - p
                     valid, accepted = np.zeros(n_out + 2, np.int64), np.zeros(n_out + 2, np.int64)
-                    _replay_request(history, p, k, min_n, max_n, tie_break == "latest", valid, accepted, 1)
-                    want_valid, want_accepted = _replay_reference(history, p, k, min_n, max_n, tie_break)
+                    _replay_request(history, p, k, min_n, max_n, tie_break == "latest", fill, valid, accepted, 1)
+                    want_valid, want_accepted = _replay_reference(history, p, k, min_n, max_n, tie_break, fill)
                     np.testing.assert_array_equal(valid[1 : n_out + 1], want_valid, err_msg=f"{history} {p}")
                     np.testing.assert_array_equal(accepted[1 : n_out + 1], want_accepted, err_msg=f"{history} {p}")
                     assert valid[0] == valid[-1] == accepted[0] == accepted[-1] == 0  # nothing outside its rows
