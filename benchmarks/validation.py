@@ -7,7 +7,8 @@ Each RUN_DIR (default: every fidelity run under results/validation) holds a `sim
 run of one family on the GPU. The real medians are that run's; both sims are re-run here (the sim is
 deterministic, so one pass is the measurement; a warning says where this machine's profiled sim no longer matches
 the run's own sim level). Writes the table of median and worst |error| per family and metric, and where each sim's
-mean step differs from the real one: its device time or the host-bound time the device sits idle (`step_split`).
+mean TPOT differs from the real one: the steps a request spends per token, or the device or host time of those
+steps (`tpot_split`), beside the error of the device time of a step, unweighted (`mean_step_ms`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from simharness import results
@@ -23,40 +25,82 @@ from simharness.runner import execute
 from simharness.stats import error_stats, error_table
 
 METRICS = ("mean_tpot_ms", "p99_tpot_ms", "output_throughput", "mean_ttft_ms")
+STEP_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "update_end"]
+REQUEST_COLUMNS = ["point", "output_tokens", "first_token_s", "last_token_s"]
+PERIOD_PARTS = ("decode_device", "prefill_device", "host")
 SIMS = {"sim": "auto", "sim-uncalibrated": "none"}  # level label -> engine.profile
 
 
 def family_errors(run_dir: Path, out: Path) -> tuple[pd.DataFrame, pd.DataFrame, str | None]:
     """Per sim variant and metric: median and worst |error| against the run's real medians; per sim variant and
-    point, the step split (`step_split`)."""
+    point, the mean TPOT split (`tpot_split`)."""
     sc = results.load_run_scenario(run_dir)
     summary = pd.read_csv(run_dir / "summary.csv")
     real = summary[summary["level"] == "real"]
     points = sim_checks(sc, real, SIMS)
-    sims = results.combine(execute(sc, points, out))
+    sim_dir = execute(sc, points, out)
+    sims = results.combine(sim_dir)
     stats = error_stats(error_table(pd.concat([real, sims], ignore_index=True)))
-    return stats[stats["metric"].isin(METRICS)], step_split(real, sims), drift(summary, sims)
+    split = tpot_split(real, sims, point_periods(run_dir, real["point"]), point_periods(sim_dir, sims["point"]))
+    return stats[stats["metric"].isin(METRICS)], split, drift(summary, sims)
 
 
-def step_split(real: pd.DataFrame, sims: pd.DataFrame) -> pd.DataFrame:
-    """Per sim variant and configuration, the relative error of the mean step against the real medians, split
-    into its device part and its host part (the step's time with the device idle, waiting on the host), each as
-    a fraction of the real step, so that the two add up to the step's error."""
-    cols = ["mean_tpot_ms", "mean_step_ms", "gpu_busy_fraction"]
-    ref = real.groupby("config")[cols].median()
-    ref_device = ref["mean_step_ms"] * ref["gpu_busy_fraction"]
+def decode_periods(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, float]:
+    """One point's mean TPOT (s) as a sum over its steps, exactly: each step's period (from the previous step's
+    update to its own, when its tokens reach the clients) counts once for every request between its first token
+    and its last, over that request's output tokens less one and the requests. Returns that sum (`tpot`), the
+    steps' total weight (`weight`: steps per output token after the first, averaged as TPOT averages) and the sum
+    split into the device time of steps with decodes only, of steps with a prefill chunk, and the rest of the
+    period (`host`: the device idle on the host, or a step's time before the previous one's update), and the share
+    of the weight on steps with a prefill chunk (`prefill_weight`)."""
+    steps = steps.sort_values("update_end")
+    end = steps["update_end"].to_numpy()
+    period = np.diff(end, prepend=end[0])
+    device = (steps["gpu_end"] - steps["gpu_start"]).to_numpy()
+    prefill = steps["n_prefill_reqs"].to_numpy() > 0
+    done = requests[requests["last_token_s"].notna() & (requests["output_tokens"] > 1)]
+    share = 1.0 / ((done["output_tokens"].to_numpy() - 1) * len(done))
+    # each request weighs the steps that settled after its first token, up to and including its last
+    delta = np.zeros(len(end) + 1)
+    np.add.at(delta, np.searchsorted(end, done["first_token_s"].to_numpy(), "right"), share)
+    np.add.at(delta, np.searchsorted(end, done["last_token_s"].to_numpy(), "right"), -share)
+    weight = np.cumsum(delta)[:-1]
+    return {"tpot": float(weight @ period), "weight": float(weight.sum()),
+            "decode_device": float(weight[~prefill] @ device[~prefill]),
+            "prefill_device": float(weight[prefill] @ device[prefill]),
+            "host": float(weight @ (period - device)), "prefill_weight": float(weight[prefill].sum() / weight.sum())}
+
+
+def point_periods(run_dir: Path, points: pd.Series) -> dict[str, dict[str, float]]:
+    """`decode_periods` of each of the run's `points`, from its step and request records."""
+    steps = results.read_table(run_dir, "steps", STEP_COLUMNS).groupby("point", observed=True)
+    requests = results.read_table(run_dir, "requests", REQUEST_COLUMNS).groupby("point", observed=True)
+    return {p: decode_periods(steps.get_group(p), requests.get_group(p)) for p in points}
+
+
+def tpot_split(real: pd.DataFrame, sims: pd.DataFrame, real_periods: dict, sim_periods: dict) -> pd.DataFrame:
+    """Per sim variant and configuration, the mean TPOT error against the real runs' mean (`decode_periods`, the
+    median of two runs) split exactly into: the steps a request spends per output token (`tpot_steps`: the
+    run's structure) and, in the period of those steps, the device time of steps with decodes only, of steps with
+    a prefill chunk and the host's rest, each a fraction of the real mean TPOT. Also the error of the device time
+    of a step, unweighted (`mean_step_ms`, against the runs' median), the real runs' spread in mean TPOT
+    (max / min - 1) and the weight on steps with a prefill chunk at either level."""
     rows = []
-    for level, sim in sims.groupby("level"):
-        s = sim.set_index("config")[cols].reindex(ref.index)
-        device = s["mean_step_ms"] * s["gpu_busy_fraction"]
-        rows.append(pd.DataFrame({
-            "sim": level, "config": ref.index, "tpot_error": s["mean_tpot_ms"] / ref["mean_tpot_ms"] - 1,
-            "step_error": s["mean_step_ms"] / ref["mean_step_ms"] - 1,
-            "device_part": (device - ref_device) / ref["mean_step_ms"],
-            "host_part": (s["mean_step_ms"] - device - ref["mean_step_ms"] + ref_device) / ref["mean_step_ms"],
-            "real_device_ms": ref_device, "sim_device_ms": device,
-        }).reset_index(drop=True))  # fmt: skip
-    return pd.concat(rows, ignore_index=True)
+    for config, ref in real.groupby("config"):
+        runs = pd.DataFrame([real_periods[p] for p in ref["point"]])
+        r, real_step_ms = runs.mean(), ref["mean_step_ms"].median()
+        for _, sim in sims[sims["config"] == config].iterrows():
+            s = sim_periods[sim["point"]]
+            row = {"sim": sim["level"], "config": config, "tpot_error": s["tpot"] / r["tpot"] - 1,
+                   "tpot_steps": s["weight"] / r["weight"] - 1,
+                   "device_step_error": sim["mean_step_ms"] / real_step_ms - 1,
+                   "real_device_ms": real_step_ms, "sim_device_ms": sim["mean_step_ms"],
+                   "real_spread": runs["tpot"].max() / runs["tpot"].min() - 1,
+                   "real_prefill_weight": r["prefill_weight"], "sim_prefill_weight": s["prefill_weight"]}
+            for part in PERIOD_PARTS:  # the sim's part less the real one's per unit weight, at the sim's weight
+                row[f"tpot_{part}"] = (s[part] - s["weight"] * r[part] / r["weight"]) / r["tpot"]
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def drift(summary: pd.DataFrame, sims: pd.DataFrame) -> str | None:
@@ -93,14 +137,21 @@ def main() -> None:
         lines.append(f"| {family} | {metric} | {r[('median', 'sim')]:.1%} / {r[('worst', 'sim')]:.1%} | "
                      f"{r[('median', 'sim-uncalibrated')]:.1%} / {r[('worst', 'sim-uncalibrated')]:.1%} |")
     split = pd.concat(splits, ignore_index=True)
-    lines += ["", "Where each sim's mean step differs from the real one (medians over a family's points, fractions of "
-              "the real step; the device part and the host part add up to the step's error):", "",
-              "| family | sim | mean TPOT error | step error | device part | host part | real / sim device ms |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Where each sim's mean TPOT differs from the real one, split exactly over the steps a request spends "
+              "per output token (the run's structure) and the period of those steps: the device time of steps with "
+              "decodes only, of steps with a prefill chunk, and the host's rest of the period (`tpot_split`; medians "
+              "over a family's points, fractions of the real mean TPOT, so the parts add up point by point, not in "
+              "the medians). Beside it: the error of a step's device time, unweighted (`mean_step_ms`), the real "
+              "runs' spread in mean TPOT, and the share of the decoding requests' steps that carry a prefill chunk:",
+              "",
+              "| family | sim | mean TPOT error | steps per token | device, decode-only steps | "
+              "device, steps with a prefill chunk | host | device step error (real / sim ms) | real runs' spread | "
+              "prefill-chunk steps real / sim |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (family, sim), r in split.groupby(["family", "sim"], sort=False).median(numeric_only=True).iterrows():
-        lines.append(f"| {family} | {sim} | {r['tpot_error']:+.1%} | {r['step_error']:+.1%} | "
-                     f"{r['device_part']:+.1%} | {r['host_part']:+.1%} | "
-                     f"{r['real_device_ms']:.2f} / {r['sim_device_ms']:.2f} |")
+        lines.append(f"| {family} | {sim} | {r['tpot_error']:+.1%} | {r['tpot_steps']:+.1%} | "
+                     f"{r['tpot_decode_device']:+.1%} | {r['tpot_prefill_device']:+.1%} | {r['tpot_host']:+.1%} | "
+                     f"{r['device_step_error']:+.1%} ({r['real_device_ms']:.2f} / {r['sim_device_ms']:.2f}) | "
+                     f"{r['real_spread']:.1%} | {r['real_prefill_weight']:.1%} / {r['sim_prefill_weight']:.1%} |")
     args.table.write_text("\n".join(lines) + "\n")
     table.to_csv(args.table.with_suffix(".csv"), index=False)
     split.to_csv(args.table.with_name(args.table.stem + "-steps.csv"), index=False)

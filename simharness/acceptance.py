@@ -8,7 +8,9 @@ committed, >= 1 while decoding: the prefill step emits the first token).
 - `replay`: greedy decoding of the request's reference output with the real n-gram proposer. Under
   greedy sampling a draft is accepted iff it equals the next reference token, so the drafts and the
   accepted count at each committed length depend only on the token stream, not on scheduling: they
-  are computed once per request at build time and looked up.
+  are computed once per request at build time and looked up. Where a decode verifies the proposer's
+  fillers (`verifies_fillers`), the slots past the valid drafts hold the last token and are accepted
+  as drafts are, while the reference repeats that token.
 With proposer `none` or k = 0 there are no drafts.
 
 The simulator's compiled step reads a model as four arrays (`AcceptanceModel`) through `held_drafts`
@@ -62,7 +64,7 @@ class ReplayAcceptance:
 
     offset: np.ndarray  # int64 [N]
     valid: np.ndarray  # int64 [sum(output_len)]: drafts proposed from prompt + output[:j]
-    accepted: np.ndarray  # int64 [sum(output_len)]: leading drafts equal to output[j:]
+    accepted: np.ndarray  # int64 [sum(output_len)]: leading drafts (and fillers, `fill`) equal to output[j:]
     survival = NO_SURVIVAL
 
 
@@ -80,8 +82,9 @@ def held_drafts(survival: np.ndarray, offset: np.ndarray, valid: np.ndarray, r: 
 def accepted_drafts(
     survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray, r: int, j: int, n_drafts: int, u: float
 ) -> int:
-    """Accepted drafts (0..n_drafts) of a step that verifies `n_drafts` valid drafts of request r at
-    committed length j; `u` is a uniform draw in [0, 1), read by the drawn models only."""
+    """Accepted drafts (0..n_drafts) of a step that verifies `n_drafts` drafts of request r at committed length
+    j (its valid drafts, or every slot where the fillers are verified too); `u` is a uniform draw in [0, 1), read
+    by the drawn models only."""
     if len(survival):
         # Inverse CDF: accepted >= i iff u < survival[i - 1], which has probability survival[i - 1]
         # because survival is non-increasing.
@@ -93,12 +96,20 @@ def accepted_drafts(
     return min(accepted[offset[r] + j], n_drafts)
 
 
+def verifies_fillers(cfg: Speculation) -> bool:
+    """Whether a decode verifies all its slots with the proposer's fillers (the last token) past the valid drafts,
+    as drafts: `fill` with the GPU proposer (MRV2); the CPU proposer's shorter draft lists are padded, never
+    accepted, as the real level runs them (docs/design.md, "Invalid slots")."""
+    return cfg.invalid_slots == "fill" and cfg.proposer == "ngram_gpu"
+
+
 def make_acceptance(cfg: Speculation, requests: Requests) -> AcceptanceModel:
     """The acceptance model of one sweep point."""
     k = 0 if cfg.proposer == "none" else cfg.k
     model = cfg.acceptance
     if k == 0 or model.model == "replay":  # replay, or no drafts at all (all-zero tables)
-        return build_replay(requests, k=k, min_n=cfg.min_n, max_n=cfg.max_n, tie_break=cfg.tie_break)
+        return build_replay(requests, k=k, min_n=cfg.min_n, max_n=cfg.max_n, tie_break=cfg.tie_break,
+                            fill=verifies_fillers(cfg))
     if model.model == "iid":
         return SurvivalAcceptance(model.alpha ** np.arange(1, k + 1, dtype=np.float64))
     rates = np.zeros(k)  # positional
@@ -113,18 +124,20 @@ def make_acceptance(cfg: Speculation, requests: Requests) -> AcceptanceModel:
 _TABLE_K = 16
 
 
-def build_replay(requests: Requests, *, k: int, min_n: int, max_n: int, tie_break: TieBreak) -> ReplayAcceptance:
-    """Replay tables for draft length k (cached per requests object and matching rules)."""
+def build_replay(requests: Requests, *, k: int, min_n: int, max_n: int, tie_break: TieBreak,
+                 fill: bool = False) -> ReplayAcceptance:
+    """Replay tables for draft length k (cached per requests object and matching rules); `fill`: the slots past
+    the valid drafts hold the last token and are verified (`verifies_fillers`)."""
     if k == 0:
         none = np.zeros(int(requests.output_len.sum()), dtype=np.int64)
         return ReplayAcceptance(_offsets(requests), none, none)
-    offset, valid, accepted = _replay_tables(requests, max(k, _TABLE_K), min_n, max_n, tie_break)
+    offset, valid, accepted = _replay_tables(requests, max(k, _TABLE_K), min_n, max_n, tie_break, fill)
     return ReplayAcceptance(offset, np.minimum(valid, k), np.minimum(accepted, k))
 
 
 @functools.lru_cache(maxsize=4)
 def _replay_tables(
-    requests: Requests, k: int, min_n: int, max_n: int, tie_break: TieBreak
+    requests: Requests, k: int, min_n: int, max_n: int, tie_break: TieBreak, fill: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Run the n-gram proposer at every committed length of every request's reference output.
 
@@ -138,43 +151,47 @@ def _replay_tables(
     accepted = np.zeros_like(valid)
     for r, (prompt, output) in enumerate(zip(requests.prompt_tokens, requests.output_tokens, strict=True)):
         history = np.concatenate([prompt, output], dtype=np.int64)
-        _replay_request(history, len(prompt), k, min_n, max_n, tie_break == "latest", valid, accepted,
+        _replay_request(history, len(prompt), k, min_n, max_n, tie_break == "latest", fill, valid, accepted,
                         int(offset[r]))
     return offset, valid, accepted
 
 
 @njit
-def _replay_request(history: np.ndarray, p: int, k: int, min_n: int, max_n: int, latest: bool,
+def _replay_request(history: np.ndarray, p: int, k: int, min_n: int, max_n: int, latest: bool, fill: bool,
                     valid: np.ndarray, accepted: np.ndarray, base: int) -> None:
     """For each committed length j of one request (`history` = prompt + reference output, `p` prompt tokens):
     the n-gram proposer's drafts on history[:p + j] (the window ending at the last token that matches the
     longest suffix, at most max_n and at least min_n tokens; the earliest or `latest` such window), how many
     (valid[base + j]) and how many equal the reference's next tokens (accepted[base + j]). Under greedy
     decoding the target's token after prompt + output[:j + i] is output[j + i]; drafts past the end of the
-    reference have nothing to match and count as rejected."""
+    reference have nothing to match and count as rejected. With `fill`, the k slots past the valid drafts hold
+    the last token, and once every valid draft is accepted each filler is, while the reference repeats it."""
     total = len(history)
+    if k == 0:
+        return
     for j in range(total - p):
         size = p + j
-        if k == 0 or size <= min_n:
-            continue
-        last = history[size - 1]
-        best_n, best_end = 0, -1
-        for end in range(size - 1):
-            if history[end] != last:
-                continue
-            n = 1
-            while n < max_n and end - n >= 0 and history[end - n] == history[size - 1 - n]:
-                n += 1
-            if n > best_n or (latest and n == best_n):
-                best_n, best_end = n, end
-        if best_n < min_n:
-            continue
-        drafts = min(k, size - best_end - 1)
+        drafts = same = 0
+        if size > min_n:
+            last = history[size - 1]
+            best_n, best_end = 0, -1
+            for end in range(size - 1):
+                if history[end] != last:
+                    continue
+                n = 1
+                while n < max_n and end - n >= 0 and history[end - n] == history[size - 1 - n]:
+                    n += 1
+                if n > best_n or (latest and n == best_n):
+                    best_n, best_end = n, end
+            if best_n >= min_n:
+                drafts = min(k, size - best_end - 1)
+                ref = min(drafts, total - size)
+                while same < ref and history[best_end + 1 + same] == history[size + same]:
+                    same += 1
         valid[base + j] = drafts
-        ref = min(drafts, total - size)
-        same = 0
-        while same < ref and history[best_end + 1 + same] == history[size + same]:
-            same += 1
+        if fill and size > 0 and same == drafts:  # the fillers: the last token (none before any token)
+            while same < k and size + same < total and history[size + same] == history[size - 1]:
+                same += 1
         accepted[base + j] = same
 
 

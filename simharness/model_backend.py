@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance
+from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance, verifies_fillers
 from simharness.backend import Enqueue, StepTiming
 from simharness.costmodel import CostModel, fitted_seconds, gpu_seconds
 from simharness.jit import njit
@@ -45,7 +45,7 @@ def model_backend(sc: Scenario, requests: Requests, mode: Mode) -> ModelBackend:
     cost = CostModel(sc.engine, optimistic_correction=mode.optimistic)
     rng = np.random.default_rng(np.random.SeedSequence([sc.seed, ACCEPTANCE_STREAM]))
     backend = ModelBackend(requests, acceptance, cost, mode.k, rng, sc.engine.gc.allocations_per_step,
-                           sc.engine.gc.full_every)
+                           sc.engine.gc.full_every, verifies_fillers(sc.engine.speculation))
     if cost.profile is not None:
         backend.overlap = cost.profile.overlap_at(mode.depth)
     if backend.allocations_per_step:
@@ -61,7 +61,7 @@ class ModelBackend:
     measured = ""
 
     def __init__(self, requests, acceptance: AcceptanceModel, cost: CostModel, k: int, rng: np.random.Generator,
-                 allocations_per_step: int = 0, full_every: int = 1):
+                 allocations_per_step: int = 0, full_every: int = 1, fill: bool = False):
         n = len(requests.prompt_len)
         # rows sampled at a temperature take the sampler's random path
         self.random = requests.random if requests.random is not None else np.zeros(n, dtype=bool)
@@ -74,6 +74,7 @@ class ModelBackend:
         # the launch's cost, unless it varies with the batch (a calibration's per-request and per-prefill terms)
         self.launch_s = None if cost.h.launch_per_req_us or cost.h.launch_per_prefill_us else cost.launch(0, 0)
         self.k = k
+        self.fill = fill  # a decode verifies every slot, the proposer's fillers past its valid drafts as drafts
         self.rng = rng
         self.truth = np.zeros((5, n), dtype=np.int64)
         self.truth[PROMPT] = self.truth[CONTEXT] = requests.prompt_len
@@ -130,7 +131,7 @@ class ModelBackend:
             self.next_uniform = 0
         acc = self.acc
         seconds, self.next_uniform = _run_step(
-            b.table, step.trimmed, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
+            b.table, step.trimmed, self.fill, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
             self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
             self.cost.prof,
         )
@@ -152,6 +153,7 @@ def _hold_initial(truth: np.ndarray, k: int, survival: np.ndarray, offset: np.nd
 def _run_step(
     table: np.ndarray,
     trimmed: bool,
+    fill: bool,
     k: int,
     truth: np.ndarray,
     survival: np.ndarray,
@@ -208,12 +210,12 @@ def _run_step(
             # trimmed slots carry valid drafts only; otherwise the proposer's drafts fill the first slots
             n_drafts = slots if trimmed else min(truth[HELD, rid], slots)
             table[DRAFTS_VALID, i] = n_drafts
-            any_drafts |= n_drafts > 0
+            any_drafts |= (slots if fill else n_drafts) > 0
         else:
             # a request that finished in an earlier step but sits in this one wastes its slots
             table[WASTED, i] = 1 + slots
     if k and any_drafts:
-        next_uniform = _accept(table, truth, survival, offset, accepted, uniforms, next_uniform)
+        next_uniform = _accept(table, fill, truth, survival, offset, accepted, uniforms, next_uniform)
     for i in range(size):
         if not table[PREFILL, i]:
             rid = table[REQ, i]
@@ -237,11 +239,12 @@ def _run_step(
 
 @njit
 def _accept(
-    table: np.ndarray, truth: np.ndarray, survival: np.ndarray, offset: np.ndarray, accepted: np.ndarray,
-    uniforms: np.ndarray, next_uniform: int,
+    table: np.ndarray, fill: bool, truth: np.ndarray, survival: np.ndarray, offset: np.ndarray,
+    accepted: np.ndarray, uniforms: np.ndarray, next_uniform: int,
 ) -> int:
-    """Accepted drafts of the batch's live decoding requests (its ACCEPTED row); a drawn model reads one
-    uniform per decoding request. Returns the next unread uniform."""
+    """Accepted drafts of the batch's live decoding requests (its ACCEPTED row), of their valid drafts or, with
+    `fill`, of every slot verified (the fillers past the valid drafts too); a drawn model reads one uniform per
+    decoding request. Returns the next unread uniform."""
     draws = len(survival) > 0
     for i in range(table.shape[1]):
         if table[PREFILL, i]:
@@ -251,7 +254,7 @@ def _accept(
         if c < truth[END, rid]:
             u = uniforms[next_uniform] if draws else 0.0
             table[ACCEPTED, i] = accepted_drafts(survival, offset, accepted, rid, c - truth[PROMPT, rid],
-                                                 table[DRAFTS_VALID, i], u)
+                                                 table[VERIFIED if fill else DRAFTS_VALID, i], u)
         if draws:
             next_uniform += 1
     return next_uniform

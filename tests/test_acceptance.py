@@ -1,10 +1,14 @@
 """Acceptance models: iid and positional statistics, replay tables against the real n-gram proposer."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 from numba import njit
 
 from simharness.acceptance import _replay_request, accepted_drafts, build_replay, held_drafts, make_acceptance
+from simharness.kernels.ngram import propose_ngram_reference
 from simharness.kernels.ngram_row import propose_ngram_row
 from simharness.scenario import LengthDist, Speculation, Workload
 from simharness.workload import KINDS, build_requests
@@ -173,25 +177,30 @@ def test_replay_is_deterministic():
     np.testing.assert_array_equal(a.offset, b.offset)
 
 
-def _replay_reference(history, p, k, min_n, max_n, tie_break):
-    """The replay tables of one request from the numpy proposer, position by position (the old build)."""
+def _replay_reference(history, p, k, min_n, max_n, tie_break, fill):
+    """The replay tables of one request from the numpy proposer, position by position (the old build); with `fill`
+    the k slots past the valid drafts hold the last token (none before any token)."""
     n_out = len(history) - p
     valid, accepted = np.zeros(n_out, np.int64), np.zeros(n_out, np.int64)
     for j in range(n_out):
         drafts = propose_ngram_row(history[: p + j], min_n=min_n, max_n=max_n, k=k, tie_break=tie_break)
+        valid[j] = drafts.size
+        if fill and p + j > 0:
+            drafts = np.concatenate([drafts, np.full(k - drafts.size, history[p + j - 1])])
         if drafts.size == 0:
             continue
         ref = history[p + j : p + j + drafts.size]
         same = drafts[: ref.size] == ref
-        valid[j] = drafts.size
         accepted[j] = ref.size if same.all() else int(same.argmin())
     return valid, accepted
 
 
+@pytest.mark.parametrize("fill", [False, True])
 @pytest.mark.parametrize("tie_break", ["earliest", "latest"])
-def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break):
+def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break, fill):
     """Random histories over small vocabularies (many repeats, so long matches and ties), every min_n <= max_n
-    up to 4 and k up to 5, and edge cases: an empty prompt, a one-token history, no output."""
+    up to 4 and k up to 5, with and without fillers, and edge cases: an empty prompt, a one-token history, no
+    output."""
     rng = np.random.default_rng(7)
     cases = [(np.array([3], np.int64), 1), (np.array([1, 1, 1, 1], np.int64), 0), (np.array([2, 2, 2], np.int64), 3)]
     for _ in range(120):
@@ -204,8 +213,41 @@ def test_compiled_replay_pass_matches_the_numpy_proposer(tie_break):
                 for k in (1, 3, 5):
                     n_out = len(history) - p
                     valid, accepted = np.zeros(n_out + 2, np.int64), np.zeros(n_out + 2, np.int64)
-                    _replay_request(history, p, k, min_n, max_n, tie_break == "latest", valid, accepted, 1)
-                    want_valid, want_accepted = _replay_reference(history, p, k, min_n, max_n, tie_break)
+                    _replay_request(history, p, k, min_n, max_n, tie_break == "latest", fill, valid, accepted, 1)
+                    want_valid, want_accepted = _replay_reference(history, p, k, min_n, max_n, tie_break, fill)
                     np.testing.assert_array_equal(valid[1 : n_out + 1], want_valid, err_msg=f"{history} {p}")
                     np.testing.assert_array_equal(accepted[1 : n_out + 1], want_accepted, err_msg=f"{history} {p}")
                     assert valid[0] == valid[-1] == accepted[0] == accepted[-1] == 0  # nothing outside its rows
+
+
+def test_replay_with_fillers_accepts_those_the_reference_repeats(requests):
+    """With fillers verified (`fill`, the GPU proposer), an entry accepts the leading slots of the kernels' reference
+    proposer's k drafts, fillers (the last token) included, that equal the reference's next tokens."""
+    # a request whose reference repeats its last prompt token where the n-gram match breaks off
+    prompt = np.arange(100, 140, dtype=np.int32)
+    output = np.concatenate([np.full(6, 139), np.arange(100, 110), np.full(5, 7)]).astype(np.int32)
+    repeats = dataclasses.replace(requests, kind=requests.kind[:1], prompt_len=np.array([40]),
+                                  output_len=np.array([len(output)]), prompt_tokens=[prompt], output_tokens=[output],
+                                  random=None)  # fmt: skip
+    k = 4
+    cfg = speculation(k=k, invalid_slots="fill", min_n=2, max_n=4)
+    rng = np.random.default_rng(1)
+    cases = [(repeats, 0, j) for j in range(len(output))]
+    cases += [(requests, int(r), int(j)) for r, j in zip(rng.integers(len(requests), size=40),
+                                                         rng.integers(1, 64, size=40), strict=True)]
+    fillers_accepted = 0
+    for reqs, r, j in cases:
+        acc = make_acceptance(cfg, reqs)
+        history = np.concatenate([reqs.prompt_tokens[r], reqs.output_tokens[r]])
+        size = reqs.prompt_len[r] + j
+        drafts, valid = propose_ngram_reference(torch.from_numpy(history[None, :size].astype(np.int64)),
+                                                torch.tensor([size]), min_n=2, max_n=4, k=k, invalid="fill")
+        ref = reqs.output_tokens[r][j : j + k]
+        lead = int(np.cumprod(drafts[0, : ref.size].numpy() == ref).sum())
+        assert acc.valid[acc.offset[r] + j] == int(valid[0])
+        assert accepted_drafts(acc.survival, acc.offset, acc.accepted, r, j, k, 0.0) == lead
+        fillers_accepted += lead > int(valid[0])
+    assert fillers_accepted >= 5
+    # without fillers (trim) an entry accepts at most its valid drafts
+    trim = make_acceptance(speculation(k=k, min_n=2, max_n=4), repeats)
+    assert (trim.accepted <= trim.valid).all() and trim.accepted.sum() < make_acceptance(cfg, repeats).accepted.sum()
