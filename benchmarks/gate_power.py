@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import platform
 import random
 import shutil
@@ -294,6 +295,8 @@ def worker(pool: Path, level: str, process: int) -> None:
     from simharness.scenario import sweep_points
 
     plan = json.loads((pool / "plan.json").read_text())
+    if plan.get("pin"):
+        os.sched_setaffinity(0, plan["pin"])
     arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     order = list(arm_set)
     random.Random(process).shuffle(order)
@@ -318,6 +321,20 @@ def worker(pool: Path, level: str, process: int) -> None:
             if p.name not in KEEP:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
         print(f"{level} p{process} {name}: {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def _cpus(text: str) -> list[int]:
+    """A CPU list as taskset spells it (2-5 or 2,3,7) -> the CPU numbers, each one this machine has."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (spell it as 2-5 or 2,3,7)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    absent = sorted(cpus - os.sched_getaffinity(0))
+    if absent or not cpus:
+        raise ValueError(f"CPUs {absent} are not available here (have {sorted(os.sched_getaffinity(0))})")
+    return sorted(cpus)
 
 
 def _slug(name: str) -> str:
@@ -382,6 +399,8 @@ def analyse(pool: Path, level: str, count: int, threshold: float, base_runs: int
             ) -> tuple[pd.DataFrame, str]:
     """The trials' verdicts (a row each), and the pool's `spread_table`."""
     plan = json.loads((pool / "plan.json").read_text())
+    if plan.get("pin"):
+        os.sched_setaffinity(0, plan["pin"])
     arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     pool_runs = load_pool(pool, level, arm_set)
     rows = []
@@ -511,6 +530,8 @@ def main() -> None:
                     help="override every seed scenario (e.g. workload.num_requests=32)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="measured levels: wall time for all pools")
     ap.add_argument("--max-processes", type=int, default=10, help="measured levels: at most this many per level")
+    ap.add_argument("--pin", metavar="CPUS", help="run each worker on these CPUs only (e.g. 2-5 or 2,3): a host "
+                    "whose speed moves by the core a process lands on, as a CI runner pinned to its cores would")
     ap.add_argument("--trials", type=int, default=200, help="draws of runs per comparison and n (0: build the pool "
                     "only, analyse it later with --analyse)")
     ap.add_argument("--threshold", type=float, default=0.05, help="the gate's threshold (compare --threshold)")
@@ -526,6 +547,11 @@ def main() -> None:
         return
     if args.out is None:
         ap.error("--out is required")
+    if args.pin is not None:
+        try:
+            args.pin = _cpus(args.pin)
+        except ValueError as e:
+            ap.error(f"--pin: {e}")
     if args.base_runs is not None and args.base_runs < 1:
         ap.error(f"--base-runs: must be at least 1, got {args.base_runs}")
     with tempfile.TemporaryDirectory() as unpacked:
@@ -550,8 +576,8 @@ def build(args: argparse.Namespace, pool: Path) -> None:
     if scenario.is_relative_to(ROOT):  # the pool is analysed on another machine too
         scenario = scenario.relative_to(ROOT)
     pool.mkdir(parents=True, exist_ok=True)
-    (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set,
-                                                "seeds": args.seeds, "seed_sets": args.seed_set}, indent=1))
+    (pool / "plan.json").write_text(json.dumps({"scenario": str(scenario), "sets": args.set, "seeds": args.seeds,
+                                                "seed_sets": args.seed_set, "pin": args.pin}, indent=1))
     start = time.perf_counter()
     measured = [lv for lv in args.levels if lv != "sim"]
     for level in args.levels:

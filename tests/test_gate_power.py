@@ -161,3 +161,15 @@ def test_the_real_device_arm_settles_at_its_fraction_of_the_base_step(monkeypatc
         measured(None, i)
     assert spins[0] == 0.0  # nothing read back yet
     assert np.mean(spins[50:]) == pytest.approx(0.05 * np.mean(base), rel=0.01)
+
+
+def test_pin_reads_a_taskset_cpu_list_and_refuses_cpus_this_machine_lacks():
+    import os
+
+    bench = load_benchmark("gate_power")
+    have = sorted(os.sched_getaffinity(0))
+    assert bench._cpus(f"{have[0]}-{have[-1]}") == have
+    assert bench._cpus(f"{have[0]},{have[0]}") == [have[0]]
+    for bad in ("a", "1-x", "", f"{have[-1] + 1}"):
+        with pytest.raises(ValueError):
+            bench._cpus(bad)
