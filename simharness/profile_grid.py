@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from simharness import results
 from simharness.calibration import FitData, fit_level, load_fit_data, read_run
-from simharness.models import model_config
+from simharness.models import catalogue_name, model_config
 from simharness.profile import default_path
 from simharness.profile_fit import fit_profile
 from simharness.runner import execute
@@ -41,21 +41,30 @@ class ProfileResult:
     sources: list[str]
 
 
-def grid_points(grid: Path, overrides: dict | None = None) -> tuple[Scenario, list[Point]]:
-    """The grid file's run scenario and its points (the union of its blocks, each point once)."""
-    try:
-        data = yaml.safe_load(grid.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise ScenarioError(f"{grid}: not a readable grid file ({type(e).__name__})") from None
-    if not isinstance(data, dict) or set(data) != {"scenario", "blocks"} or not isinstance(data["blocks"], dict):
-        raise ScenarioError(f"{grid}: a grid file holds `scenario` (a scenario mapping) and `blocks` (name: sweep)")
-    base = scenario_from_dict(data["scenario"], overrides)
+def grid_points(grid: Path, overrides: dict | None = None,
+                blocks: list[str] | None = None) -> tuple[Scenario, list[Point]]:
+    """The grid file's run scenario and its points (the union of its blocks, each point once) for the model it
+    profiles (`engine.model`): the file's `models` entry for that model sets fields of the base and replaces or adds
+    blocks; `overrides` (the `--set` options) apply over both and to every point, a path a block sweeps included
+    (its points then take the set value). `blocks` names the blocks to take (default: all)."""
+    data = _read_grid(grid)
+    overrides = overrides or {}
+    model = scenario_from_dict(data["scenario"], overrides).engine.model
+    entry = _model_entry(data, grid, model)
+    base = scenario_from_dict(data["scenario"], {**entry.get("scenario", {}), **overrides})
     if base.sweep:
         raise ScenarioError(f"{grid}: scenario.sweep: the blocks are the grid; the base scenario sweeps nothing")
-    paths: list[str] = []
-    for name, block in data["blocks"].items():
+    all_blocks = {**data["blocks"], **entry.get("blocks", {})}
+    unknown = [n for n in blocks or [] if n not in all_blocks]
+    if unknown:
+        raise ScenarioError(f"{grid}: no block {', '.join(unknown)} (blocks: {', '.join(all_blocks)})")
+    chosen = {n: b for n, b in all_blocks.items() if blocks is None or n in blocks}
+    for name, block in chosen.items():
         if not isinstance(block, dict) or not block or not all(isinstance(v, list) and v for v in block.values()):
             raise ScenarioError(f"{grid}: blocks.{name}: a mapping of dotted paths to non-empty value lists")
+    chosen = {n: {p: v for p, v in b.items() if p not in overrides} for n, b in chosen.items()}
+    paths: list[str] = []
+    for block in chosen.values():
         paths += [p for p in block if p not in paths]
     plain = base.model_dump(mode="json")
     defaults = {}
@@ -66,7 +75,7 @@ def grid_points(grid: Path, overrides: dict | None = None) -> tuple[Scenario, li
         except ValueError as e:
             raise ScenarioError(f"{grid}: blocks: {e}") from None
     points, seen = [], set()
-    for name, block in data["blocks"].items():
+    for name, block in chosen.items():
         for values in itertools.product(*block.values()):
             full = {**defaults, **dict(zip(block, values, strict=True))}
             key = tuple(_key(full[p]) for p in paths)
@@ -81,6 +90,35 @@ def grid_points(grid: Path, overrides: dict | None = None) -> tuple[Scenario, li
             points.append(Point(id=point_id, index=len(points), values={"block": name, **full}, scenario=scenario))
     sweep = {p: list({_key(pt.values[p]): pt.values[p] for pt in points}.values()) for p in paths}
     return scenario_from_dict({**plain, "sweep": sweep}), points
+
+
+def _read_grid(grid: Path) -> dict:
+    """A grid file's mapping: `scenario`, `blocks` and, optionally, `models`."""
+    try:
+        data = yaml.safe_load(grid.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise ScenarioError(f"{grid}: not a readable grid file ({type(e).__name__})") from None
+    if not isinstance(data, dict) or not {"scenario", "blocks"} <= set(data) <= {"scenario", "blocks", "models"} \
+            or not isinstance(data["blocks"], dict):
+        raise ScenarioError(f"{grid}: a grid file holds `scenario` (a scenario mapping), `blocks` (name: sweep) and "
+                            "optionally `models` (model: its `scenario` fields and `blocks`)")
+    return data
+
+
+def _model_entry(data: dict, grid: Path, model: str) -> dict:
+    """The grid's `models` entry for `model` (empty if none): `scenario` (dotted paths of the base to set) and
+    `blocks` (name: sweep, replacing or adding a block)."""
+    models = data.get("models") or {}
+    if not isinstance(models, dict):
+        raise ScenarioError(f"{grid}: models: a mapping of catalogue models to their `scenario` and `blocks`")
+    for name, entry in models.items():
+        if catalogue_name(str(name)) is None:
+            raise ScenarioError(f"{grid}: models.{name}: not a catalogue model")
+        if not isinstance(entry, dict) or not set(entry) <= {"scenario", "blocks"} \
+                or not all(isinstance(v, dict) for v in entry.values()):
+            raise ScenarioError(f"{grid}: models.{name}: a mapping of `scenario` (dotted path: value) and `blocks` "
+                                "(name: sweep)")
+    return next((e for name, e in models.items() if str(name).lower() == model.lower()), {})
 
 
 def kv_cache_bytes(points: list[Point]) -> int:
