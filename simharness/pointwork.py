@@ -8,6 +8,8 @@ the process.
 
 from __future__ import annotations
 
+import gc
+import sys
 import uuid
 from dataclasses import dataclass, field
 from functools import cache
@@ -130,6 +132,18 @@ class PointWork:
         if state.engine is not None:
             result.device, result.checkpoint_load = state.engine.describe(), state.engine.model.load_stats
         return result
+
+    def release(self) -> None:
+        """Free this process's measured engine (model, KV cache, step graphs) now, not when the cyclic collector gets
+        to it: the next run of the process builds its own, sized for its points, and two need not fit one GPU (the
+        8B's profile grid is two runs, a 30 GB KV budget each)."""
+        if self.state.engine is None:
+            return
+        self.state.engine = None
+        gc.collect()  # the decode loops' graphs and events sit in reference cycles
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def point_result(point: Point, mode: Mode, requests: Requests, measured: MeasuredEngine | None) -> PointResult:

@@ -212,8 +212,9 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
             progress(status)
         described = refrozen = False
         writer = results.PointWriter(run_dir)
+        work = PointWork(modes, measured)
         try:
-            with closing(executor.run(todo, PointWork(modes, measured))) as events:
+            with closing(executor.run(todo, work)) as events:
                 for event in events:
                     if event.kind == "done" and not refrozen and not measured:
                         gc.freeze()  # what the first point loaded (numba, the requests) is left out too (_heap_frozen)
@@ -228,6 +229,7 @@ def _execute_points(run_dir: Path, scenario: Scenario, points: list[Point], mode
                         progress(status)
         finally:
             writer.flush()  # whatever stopped the run, the points it finished are kept
+            work.release()  # a serial run's engine: before the process's next run builds one
 
 
 def _record(writer: results.PointWriter, event: Event, status: SweepStatus) -> None:

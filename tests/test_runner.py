@@ -123,6 +123,33 @@ def test_a_measured_run_leaves_the_heap_as_it_is(tmp_path):
     assert frozen and set(frozen) == {before}
 
 
+def test_a_measured_run_frees_its_engine_before_the_next_run_builds_one(tmp_path, monkeypatch):
+    """A run's model, KV cache and step graphs sit in reference cycles: left to the cyclic collector, two runs of one
+    process (the 8B's profile grid) held two models at once and the second ran out of GPU memory."""
+    import weakref
+
+    from simharness import measured
+
+    engines = []
+    build = measured.MeasuredEngine.__init__
+
+    def tracked(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.cycle = self  # as CUDA's step graphs and events make one
+        engines.append(weakref.ref(self))
+
+    monkeypatch.setattr(measured.MeasuredEngine, "__init__", tracked)
+    gc.disable()  # no automatic collection: only the run's own release may free it
+    try:
+        sc = scenario_from_dict({"name": "hil", "workload": {"num_requests": 2, "concurrency": 2,
+                                                             "output_len": {"dist": "fixed", "value": 4}},
+                                 "engine": {"level": "hil", "model": "tiny", "device": "cpu"}})
+        simharness.run(sc, out=tmp_path)
+        assert len(engines) == 1 and engines[0]() is None
+    finally:
+        gc.enable()
+
+
 def test_only_text_columns_are_dictionary_encoded(tmp_path):
     """The run's and the batches' parquet tables dictionary-encode their text columns and no others (a dictionary
     on every float column made a large table 4x slower to read)."""
