@@ -61,7 +61,8 @@ def main() -> None:
         loaded = load_profile(args.out)
         launch = (ok["launch_end_s"] - ok["gpu_start_s"]).to_numpy(float)
         depth = ok["depth"].to_numpy(int)
-        fit = DeviceFit(np.array(loaded.coef), {d: loaded.overlap_at(d)[1] for d in set(depth.tolist())}, np.empty(0))
+        fit = DeviceFit(np.array(loaded.coef), {d: loaded.overlap_at(d)[1] for d in set(depth.tolist())}, np.empty(0),
+                      float("nan"))
         window = predict_window(fit, step_features(ok), launch, depth, shape_sizes(model_config(args.model)))
         errors = np.abs(window / ok["window_s"].to_numpy(float) - 1)
         print(f"on the {sum(len(d) for d in dropped)} dropped points ({len(errors)} steps): median |error| "

@@ -54,14 +54,7 @@ def grid_points(grid: Path, overrides: dict | None = None,
     base = scenario_from_dict(data["scenario"], {**entry.get("scenario", {}), **overrides})
     if base.sweep:
         raise ScenarioError(f"{grid}: scenario.sweep: the blocks are the grid; the base scenario sweeps nothing")
-    all_blocks = {**data["blocks"], **entry.get("blocks", {})}
-    unknown = [n for n in blocks or [] if n not in all_blocks]
-    if unknown:
-        raise ScenarioError(f"{grid}: no block {', '.join(unknown)} (blocks: {', '.join(all_blocks)})")
-    chosen = {n: b for n, b in all_blocks.items() if blocks is None or n in blocks}
-    for name, block in chosen.items():
-        if not isinstance(block, dict) or not block or not all(isinstance(v, list) and v for v in block.values()):
-            raise ScenarioError(f"{grid}: blocks.{name}: a mapping of dotted paths to non-empty value lists")
+    chosen = _chosen_blocks(data, entry, grid, blocks)
     chosen = {n: {p: v for p, v in b.items() if p not in overrides} for n, b in chosen.items()}
     paths: list[str] = []
     for block in chosen.values():
@@ -105,6 +98,19 @@ def _read_grid(grid: Path) -> dict:
     return data
 
 
+def _chosen_blocks(data: dict, entry: dict, grid: Path, blocks: list[str] | None) -> dict[str, dict]:
+    """The grid's blocks, the model entry's replacing or added, those `blocks` names (default: all)."""
+    every = {**data["blocks"], **entry.get("blocks", {})}
+    unknown = [n for n in blocks or [] if n not in every]
+    if unknown:
+        raise ScenarioError(f"{grid}: no block {', '.join(unknown)} (blocks: {', '.join(every)})")
+    chosen = {n: b for n, b in every.items() if blocks is None or n in blocks}
+    for name, block in chosen.items():
+        if not isinstance(block, dict) or not block or not all(isinstance(v, list) and v for v in block.values()):
+            raise ScenarioError(f"{grid}: blocks.{name}: a mapping of dotted paths to non-empty value lists")
+    return chosen
+
+
 def _model_entry(data: dict, grid: Path, model: str) -> dict:
     """The grid's `models` entry for `model` (empty if none): `scenario` (dotted paths of the base to set) and
     `blocks` (name: sweep, replacing or adding a block)."""
@@ -118,6 +124,10 @@ def _model_entry(data: dict, grid: Path, model: str) -> dict:
                 or not all(isinstance(v, dict) for v in entry.values()):
             raise ScenarioError(f"{grid}: models.{name}: a mapping of `scenario` (dotted path: value) and `blocks` "
                                 "(name: sweep)")
+        try:
+            scenario_from_dict(data["scenario"], entry.get("scenario"))
+        except ScenarioError as e:
+            raise ScenarioError(f"{grid}: models.{name}.scenario: {e}") from None
     return next((e for name, e in models.items() if str(name).lower() == model.lower()), {})
 
 

@@ -72,7 +72,7 @@ def test_blocks_can_be_picked_and_an_unknown_one_is_named(tmp_path):
         ({"llama-3.2-1b": {"blocks": [1]}}, "models.llama-3.2-1b: a mapping of `scenario`"),
         ({"llama-3.2-1b": {"grid": {}}}, "models.llama-3.2-1b: a mapping of `scenario`"),
         ({"llama-3.2-1b": {"blocks": {"batch": {"workload.concurrency": []}}}}, "blocks.batch: a mapping"),
-        ({"llama-3.2-1b": {"scenario": {"workload.nothing": 1}}}, "workload.nothing"),
+        ({"llama-3.2-1b": {"scenario": {"workload.nothing": 1}}}, "models.llama-3.2-1b.scenario: workload.nothing"),
         ([1], "models: a mapping"),
     ],
 )
