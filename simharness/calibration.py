@@ -173,8 +173,10 @@ def point_scenario(sc: Scenario, row: pd.Series) -> Scenario:
     """The scenario of one point of a run: the run's scenario with the point's swept values."""
     base = sc.model_dump(mode="json")
     base["sweep"], base["repeats"] = {}, 1
-    # the sweep's own value (its type too: a summary table reads an integer column with gaps as floats)
-    values = {p: next(v for v in sc.sweep[p] if v == row[p]) for p in sc.sweep if p in row}
+    # the sweep's own value (its type too: a summary table reads an integer column with gaps as floats, and a swept
+    # null as NaN: the 8B grid's `engine.host_slowdown: null`)
+    values = {p: next(v for v in sc.sweep[p] if v == row[p] or (v is None and pd.isna(row[p])))
+              for p in sc.sweep if p in row}
     return scenario_from_dict(base, values)
 
 

@@ -267,3 +267,17 @@ def test_check_warns_when_this_machines_sim_does_not_reproduce_the_runs_own(sim_
     assert r.exit_code == 0, r.output
     assert "does not reproduce the run's own sim level in 1 of 2 held-out configurations" in r.output
     assert "p99_tpot_ms -4.5%" in r.output.replace("\n", " ")  # the median of 0 and 1 / 1.1 - 1
+
+
+def test_a_point_whose_swept_value_is_null_is_read_back_from_its_summary_row():
+    # a summary table holds a swept null as NaN (the 8B grid sweeps engine.host_slowdown over null and 1.2)
+    from simharness.calibration import point_scenario
+    from simharness.scenario import scenario_from_dict
+
+    sc = scenario_from_dict({"name": "s", "sweep": {"engine.host_slowdown": [None, 1.2],
+                                                     "workload.concurrency": [1, 4]}})
+    for slowdown, concurrency in ((float("nan"), 4.0), (1.2, 1.0)):
+        row = pd.Series({"engine.host_slowdown": slowdown, "workload.concurrency": concurrency})
+        point = point_scenario(sc, row)
+        assert point.engine.host_slowdown == (None if slowdown != slowdown else 1.2)
+        assert point.workload.concurrency == int(concurrency)
