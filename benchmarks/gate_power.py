@@ -167,16 +167,16 @@ def inject(kind: str | None, value: float, level: str):
     elif kind == "acceptance":
         import torch
 
-        from simharness.engine import decode
-
-        propose = decode.propose_ngram
+        from simharness.engine import decode, decode_step
+        from simharness.kernels import ngram
 
         def corrupted(history, lengths, **kwargs):
-            drafts, valid = propose(history, lengths, **kwargs)  # flip the low bit of 9 in 10 drafts: wrong tokens
+            drafts, valid = ngram.propose_ngram(history, lengths, **kwargs)  # flip the low bit of 9 in 10 drafts
             flip = (torch.rand(drafts.shape, device=drafts.device) >= value) & (drafts >= 0)
             return torch.where(flip, drafts ^ 1, drafts), valid
 
-        patch(decode, "propose_ngram", corrupted)
+        for module in (decode, decode_step):  # every caller's own name: the prefill's drafts and the step's
+            patch(module, "propose_ngram", corrupted)
     elif kind == "device" and level == "sim":  # the cost profile's device terms, all but the datasheet's: exact
         from simharness import costmodel
         from simharness.profile import EXPONENT, S_PER_BYTE, S_PER_FLOP

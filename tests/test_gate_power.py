@@ -173,3 +173,16 @@ def test_pin_reads_a_taskset_cpu_list_and_refuses_cpus_this_machine_lacks():
     for bad in ("a", "1-x", "", f"{have[-1] + 1}"):
         with pytest.raises(ValueError):
             bench._cpus(bad)
+
+
+def test_the_acceptance_arm_reaches_the_decode_steps_proposer(tmp_path):
+    # the step's proposer is decode_step's own name for it: patching decode's alone left acceptance as it was
+    import simharness
+    from simharness.scenario import load_scenario
+
+    bench = load_benchmark("gate_power")
+    sc = load_scenario("scenarios/hil-cpu.yaml", {**bench.MEASURED, "workload.num_requests": 4, "engine.level": "hil"})
+    plain = simharness.run(sc, out=tmp_path / "plain").summary.iloc[0]["acceptance_rate"]
+    with bench.inject("acceptance", 0.1, "hil"):
+        collapsed = simharness.run(sc, out=tmp_path / "collapsed").summary.iloc[0]["acceptance_rate"]
+    assert plain > 30 and collapsed < plain / 3, (plain, collapsed)
