@@ -399,8 +399,6 @@ def analyse(pool: Path, level: str, count: int, threshold: float, base_runs: int
             ) -> tuple[pd.DataFrame, str]:
     """The trials' verdicts (a row each), and the pool's `spread_table`."""
     plan = json.loads((pool / "plan.json").read_text())
-    if plan.get("pin"):
-        os.sched_setaffinity(0, plan["pin"])
     arm_set = arms(level, ROOT / plan["scenario"], plan["seeds"])
     pool_runs = load_pool(pool, level, arm_set)
     rows = []
