@@ -232,8 +232,8 @@ def test_seeds_notebook_shows_the_committed_and_live_effects(python3_kernel, tmp
         assert np.allclose(merged.effect_pct, merged.effect_pct_shown, rtol=1e-9), level
         assert (merged.reproduced == merged.reproduced_shown).all(), level
     # the text: the sim misses #32951's mean TPOT (+0.8%, 8B profile; hil and real reproduce it), #41043's P99
-    # (-2.1%, 1B profile; hil and real miss it too), and on the roofline #29184 (+7.8%, posted +20.6%) and #38047's
-    # TTFT (-8.8%, posted -20%), both of which hil and real reproduce: the misses tests/helpers.SIM_MISSES names
+    # (-1.9%, 1B profile; hil and real miss it too), and on the roofline #29184 (+7.8%, posted +20.6%) and #38047's
+    # TTFT (-9.2%, posted -20%), both of which hil and real reproduce: the misses tests/helpers.SIM_MISSES names
     effect = shown.set_index(["level", "seed", "metric"])
     missed = effect.loc["sim"].index[~effect.loc["sim"].reproduced.astype(bool)]
     assert set(missed) == set(SIM_MISSES), missed
