@@ -151,7 +151,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
     span = float(gpu_end.max() - gpu_start.min()) if n else 0.0
     gc = _col(steps, "gc_pause_s")
     # the measured levels' device busy time: the sum of a step's device phases, without the idle gaps its window
-    # holds while the device waits for the host's enqueues (the sim models no phases: NaN, left out)
+    # holds while the device waits for the host's enqueues (the sim models no phases: NaN, not compared)
     phases = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS]).sum(axis=1) if n else np.empty(0)
     busy = phases[np.isfinite(phases)]
     wasted = int(_col(steps, "wasted_slots").sum())
@@ -159,7 +159,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
         "num_steps": n,
         "mean_step_ms": _mean(gpu) * MS,
         "gpu_busy_fraction": _ratio(gpu.sum(), span),
-        **({"mean_device_ms": _mean(busy) * MS} if len(busy) else {}),
+        "mean_device_ms": _mean(busy) * MS if len(busy) else math.nan,
         "mean_bubble_ms": _mean(_col(steps, "bubble_s")) * MS,
         "syncs_per_step": _ratio(np.count_nonzero(recorded), n),
         "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s")[recorded] - _col(syncs, "start_s")[recorded]).sum(),
