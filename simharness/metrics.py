@@ -159,7 +159,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
         "num_steps": n,
         "mean_step_ms": _mean(gpu) * MS,
         "gpu_busy_fraction": _ratio(gpu.sum(), span),
-        "mean_device_ms": _mean(busy) * MS if len(busy) else math.nan,
+        "mean_device_ms": _mean(busy) * MS if len(busy) or not n else math.nan,
         "mean_bubble_ms": _mean(_col(steps, "bubble_s")) * MS,
         "syncs_per_step": _ratio(np.count_nonzero(recorded), n),
         "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s")[recorded] - _col(syncs, "start_s")[recorded]).sum(),
