@@ -545,6 +545,8 @@ def main() -> None:
         return
     if args.out is None:
         ap.error("--out is required")
+    if args.pin is not None and (args.analyse or args.pools):
+        ap.error("--pin: pins the workers that build a pool; --analyse and --pools run none")
     if args.pin is not None:
         try:
             args.pin = _cpus(args.pin)
