@@ -186,3 +186,11 @@ def test_the_acceptance_arm_reaches_the_decode_steps_proposer(tmp_path):
     with bench.inject("acceptance", 0.1, "hil"):
         collapsed = simharness.run(sc, out=tmp_path / "collapsed").summary.iloc[0]["acceptance_rate"]
     assert plain > 30 and collapsed < plain / 3, (plain, collapsed)
+
+
+def test_pin_is_refused_where_no_worker_runs(monkeypatch, capsys, tmp_path):
+    bench = load_benchmark("gate_power")
+    monkeypatch.setattr("sys.argv", ["gate_power.py", "--analyse", str(tmp_path), "--pin", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and "--pin" in capsys.readouterr().err
