@@ -8,7 +8,8 @@ RUN_DIRs: the profile's grid runs (results/profiles/runs/<gpu>-<model>.tgz unpac
 `shipped` (the profile as it is, in-sample), `refit` (the fit as `profile_fit` runs it), `exponent1` (the
 memory/compute overlap exponent's lower bound at 1 instead of 4), `split` (separate overlaps for the linear layers,
 weights against their FLOPs, and attention, KV reads against its FLOPs), `gemm` (`split` with the linear layers'
-compute efficiency growing with the tokens of the forward, tokens / (tokens + n_half)). Each refit prints its k-fold
+compute efficiency growing with the tokens of the forward, tokens / (tokens + n_half)), `rows` (the shipped model
+plus a cost per decode row). Each refit prints its k-fold
 median / P90 |error| and its residual table; with --write-dir a refit that the sim can run (`refit`,
 `exponent1`) is written as a profile file there, for benchmarks/validation.py with the file in place of the
 shipped one. Nothing in simharness/ changes: the variants swap the fit's model for the run of this script alone.
@@ -48,7 +49,7 @@ from simharness.profile_grid import grid_fit_data
 from simharness.scenario import GpuCosts
 
 ROW_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-N_HALF = len(TERMS)  # the `gemm` variant's extra coefficient: tokens at half the linear layers' peak efficiency
+EXTRA_TERM = len(TERMS)  # a variant's extra coefficient (`gemm`: tokens at half peak efficiency; `rows`: s per row)
 SEARCH = dict(pf.SEARCH)  # profile_fit's own search, which each variant starts from
 
 
@@ -61,11 +62,11 @@ def pnorm(hi_lo_a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
 
 def split_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray, gemm: bool = False) -> np.ndarray:
     """`profile.profile_times` with each forward as two overlaps summed: weights against linear FLOPs, KV reads
-    against attention FLOPs; with `gemm`, the linear FLOPs at efficiency tokens / (tokens + coef[N_HALF])."""
+    against attention FLOPs; with `gemm`, the linear FLOPs at efficiency tokens / (tokens + coef[EXTRA_TERM])."""
     weights, kv, linear, attention, logits = sizes
     rows, tokens, context, preqs, ptokens, random_tokens, history = x.T
     m, c, p = coef[MEMORY] * coef[S_PER_BYTE], coef[COMPUTE] * coef[S_PER_FLOP], coef[EXPONENT]
-    n_half = coef[N_HALF] if gemm else 0.0
+    n_half = coef[EXTRA_TERM] if gemm else 0.0
 
     def forward(w_bytes, kv_bytes, lin_tokens, pairs):
         lin = c * linear * (lin_tokens + n_half * (lin_tokens > 0))
@@ -81,23 +82,32 @@ def split_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray, gemm: bool =
     return t + (coef[SAMPLER] * (tokens + preqs) + coef[RANDOM] * random_tokens) * logits * coef[S_PER_BYTE]
 
 
-# name -> (the fit's model of a step's device work, lower bound of the exponent, fits the extra n_half term)
+def row_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`profile.profile_times` plus a cost per decode row (per-sequence work: attention's per-row setup and
+    reduction, the sampler's and acceptance's per-row kernels), which the shipped model has only through tokens."""
+    return profile_times(coef[: len(TERMS)], sizes, x) + coef[EXTRA_TERM] * x[:, 0]
+
+
+# name -> (the fit's model of a step's device work, lower bound of the exponent, fits an EXTRA term)
 VARIANTS = {
     "refit": (profile_times, 4.0, False),
     "exponent1": (profile_times, 1.0, False),
     "split": (split_times, 1.0, False),
     "gemm": (lambda coef, sizes, x: split_times(coef, sizes, x, gemm=True), 1.0, True),
+    "rows": (row_times, 1.0, True),
 }
+EXTRA = {"gemm": ("n_half", 1.0, 64.0, (0.0, 4096.0), 1e4), "rows": ("per_row_us", 1e-6, 0.0, (0.0, 1e3), 100.0)}
 
 
 def use_variant(name: str) -> None:
     """Swap profile_fit's model of the device work and its search for the variant's (this process only)."""
-    model, exponent_low, n_half = VARIANTS[name]
+    model, exponent_low, extra = VARIANTS[name]
     search = dict(SEARCH)
     kind, scale, _, width = search[EXPONENT]
     search[EXPONENT] = (kind, scale, (exponent_low, 16.0), width)
-    if n_half:
-        search[N_HALF] = ("linear", 1.0, (0.0, 4096.0), 1e4)  # tokens; a wide prior: the grid decides
+    if extra:  # the extra term (EXTRA: name, scale, prior value, bounds, prior width); a wide prior: the grid decides
+        _, scale, _, bounds, width = EXTRA[name]
+        search[EXTRA_TERM] = ("linear", scale, bounds, width)
     pf.SEARCH, pf.FITTED, pf.profile_times = search, tuple(search), model
 
 
@@ -126,7 +136,7 @@ def fit_variant(name: str, x, window, launch, depth, sizes, prior) -> tuple[pf.D
     """The variant's best fit over the launch-tail starts and its k-fold |errors|."""
     use_variant(name)
     if VARIANTS[name][2]:
-        prior = np.append(prior, 64.0)
+        prior = np.append(prior, EXTRA[name][2] * EXTRA[name][1])
     best, _ = pf.fit_device_starts(x, window, launch, depth, sizes, prior)
     return best, pf.kfold_errors(x, window, launch, depth, sizes, prior, best.params)
 
@@ -171,8 +181,9 @@ def main() -> None:
         else:
             fit, errors = fit_variant(name, x, window, launch, depth, sizes, prior)
         pred = pf.predict_window(fit, x, launch, depth, sizes)
+        extra = f", {EXTRA[name][0]}={fit.coef[EXTRA_TERM] / EXTRA[name][1]:.3g}" if name in EXTRA else ""
         print(f"\n## {name}: " + ", ".join(f"{TERMS[i]}={fit.coef[i] / UNITS[i]:.4g}" for i in range(len(TERMS)))
-              + (f", n_half={fit.coef[N_HALF]:.0f} tokens" if len(fit.coef) > len(TERMS) else "")
+              + extra
               + f"; tails us {', '.join(f'{d}: {t * 1e6:.0f}' for d, t in fit.tails.items())}")
         print(f"in-sample median |error| {np.median(np.abs(pred / window - 1)):.1%}"
               + ("" if errors is None else f", k-fold median {np.median(errors):.1%} / P90 "
