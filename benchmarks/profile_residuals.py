@@ -3,16 +3,19 @@ measured window - 1 by drafts per row (decode tokens / rows - 1, rounded) and de
 and for refits of the same grid under variants of the device-step model. Usage:
 
     python benchmarks/profile_residuals.py RUN_DIR ... [--profile PATH] [--variant NAME ...] [--write-dir DIR]
+        [--by-start]
 
 RUN_DIRs: the profile's grid runs (results/profiles/runs/<gpu>-<model>.tgz unpacked). Variants (`VARIANTS`):
 `shipped` (the profile as it is, in-sample), `refit` (the fit as `profile_fit` runs it), `exponent1` (the
 memory/compute overlap exponent's lower bound at 1 instead of 4), `split` (separate overlaps for the linear layers,
 weights against their FLOPs, and attention, KV reads against its FLOPs), `gemm` (`split` with the linear layers'
 compute efficiency growing with the tokens of the forward, tokens / (tokens + n_half)), `rows` (the shipped model
-plus a cost per decode row). Each refit prints its k-fold
-median / P90 |error| and its residual table; with --write-dir a refit that the sim can run (`refit`,
-`exponent1`) is written as a profile file there, for benchmarks/validation.py with the file in place of the
-shipped one. Nothing in simharness/ changes: the variants swap the fit's model for the run of this script alone.
+plus a cost per decode row), `interleave` (the shipped model, slower by a fitted factor on the steps whose device
+starts before their launch ends), `early_rows` (the shipped model plus a cost per decode row on those steps). Each
+refit prints its k-fold median / P90 |error| and its residual table; `--by-start` also splits the table by whether
+the step's device started before its launch ended. With --write-dir a refit the sim can run (`refit`, `exponent1`)
+is written as a profile file there, for benchmarks/validation.py with the file in place of the shipped one.
+Nothing in simharness/ changes: the variants swap the fit's model for the run of this script alone.
 """
 
 from __future__ import annotations
@@ -88,6 +91,18 @@ def row_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndarray:
     return profile_times(coef[: len(TERMS)], sizes, x) + coef[EXTRA_TERM] * x[:, 0]
 
 
+def interleave_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`profile.profile_times` slowed by a factor 1 + coef[EXTRA_TERM] on the steps whose device starts before
+    their launch ends (x's last column, `started_early`): kernels then issue at the host's pace, with gaps."""
+    return profile_times(coef[: len(TERMS)], sizes, x[:, :-1]) * (1 + coef[EXTRA_TERM] * x[:, -1])
+
+
+def early_row_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`profile.profile_times` plus coef[EXTRA_TERM] seconds per decode row on the steps whose device starts before
+    their launch ends (x's last column): host work per row that the device waits on inside the step."""
+    return profile_times(coef[: len(TERMS)], sizes, x[:, :-1]) + coef[EXTRA_TERM] * x[:, 0] * x[:, -1]
+
+
 # name -> (the fit's model of a step's device work, lower bound of the exponent, fits an EXTRA term)
 VARIANTS = {
     "refit": (profile_times, 4.0, False),
@@ -95,8 +110,13 @@ VARIANTS = {
     "split": (split_times, 1.0, False),
     "gemm": (lambda coef, sizes, x: split_times(coef, sizes, x, gemm=True), 1.0, True),
     "rows": (row_times, 1.0, True),
+    "interleave": (interleave_times, 4.0, True),
+    "early_rows": (early_row_times, 4.0, True),
 }
-EXTRA = {"gemm": ("n_half", 1.0, 64.0, (0.0, 4096.0), 1e4), "rows": ("per_row_us", 1e-6, 0.0, (0.0, 1e3), 100.0)}
+EARLY = ("interleave", "early_rows")  # the variants that read `started_early`
+EXTRA = {"gemm": ("n_half", 1.0, 64.0, (0.0, 4096.0), 1e4), "rows": ("per_row_us", 1e-6, 0.0, (0.0, 1e3), 100.0),
+         "interleave": ("early_slowdown", 1.0, 0.0, (0.0, 4.0), 10.0),
+         "early_rows": ("early_per_row_us", 1e-6, 0.0, (0.0, 1e3), 100.0)}
 
 
 def use_variant(name: str) -> None:
@@ -125,6 +145,11 @@ def residual_table(pred: np.ndarray, window: np.ndarray, steps: pd.DataFrame) ->
     return cells.unstack("rows").fillna("")
 
 
+def started_early(x: np.ndarray, launch: np.ndarray) -> np.ndarray:
+    """The FEATURES with a last column: 1 where the step's device started before its launch ended."""
+    return np.column_stack([x, launch > 0])
+
+
 def markdown(table: pd.DataFrame) -> str:
     """A table of strings as markdown, its index as the first column."""
     lines = [f"| {table.index.name} \\ rows | " + " | ".join(map(str, table.columns)) + " |",
@@ -135,6 +160,8 @@ def markdown(table: pd.DataFrame) -> str:
 def fit_variant(name: str, x, window, launch, depth, sizes, prior) -> tuple[pf.DeviceFit, np.ndarray]:
     """The variant's best fit over the launch-tail starts and its k-fold |errors|."""
     use_variant(name)
+    if name in EARLY:
+        x = started_early(x, launch)
     if VARIANTS[name][2]:
         prior = np.append(prior, EXTRA[name][2] * EXTRA[name][1])
     best, _ = pf.fit_device_starts(x, window, launch, depth, sizes, prior)
@@ -159,6 +186,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="default: the committed profile of the runs' GPU and model")
     parser.add_argument("--variant", nargs="*", default=["shipped"], choices=["shipped", *VARIANTS])
     parser.add_argument("--write-dir", type=Path)
+    parser.add_argument("--by-start", action="store_true",
+                        help="also the table of the steps whose device starts before their launch ends, and the rest")
     args = parser.parse_args()
     data, _ = grid_fit_data(args.runs)
     ok = pf.device_samples(data.steps)
@@ -180,7 +209,7 @@ def main() -> None:
             errors = None
         else:
             fit, errors = fit_variant(name, x, window, launch, depth, sizes, prior)
-        pred = pf.predict_window(fit, x, launch, depth, sizes)
+        pred = pf.predict_window(fit, started_early(x, launch) if name in EARLY else x, launch, depth, sizes)
         extra = f", {EXTRA[name][0]}={fit.coef[EXTRA_TERM] / EXTRA[name][1]:.3g}" if name in EXTRA else ""
         print(f"\n## {name}: " + ", ".join(f"{TERMS[i]}={fit.coef[i] / UNITS[i]:.4g}" for i in range(len(TERMS)))
               + extra
@@ -190,6 +219,11 @@ def main() -> None:
                  f"{np.percentile(errors, 90):.1%}"))
         print("median prediction / window - 1 of the decode-only steps [steps], drafts per row x decode rows:")
         print(markdown(residual_table(pred, window, features)))
+        if args.by_start:
+            for label, group in (("device starts before the launch ends", launch > 0),
+                                 ("device queued behind the previous step", launch <= 0)):
+                print(f"\n{label}:")
+                print(markdown(residual_table(pred[group], window[group], features[group].reset_index(drop=True))))
         if args.write_dir and errors is not None and VARIANTS[name][0] is profile_times:
             args.write_dir.mkdir(parents=True, exist_ok=True)
             quality = {"steps": len(ok), "median_rel_error": float(np.median(errors)),
