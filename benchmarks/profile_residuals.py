@@ -56,9 +56,9 @@ EXTRA_TERM = len(TERMS)  # a variant's extra coefficient (`gemm`: tokens at half
 SEARCH = dict(pf.SEARCH)  # profile_fit's own search, which each variant starts from
 
 
-def pnorm(hi_lo_a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
+def pnorm(a: np.ndarray, b: np.ndarray, p: float) -> np.ndarray:
     """The overlap of two times as `profile._forward` takes it (a p-norm)."""
-    hi, lo = np.maximum(hi_lo_a, b), np.minimum(hi_lo_a, b)
+    hi, lo = np.maximum(a, b), np.minimum(a, b)
     safe = np.where(hi > 0, hi, 1.0)
     return np.where(hi > 0, hi * (1 + (lo / safe) ** p) ** (1 / p), 0.0)
 
