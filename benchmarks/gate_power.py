@@ -203,10 +203,8 @@ def inject(kind: str | None, value: float, level: str):
                                        parts_s=tuple(s * value for s in timing.parts_s))
 
             patch(TorchBackend, "run", slower)
-        else:  # wall clock: the device really spends the extra time, after each decode step
-            measured, (owner, name, slower) = _slower_steps(run, value - 1)
-            patch(TorchBackend, "run", measured)
-            patch(owner, name, slower)
+        else:  # wall clock: the device really spends the extra time, inside each decode step
+            _slower_steps(patch, run, value - 1)
     try:
         yield
     finally:
@@ -214,22 +212,23 @@ def inject(kind: str | None, value: float, level: str):
             setattr(owner, name, old)
 
 
-def _slower_steps(run, fraction: float):
-    """Real level: each step's device time `fraction` longer: device work enqueued inside each decode step's
-    measured span (between its start event and its inputs' copy: counted in its verify phase, as a slower kernel's
-    time would be) of `fraction` times the mean device time of the last steps read back, less the injection itself
-    (measured / (1 + fraction): a fixed point at fraction x the base time, with no bookkeeping of which step got
-    how much). The work is a device-to-device copy sized by the copy's own timing, measured warm before the run: a
-    copy runs at the memory's bandwidth whatever the SM clock (a sleep kernel counts SM cycles, and the clock it
-    was timed at is not the clock of the run: it injected 10-90% of its share). The steps before the first
-    readback (two or three) get none. On a CPU, where the step runs inside the call, a spin of the host after each
-    decode step."""
+def _slower_steps(patch, run, fraction: float) -> None:
+    """Real level: each step's device time `fraction` longer, by `patch`ing the backend's `run` and where the work
+    goes: device work enqueued inside each decode step's measured span (between its start event and its inputs'
+    copy: counted in its verify phase, as a slower kernel's time would be) of `fraction` times the mean device time
+    of the last steps read back, less the injection itself (measured / (1 + fraction): a fixed point at fraction x
+    the base time, with no bookkeeping of which step got how much). The work is a device-to-device copy sized by the
+    copy's own timing, measured warm before the run: a copy runs at the memory's bandwidth whatever the SM clock (a
+    sleep kernel counts SM cycles, and the clock it was timed at is not the clock of the run: it injected 10-90% of
+    its share). The steps before the first readback (two or three) get none. On a CPU, where the step runs inside
+    the call, a spin of the host after each decode step."""
     from collections import deque
 
     import torch
 
     from simharness.engine.decode import DecodeLoop
     from simharness.engine.step_graph import StepGraphs
+    from simharness.engine.torch_backend import TorchBackend
     from simharness.realloop import spin
 
     recent: deque[float] = deque(maxlen=32)  # device seconds of the last steps read back
@@ -242,6 +241,7 @@ def _slower_steps(run, fraction: float):
         recent.append(timing.device_s)
         return timing
 
+    patch(TorchBackend, "run", measured)
     if torch.cuda.is_available():
         source, target = (torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda") for _ in range(2))
         fixed_s, per_byte_s = _copy_time(source, target)
@@ -253,7 +253,8 @@ def _slower_steps(run, fraction: float):
             if batch and n > 0:  # a launch (a capture fills batch 0), once a step was read back
                 target[:n].copy_(source[:n])
 
-        return measured, (StepGraphs, "_fill_pads", filled)
+        patch(StepGraphs, "_fill_pads", filled)
+        return
     step = DecodeLoop.step
 
     def stepped(self, *args, **kwargs):
@@ -261,7 +262,7 @@ def _slower_steps(run, fraction: float):
         spin(extra_s())
         return result
 
-    return measured, (DecodeLoop, "step", stepped)
+    patch(DecodeLoop, "step", stepped)
 
 
 COPY_BYTES = 1 << 30  # the largest injected copy: 0.35 ms on an H100, a tenth of a 3.5 ms step
@@ -332,7 +333,7 @@ def _cpus(text: str) -> list[int]:
             raise ValueError(f"not a CPU list: {text!r} (spell it as 2-5 or 2,3,7)")
         cpus.update(range(int(first), int(last or first) + 1))
     absent = sorted(cpus - os.sched_getaffinity(0))
-    if absent or not cpus:
+    if absent:
         raise ValueError(f"CPUs {absent} are not available here (have {sorted(os.sched_getaffinity(0))})")
     return sorted(cpus)
 

@@ -152,7 +152,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
     gc = _col(steps, "gc_pause_s")
     # the measured levels' device busy time: the sum of a step's device phases, without the idle gaps its window
     # holds while the device waits for the host's enqueues (the sim models no phases: NaN, not compared)
-    phases = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS]).sum(axis=1) if n else np.empty(0)
+    phases = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS]).sum(axis=1)
     busy = phases[np.isfinite(phases)]
     wasted = int(_col(steps, "wasted_slots").sum())
     return {
