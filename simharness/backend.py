@@ -76,4 +76,5 @@ class MeasuredBackend(Backend, Protocol):
 
     def start_clock(self) -> None:
         """The wall clock starts: read device timestamps on the host's clock from now on. Anchored at the start of
-        the run, not before: the GPU's timer and the host's clock drift apart by microseconds a second."""
+        the run and again at each wait the host blocks on: the GPU's timer and the host's clock drift apart by tens of
+        microseconds a second (docs/hil.md, "The real level's device clock")."""

@@ -172,3 +172,65 @@ def test_modelled_host_work_absorbs_the_loops_own_time():
     loop.pause(0.02)  # ... which a modelled GC pause does not absorb: it is spun whole, as the engine's time
     loop.work(0.0, 0.1)  # the next modelled work still absorbs the 50 ms (the pause was engine time, not the loop's)
     assert spun[2] == 0.02 and 0.03 < spun[3] <= 0.05 + 1e-9
+
+
+def test_device_clock_anchors_follow_a_drifting_timer():
+    """The device's timer runs 30 us a second slow against the host's clock and the host wakes 2-40 us after the
+    device passes a mark: anchored on its recent waits, the clock stays within a few microseconds of the truth for
+    ten seconds, where the first anchor alone would be 300 us off at the end."""
+    from simharness.engine.timing import Anchors
+
+    rng = np.random.default_rng(0)
+    drift = 30e-6  # host seconds gained per device second
+    device = np.cumsum(rng.uniform(1.5e-3, 2.5e-3, 5000))  # a device step's end, every ~2 ms
+    truth = device * (1 + drift)  # when the device passed each end, on the host's clock
+    wake = 2e-6 + rng.exponential(8e-6, len(device)).clip(max=38e-6)
+    anchors = Anchors(0.0, 0.0)
+    errors = []
+    for d, t, w in zip(device, truth, wake, strict=True):
+        anchors.add(d, t + w)
+        errors.append(d + anchors.offset() - t)
+    errors = np.abs(errors)
+    assert errors[-1000:].max() < 6e-6 and np.median(errors) < 4e-6
+    assert truth[-1] - device[-1] > 250e-6  # what one anchor at the start would miss
+
+
+def test_device_clock_anchors_on_waits_the_host_blocked_on(monkeypatch):
+    """Only a wait the host blocked on anchors the clock (a mark the device had passed already says nothing of
+    when), and a mark's time is the device's timer plus the tightest recent offset."""
+    from simharness.engine import timing as timing_module
+
+    class Event:
+        elapsed = {}
+
+        def __init__(self, enable_timing: bool = False):
+            self.done = False
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            self.done = True
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return Event.elapsed[id(other)]
+
+    monkeypatch.setattr(timing_module.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing_module.torch.cuda, "synchronize", lambda: None)
+    clock = timing_module.DeviceClock(cuda=True)
+    ref = clock.reference_s
+    host = iter([ref + 0.010 + 40e-6, ref + 0.020 - 30e-6, ref + 0.100 - 20e-6])
+    monkeypatch.setattr(timing_module.time, "perf_counter", lambda: next(host))
+    late, passed, ahead, later = clock.mark(), clock.mark(), clock.mark(), clock.mark()
+    Event.elapsed.update({id(late): 10.0, id(passed): 15.0, id(ahead): 20.0, id(later): 100.0})  # ms after the ref
+    passed.done = True
+    clock.wait(late)  # blocked: woke 40 us after the device passed it (by its timer)
+    clock.wait(passed)  # the device had passed it: no anchor (and no host time read)
+    assert clock.anchors.offset() == 0.0  # the reference's own wake-up is the tighter
+    clock.wait(ahead)  # the host woke 30 us before the timer says the device passed: the timer runs ahead
+    assert clock.seconds(passed) == pytest.approx(ref + 0.015 - 30e-6, abs=1e-12)
+    clock.wait(later)  # 80 ms on: the older anchors are out of the window
+    assert clock.seconds(later) == pytest.approx(ref + 0.100 - 20e-6, abs=1e-12)

@@ -136,3 +136,30 @@ def sleep_rate() -> float:
     end.record()
     end.synchronize()
     return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def test_device_clock_stays_on_the_hosts_clock_over_seconds():
+    """A mark recorded on an idle device is passed within microseconds of its record: over three seconds of steps
+    the clock, anchored anew by each wait the host blocked on, puts it there, never before the record (the GPU's timer
+    and the host's clock drift apart by tens of microseconds a second, which one anchor at the start would keep)."""
+    import time
+
+    from simharness.engine.timing import DeviceClock
+
+    clock = DeviceClock(cuda=True)
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 1.5e-3)  # about 1.5 ms of device time
+    gaps, start = [], time.perf_counter()
+    while time.perf_counter() - start < 3.0:
+        torch.cuda._sleep(cycles)
+        end = clock.mark()
+        clock.wait(end)  # the host blocks: an anchor
+        t = time.perf_counter() + 200e-6
+        while time.perf_counter() < t:  # the device idles
+            pass
+        recorded = time.perf_counter()
+        idle = clock.mark()
+        clock.wait(idle)
+        gaps.append(clock.seconds(idle) - recorded)
+    gaps = np.array(gaps)
+    assert len(gaps) > 500
+    assert gaps.min() > -2e-6 and np.median(gaps) < 30e-6 and np.quantile(gaps[-100:], 0.9) < 60e-6

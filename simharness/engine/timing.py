@@ -12,6 +12,7 @@ measured launch.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -68,10 +69,34 @@ def record(events: list) -> None:
     events.append(event)
 
 
+# How far back the device clock looks for its tightest anchor: long enough to hold many waits, short enough that the
+# drift between the GPU's timer and the host's clock (24 us a second measured on the H100 machine, docs/hil.md,
+# "The real level's device clock") moves the offset by about a microsecond within it.
+ANCHOR_WINDOW_S = 0.05
+
+
+class Anchors:
+    """The offset from a device timestamp to the host's clock, from the waits the host blocked on: each says the host
+    woke at `host`, a little after the device passed `device` (the wake-up is never early, so the smallest offset
+    of the recent ones is the tightest). Recent only: the two clocks drift apart."""
+
+    def __init__(self, device: float, host: float):
+        self.recent: deque[tuple[float, float]] = deque([(device, host - device)])
+
+    def add(self, device: float, host: float) -> None:
+        recent = self.recent
+        recent.append((device, host - device))
+        while len(recent) > 1 and recent[0][0] < device - ANCHOR_WINDOW_S:
+            recent.popleft()
+
+    def offset(self) -> float:
+        return min(offset for _, offset in self.recent)
+
+
 class DeviceClock:
     """Device timestamps on the host's clock (`time.perf_counter` seconds; the real level): CUDA events timed from a
-    reference event recorded, on an idle device, when the clock started; on the CPU, where the work runs
-    inside the host's calls, the host's own clock."""
+    reference event recorded, on an idle device, when the clock started, shifted by the offset of the latest waits
+    the host blocked on (`Anchors`); on the CPU, where the work runs inside the host's calls, the host's own clock."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -81,6 +106,7 @@ class DeviceClock:
             self.reference.record()
             self.reference.synchronize()
             self.reference_s = time.perf_counter()
+            self.anchors = Anchors(self.reference_s, self.reference_s)
 
     def mark(self):
         """A mark at this point of the stream (an event recorded on it), or of the host on the CPU."""
@@ -90,8 +116,20 @@ class DeviceClock:
         event.record()
         return event
 
+    def wait(self, mark) -> None:
+        """Block until the device passes `mark`; when the host had to block, its wake-up anchors the clock anew."""
+        if not self.cuda or mark.query():
+            return
+        mark.synchronize()
+        host = time.perf_counter()
+        self.anchors.add(self._timer(mark), host)
+
     def seconds(self, mark) -> float:
         """When the device passed `mark` (it must have: wait for it first)."""
         if not self.cuda:
             return mark
+        return self._timer(mark) + self.anchors.offset()
+
+    def _timer(self, mark) -> float:
+        """The device's own time of `mark`, in seconds on the host's clock as it stood at the reference."""
         return self.reference_s + self.reference.elapsed_time(mark) / 1e3

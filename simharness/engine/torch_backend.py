@@ -220,7 +220,7 @@ class TorchBackend:
         launch = self.launches.pop(step.step)
         with phase("readback"):
             # The wait is the GPU's time (gates included), not the host's readback: it ends before t_read.
-            launch.wait(self.loop)
+            launch.wait(self.loop, self.clock)
             t_read = time.perf_counter()
             read = launch.read(self.loop, self.clock)
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
@@ -337,10 +337,10 @@ class Launch:
             timing.mark(self.events)  # after the first tokens' copy: what the readback waits for
         return step_s
 
-    def wait(self, loop: DecodeLoop) -> None:
+    def wait(self, loop: DecodeLoop, clock: DeviceClock | None) -> None:
         """Block until the launch's device work is done."""
         if self.window and loop.cuda:
-            self.window[-1].synchronize()  # after everything the step enqueued
+            clock.wait(self.window[-1])  # after everything the step enqueued
         elif self.events:
             self.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
         elif self.result is not None:
