@@ -29,7 +29,9 @@ import pandas as pd
 import yaml
 
 from simharness import stats
+from simharness.metrics import HOST_PHASE_METRICS, phase_metric
 from simharness.pointfiles import read_points
+from simharness.records import DEVICE_PHASES
 from simharness.results import finished_points, point_dir
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
@@ -51,17 +53,24 @@ METRICS: dict[str, tuple[bool | None, str]] = {
 # moves its step time by its own size, but TPOT by less (a slower device hides more of the host's time) and under a
 # run-to-run spread of TPOT several times that of the step time (docs/ci.md, "The GPU gate's statistic"). The sim
 # keeps METRICS' exact verdicts.
+# Each device phase's time per step, and each host phase's where the engine's code runs (metrics.HOST_PHASE_METRICS),
+# localize a change to the kernel or host phase that moved, and see one that the step's sum hides under its spread
+# (#37238's sampler, #41043's allocations in prep; docs/ci.md "Per-phase step metrics").
+DEVICE_PHASE_METRICS = tuple(phase_metric("device", p) for p in DEVICE_PHASES)
 STEP_METRICS: dict[str, tuple[bool | None, str]] = {
     "mean_step_ms": (False, "ms"),  # the steps' device windows; gated only between runs of the same steps (SAME_STEPS)
     "mean_device_ms": (False, "ms"),  # the device phases' busy time per step: the same steps only, as above
+    **dict.fromkeys(DEVICE_PHASE_METRICS, (False, "ms")),  # the same steps only, as above
     "mean_host_ms_per_step": (False, "ms"),
+    **{phase_metric("host", p): (False, "ms") for p in HOST_PHASE_METRICS},
     "tokens_per_step": (True, "tokens"),
 }
 # the steps of two runs are alike when these agree (within SAME_STEPS_TOL): a step that does other work (more
 # requests, more accepted tokens) takes another device time, which is no regression of the device
 SAME_STEPS = ("num_steps", "mean_batch_size", "tokens_per_step")
 SAME_STEPS_TOL = 0.005
-SAME_STEPS_METRICS = ("mean_step_ms", "mean_device_ms")  # what another step's work moves without a regression
+# what another step's work moves without a regression
+SAME_STEPS_METRICS = ("mean_step_ms", "mean_device_ms", *DEVICE_PHASE_METRICS)
 DIRECTION = {**METRICS, **STEP_METRICS}  # every metric compare may gate: (bigger is better, unit)
 NUMERIC = tuple(dict.fromkeys((*DIRECTION, *SAME_STEPS)))  # the summary columns a side's median is taken of
 FLOAT_TOL = 1e-9
@@ -355,11 +364,12 @@ class _Runs:
 
 
 def _family(metric: str) -> str:
-    """The statistic a latency metric is (mean, median, p90, p99); the throughputs are one family; any other metric
-    is a family of its own."""
+    """The statistic a latency metric (`<stat>_<ttft|tpot|itl|e2el>_ms`) is (mean, median, p90, p99); the throughputs
+    are one family; any other metric is a family of its own (`mean_step_ms` is no latency)."""
     if metric.endswith("_throughput"):
         return "throughput"
-    return metric.split("_")[0] if metric.endswith("_ms") and metric.count("_") == 2 else metric
+    stat, kind, unit = (metric.split("_") + ["", ""])[:3]
+    return stat if metric.count("_") == 2 and kind in LATENCY and unit == "ms" else metric
 
 
 def _per_config(run: Run) -> pd.DataFrame:
