@@ -6,8 +6,9 @@ clock the same way). Measured runs (hil / real) are judged with the run as the u
 with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of the last N runs) a
 change is a regression only when it is beyond the threshold and the runs' values differ
 (`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
-records' figures are gated too (`STEP_METRICS`: device window and busy time, host time per step, tokens per step; far
-steadier run to run than latency); with one run a side that has `repeats: N` the repeats are the
+records' figures are gated too (`STEP_METRICS`: device window and busy time and each device phase's, host time per
+step and that of prep, launch and propose, tokens per step; far steadier run to run than latency, and a phase's
+names where a change landed); with one run a side that has `repeats: N` the repeats are the
 units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
 p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
 and docs/ci.md ("The GPU gate's statistic") say which test and why, and how the threshold meets the
