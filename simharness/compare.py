@@ -344,7 +344,9 @@ class _Runs:
         gated = [m for m, (better, _) in metrics.items()
                  if better is not None and all(m in s.summary for s in self.medians)]
         spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common for m in gated}
-        spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > 0}
+        # a spread within float rounding (FLOAT_TOL) is none: runs that agree to the bit give logs that their mean
+        # misses by an ulp
+        spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > FLOAT_TOL**2}
         self.alpha = alpha / max(len({_family(m) for _, m in spreads}), 1)
         spreads = {k: v for k, v in spreads.items() if k[1] in METRICS}
         overall = float(np.median(list(spreads.values()))) if spreads else 0.0

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from helpers import load_benchmark
 
-from simharness.compare import STEP_METRICS, Run, _family, compare_runs
+from simharness.compare import METRICS, STEP_METRICS, Run, _family, _Runs, compare_runs
 from simharness.gate_report import verdict
 from simharness.metrics import HOST_PHASE_METRICS
 from simharness.records import DEVICE_PHASES
@@ -130,6 +130,16 @@ def test_each_phase_metric_is_a_family_of_its_own():
         m: m for m in (*phases, "mean_step_ms", "mean_device_ms")}
     assert {_family(m) for m in ("mean_tpot_ms", "mean_itl_ms")} == {"mean"}
     assert _family("p99_e2el_ms") == "p99" and _family("output_throughput") == "throughput"
+
+
+def test_the_level_is_split_over_the_families_that_vary():
+    # mean, median, P90, P99, throughput, the step window, the host time: 7; acceptance, syncs and tokens per step
+    # are the same in every run (their logs' mean misses them by an ulp: no spread), as is a phase no run has
+    rng = np.random.default_rng(13)
+    base, current = ([fake_run(rng, sample=1.0) for _ in range(n)] for n in (BASE_RUNS, 2))
+    assert _Runs(base, current, 0.02, {**METRICS, **STEP_METRICS}).alpha == pytest.approx(0.02 / 8)  # and sample
+    base, current = ([fake_run(rng) for _ in range(n)] for n in (BASE_RUNS, 2))
+    assert _Runs(base, current, 0.02, {**METRICS, **STEP_METRICS}).alpha == pytest.approx(0.02 / 7)
 
 
 def test_step_metrics_are_not_gated_at_the_sim_or_with_one_plain_run_a_side():
