@@ -8,7 +8,7 @@ change is a regression only when it is beyond the threshold and the runs' values
 (`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
 records' figures are gated too (`STEP_METRICS`: device window and busy time and each device phase's, host time per
 step and that of prep, launch and propose, tokens per step; far steadier run to run than latency, and a phase's
-names where a change landed); with one run a side that has `repeats: N` the repeats are the
+own figure says where a change landed); with one run a side that has `repeats: N` the repeats are the
 units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
 p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
 and docs/ci.md ("The GPU gate's statistic") say which test and why, and how the threshold meets the
@@ -50,14 +50,14 @@ METRICS: dict[str, tuple[bool | None, str]] = {
     "syncs_per_step": (False, "count"),
     "sync_wait_ms_per_step": (None, "ms"),
 }
-# measured levels, with runs or repeats as the units: the step records' figures (engine_metrics). A slower device
-# moves its step time by its own size, but TPOT by less (a slower device hides more of the host's time) and under a
-# run-to-run spread of TPOT several times that of the step time (docs/ci.md, "The GPU gate's statistic"). The sim
-# keeps METRICS' exact verdicts.
 # Each device phase's time per step, and each host phase's where the engine's code runs (metrics.HOST_PHASE_METRICS),
 # localize a change to the kernel or host phase that moved, and see one that the step's sum hides under its spread
 # (#37238's sampler, #41043's allocations in prep; docs/ci.md "Per-phase step metrics").
 DEVICE_PHASE_METRICS = tuple(phase_metric("device", p) for p in DEVICE_PHASES)
+# measured levels, with runs or repeats as the units: the step records' figures (engine_metrics). A slower device
+# moves its step time by its own size, but TPOT by less (a slower device hides more of the host's time) and under a
+# run-to-run spread of TPOT several times that of the step time (docs/ci.md, "The GPU gate's statistic"). The sim
+# keeps METRICS' exact verdicts.
 STEP_METRICS: dict[str, tuple[bool | None, str]] = {
     "mean_step_ms": (False, "ms"),  # the steps' device windows; gated only between runs of the same steps (SAME_STEPS)
     "mean_device_ms": (False, "ms"),  # the device phases' busy time per step: the same steps only, as above

@@ -230,8 +230,8 @@ def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
 def _host_work_s(phases: dict[str, tuple[np.ndarray, np.ndarray]]) -> float:
     """The engine thread's time in host work (the HOST_WORK phases of `_phases`), summed in `host_intervals`'
     order."""
-    return _busy_s(*(np.concatenate([bounds[i] for kind, bounds in phases.items() if kind in HOST_WORK])
-                     for i in (0, 1)))
+    work = [bounds for kind, bounds in phases.items() if kind in HOST_WORK]
+    return _busy_s(np.concatenate([start for start, _ in work]), np.concatenate([end for _, end in work]))
 
 
 def _busy_s(start: np.ndarray, end: np.ndarray) -> float:
