@@ -61,11 +61,13 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simharness.compare import DIRECTION, compare_runs, load_run  # noqa: E402
+from simharness.compare import DIRECTION, STEP_METRICS, Run, compare_runs, load_run  # noqa: E402
 from simharness.gate_report import verdict  # noqa: E402
 from simharness.levels import LEVELS  # noqa: E402
+from simharness.metrics import engine_metrics  # noqa: E402
 from simharness.overrides import parse_sets  # noqa: E402
 from simharness.profile import resolve as resolve_profile  # noqa: E402
+from simharness.records import SYNC_COLUMNS  # noqa: E402
 from simharness.scenario import load_scenario  # noqa: E402
 from simharness.seeds import SEEDS, seed_scenario_path  # noqa: E402
 
@@ -373,9 +375,24 @@ def load_pool(pool: Path, level: str, arm_set: dict[str, Arm]) -> dict[str, dict
         for p in sorted((pool / level / _slug(name)).glob("p*")):
             run_dir = next((d for d in p.glob("*/*") if (d / "summary.json").is_file()), None)
             if run_dir is not None:
-                runs[int(p.name[1:])] = load_run(run_dir)
+                runs[int(p.name[1:])] = with_step_metrics(load_run(run_dir), run_dir)
         out[name] = runs
     return out
+
+
+def with_step_metrics(run: Run, run_dir: Path) -> Run:
+    """The run, with each gated step metric (compare.STEP_METRICS) its summary.json predates computed from its
+    steps.parquet by `metrics.engine_metrics`, so that an older pool is judged with them. The pools keep no
+    syncs.parquet: with none, a sync of the launch phase (none of the gate's arms has one) would count as launch."""
+    missing = [m for m in STEP_METRICS if m not in run.summary]
+    if not missing or not (run_dir / "steps.parquet").is_file():
+        return run
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    kept = run_dir / "syncs.parquet"
+    syncs = pd.read_parquet(kept) if kept.is_file() else pd.DataFrame(columns=["point", *SYNC_COLUMNS])
+    rows = [engine_metrics(steps[steps["point"] == p], syncs[syncs["point"] == p]) for p in run.summary.index]
+    filled = pd.DataFrame([{m: row[m] for m in missing} for row in rows], index=run.summary.index)
+    return replace(run, summary=run.summary.join(filled))
 
 
 def trials(pool_runs: dict[str, dict[int, object]], base: str, current: str, n: int, count: int, seed: int = 0,

@@ -6,8 +6,9 @@ clock the same way). Measured runs (hil / real) are judged with the run as the u
 with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of the last N runs) a
 change is a regression only when it is beyond the threshold and the runs' values differ
 (`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
-records' figures are gated too (`STEP_METRICS`: device window and busy time, host time per step, tokens per step; far
-steadier run to run than latency); with one run a side that has `repeats: N` the repeats are the
+records' figures are gated too (`STEP_METRICS`: device window and busy time and each device phase's, host time per
+step and that of prep, launch and propose, tokens per step; far steadier run to run than latency, and a phase's
+own figure says where a change landed); with one run a side that has `repeats: N` the repeats are the
 units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
 p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
 and docs/ci.md ("The GPU gate's statistic") say which test and why, and how the threshold meets the
@@ -29,7 +30,9 @@ import pandas as pd
 import yaml
 
 from simharness import stats
+from simharness.metrics import HOST_PHASE_METRICS, phase_metric
 from simharness.pointfiles import read_points
+from simharness.records import DEVICE_PHASES
 from simharness.results import finished_points, point_dir
 
 LATENCY = ("ttft", "tpot", "itl", "e2el")
@@ -47,6 +50,10 @@ METRICS: dict[str, tuple[bool | None, str]] = {
     "syncs_per_step": (False, "count"),
     "sync_wait_ms_per_step": (None, "ms"),
 }
+# Each device phase's time per step, and each host phase's where the engine's code runs (metrics.HOST_PHASE_METRICS),
+# localize a change to the kernel or host phase that moved, and see one that the step's sum hides under its spread
+# (#37238's sampler, #41043's allocations in prep; docs/ci.md "Per-phase step metrics").
+DEVICE_PHASE_METRICS = tuple(phase_metric("device", p) for p in DEVICE_PHASES)
 # measured levels, with runs or repeats as the units: the step records' figures (engine_metrics). A slower device
 # moves its step time by its own size, but TPOT by less (a slower device hides more of the host's time) and under a
 # run-to-run spread of TPOT several times that of the step time (docs/ci.md, "The GPU gate's statistic"). The sim
@@ -54,14 +61,17 @@ METRICS: dict[str, tuple[bool | None, str]] = {
 STEP_METRICS: dict[str, tuple[bool | None, str]] = {
     "mean_step_ms": (False, "ms"),  # the steps' device windows; gated only between runs of the same steps (SAME_STEPS)
     "mean_device_ms": (False, "ms"),  # the device phases' busy time per step: the same steps only, as above
+    **dict.fromkeys(DEVICE_PHASE_METRICS, (False, "ms")),  # the same steps only, as above
     "mean_host_ms_per_step": (False, "ms"),
+    **{phase_metric("host", p): (False, "ms") for p in HOST_PHASE_METRICS},
     "tokens_per_step": (True, "tokens"),
 }
 # the steps of two runs are alike when these agree (within SAME_STEPS_TOL): a step that does other work (more
 # requests, more accepted tokens) takes another device time, which is no regression of the device
 SAME_STEPS = ("num_steps", "mean_batch_size", "tokens_per_step")
 SAME_STEPS_TOL = 0.005
-SAME_STEPS_METRICS = ("mean_step_ms", "mean_device_ms")  # what another step's work moves without a regression
+# what another step's work moves without a regression
+SAME_STEPS_METRICS = ("mean_step_ms", "mean_device_ms", *DEVICE_PHASE_METRICS)
 DIRECTION = {**METRICS, **STEP_METRICS}  # every metric compare may gate: (bigger is better, unit)
 NUMERIC = tuple(dict.fromkeys((*DIRECTION, *SAME_STEPS)))  # the summary columns a side's median is taken of
 FLOAT_TOL = 1e-9
@@ -334,7 +344,9 @@ class _Runs:
         gated = [m for m, (better, _) in metrics.items()
                  if better is not None and all(m in s.summary for s in self.medians)]
         spreads = {(p, m): _pooled_log_variance(*self._samples(p, m)) for p in common for m in gated}
-        spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > 0}
+        # a spread within float rounding (FLOAT_TOL) is none: runs that agree to the bit give logs that their mean
+        # misses by an ulp
+        spreads = {k: v for k, v in spreads.items() if math.isfinite(v) and v > FLOAT_TOL**2}
         self.alpha = alpha / max(len({_family(m) for _, m in spreads}), 1)
         spreads = {k: v for k, v in spreads.items() if k[1] in METRICS}
         overall = float(np.median(list(spreads.values()))) if spreads else 0.0
@@ -355,11 +367,12 @@ class _Runs:
 
 
 def _family(metric: str) -> str:
-    """The statistic a latency metric is (mean, median, p90, p99); the throughputs are one family; any other metric
-    is a family of its own."""
+    """The statistic a latency metric (`<stat>_<ttft|tpot|itl|e2el>_ms`) is (mean, median, p90, p99); the throughputs
+    are one family; any other metric is a family of its own (`mean_step_ms` is no latency)."""
     if metric.endswith("_throughput"):
         return "throughput"
-    return metric.split("_")[0] if metric.endswith("_ms") and metric.count("_") == 2 else metric
+    stat, kind, unit = (metric.split("_") + ["", ""])[:3]
+    return stat if metric.count("_") == 2 and kind in LATENCY and unit == "ms" else metric
 
 
 def _per_config(run: Run) -> pd.DataFrame:

@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from simharness.records import DEVICE_PHASE_COLUMNS
+from simharness.records import DEVICE_PHASE_COLUMNS, DEVICE_PHASES
 from simharness.scenario import Goodput
 
 MS = 1e3
 HOST_WORK = ("schedule", "prep", "launch", "update", "propose")  # host phases that are engine work
+# the host phases whose time per step is a metric of its own: where the engine's own code runs at the measured levels
+# (schedule and update are the model's host costs there, spun less the harness's own time; docs/ci.md)
+HOST_PHASE_METRICS = ("prep", "launch", "propose")
 INTERVAL_COLUMNS = ["step", "kind", "name", "phase", "waits_for", "start_s", "end_s"]
 # A record table as the metrics read it: a DataFrame, or its columns as arrays (`Records.steps_columns`), which a
 # small point reads in a fraction of a frame's per-column cost
@@ -140,7 +143,8 @@ def speculation_metrics(requests: Table, steps: Table, k: int) -> dict[str, floa
 
 
 def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
-    """Per-step engine-loop figures: GPU time and busy fraction, bubbles, syncs, host phases, GC.
+    """Per-step engine-loop figures: GPU time and busy fraction, bubbles, syncs, host phases, GC, and each device
+    phase's and gated host phase's time per step (`phase_metric`), which tell where a change of the step's time lands.
 
     Syncs count only for recorded steps (a step launched as the run ends is never settled nor recorded)."""
     step_ids = np.asarray(steps["step"])
@@ -152,26 +156,40 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
     gc = _col(steps, "gc_pause_s")
     # the measured levels' device busy time: the sum of a step's device phases, without the idle gaps its window
     # holds while the device waits for the host's enqueues (the sim models no phases: NaN, not compared)
-    phases = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS]).sum(axis=1)
-    busy = phases[np.isfinite(phases)]
+    device = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS])
+    phases = _phases(steps, syncs)
     wasted = int(_col(steps, "wasted_slots").sum())
     return {
         "num_steps": n,
         "mean_step_ms": _mean(gpu) * MS,
         "gpu_busy_fraction": _ratio(gpu.sum(), span),
-        "mean_device_ms": _mean(busy) * MS if len(busy) or not n else math.nan,
+        "mean_device_ms": _device_ms(device.sum(axis=1), n),
         "mean_bubble_ms": _mean(_col(steps, "bubble_s")) * MS,
         "syncs_per_step": _ratio(np.count_nonzero(recorded), n),
         "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s")[recorded] - _col(syncs, "start_s")[recorded]).sum(),
                                         n) * MS,
-        "mean_host_ms_per_step": _ratio(_host_work_s(steps, syncs), n) * MS,
+        "mean_host_ms_per_step": _ratio(_host_work_s(phases), n) * MS,
         "gc_pauses_per_step": _ratio(np.count_nonzero(gc > 0), n),
         "gc_pause_ms_per_step": _ratio(gc.sum(), n) * MS,
         "wasted_slots": wasted,
         "wasted_slot_fraction": _ratio(wasted, _col(steps, "decode_tokens").sum()),
         "mean_batch_size": _mean(_col(steps, "n_reqs")),
         "tokens_per_step": _mean(_col(steps, "emitted")),
+        **{phase_metric("device", p): _device_ms(device[:, i], n) for i, p in enumerate(DEVICE_PHASES)},
+        **{phase_metric("host", p): _ratio(_busy_s(*phases[p]), n) * MS for p in HOST_PHASE_METRICS},
     }
+
+
+def phase_metric(side: str, phase: str) -> str:
+    """The metric of one phase's time per step: `device_verify_ms_per_step`, `host_prep_ms_per_step` (a name that is
+    no latency statistic's, `<stat>_<kind>_ms`: each phase is a family of its own in compare's test)."""
+    return f"{side}_{phase}_ms_per_step"
+
+
+def _device_ms(seconds: np.ndarray, n: int) -> float:
+    """The mean over the steps with a measured time (ms); NaN where steps have none (the sim), 0 with no steps."""
+    measured = seconds[np.isfinite(seconds)]
+    return _mean(measured) * MS if len(measured) or not n else math.nan
 
 
 def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
@@ -209,11 +227,15 @@ def host_intervals(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
                          for name, values in frame.items()})
 
 
-def _host_work_s(steps: Table, syncs: Table) -> float:
-    """The engine thread's time in host work (the HOST_WORK phases), summed in `host_intervals`' order."""
-    work = {kind: bounds for kind, bounds in _phases(steps, syncs).items() if kind in HOST_WORK}
-    start = np.concatenate([s for s, _ in work.values()])
-    end = np.concatenate([e for _, e in work.values()])
+def _host_work_s(phases: dict[str, tuple[np.ndarray, np.ndarray]]) -> float:
+    """The engine thread's time in host work (the HOST_WORK phases of `_phases`), summed in `host_intervals`'
+    order."""
+    work = [bounds for kind, bounds in phases.items() if kind in HOST_WORK]
+    return _busy_s(np.concatenate([start for start, _ in work]), np.concatenate([end for _, end in work]))
+
+
+def _busy_s(start: np.ndarray, end: np.ndarray) -> float:
+    """The total length of the non-empty intervals, summed in `host_intervals`' order."""
     order = _order(start, end)
     return float((end[order] - start[order]).sum())  # pairwise, as pandas' sum of these (NaN-free) gaps was
 

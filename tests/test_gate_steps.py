@@ -13,8 +13,10 @@ import pandas as pd
 import pytest
 from helpers import load_benchmark
 
-from simharness.compare import STEP_METRICS, Run, compare_runs
+from simharness.compare import METRICS, STEP_METRICS, Run, _family, _Runs, compare_runs
 from simharness.gate_report import verdict
+from simharness.metrics import HOST_PHASE_METRICS
+from simharness.records import DEVICE_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 # The real level's run-to-run spread in the H100 pools (results/gate/h100/step-gate/power.md, "Run-to-run spread";
@@ -28,9 +30,10 @@ BASE_RUNS = 10
 
 
 def fake_run(rng: np.random.Generator, *, device: float = 1.0, tokens: float = 20.64, level: str = "real",
-             name: str = "r", busy: float | None = None) -> Run:
+             name: str = "r", busy: float | None = None, sample: float | None = None) -> Run:
     """One measured run of one point. `device` scales the device time per step; TPOT moves by the part of it the
-    steps do not hide (a third, as the 5% arm's TPOT moved 1.5% in the pools)."""
+    steps do not hide (a third, as the 5% arm's TPOT moved 1.5% in the pools). `sample`, if given, scales the
+    sampler's device phase, which spreads 0.7% a run at real (results/gate/h100-20261127/phases/power.md)."""
     host = rng.normal(0.0, 1.0)  # the run's host speed, in standard deviations
     latency = math.exp(LATENCY * (0.9 * host + 0.44 * rng.normal())) * (1 + (device - 1) / 3)
     row = {"point": "base", "level": "real", "num_steps": 112, "mean_batch_size": 6.75, "tokens_per_step": tokens,
@@ -43,6 +46,8 @@ def fake_run(rng: np.random.Generator, *, device: float = 1.0, tokens: float = 2
             row[f"{stat}_{kind}_ms"] = ms * latency * math.exp(rng.normal(0.0, sigma))
     if busy is not None:  # the device phases' busy time per step, with this spread: no host gaps in it
         row["mean_device_ms"] = 1.9 * device * math.exp(busy * rng.normal())
+    if sample is not None:
+        row["device_sample_ms_per_step"] = 0.0115 * sample * math.exp(0.007 * rng.normal())
     summary = pd.DataFrame([row]).set_index("point")
     return Run(Path(name), "gate-gpu", "real", summary, None, {"scenario": "gate-gpu", "device": "H100"})
 
@@ -103,6 +108,38 @@ def test_device_step_time_of_other_steps_is_a_diagnostic():
         step = next(r for r in rows if r.metric == metric)
         assert step.verdict == "changed" and step.change_pct > 15
     assert next(r for r in rows if r.metric == "tokens_per_step").verdict == "improvement"
+
+
+def test_a_device_phase_that_moved_is_gated_between_runs_of_the_same_steps_only():
+    # #37238's sampler: its own phase 5% slower, the whole step 0.06% (nothing else moves)
+    rng = np.random.default_rng(12)
+    base = [fake_run(rng, sample=1.0) for _ in range(BASE_RUNS)]
+    rows = compare_runs(base, [fake_run(rng, sample=1.05) for _ in range(2)], threshold=0.02)
+    row = next(r for r in rows if r.metric == "device_sample_ms_per_step")
+    assert row.verdict == "regression" and 4 < row.change_pct < 6
+    assert verdict(rows) == "fail" and {r.metric for r in rows if r.verdict == "regression"} == {row.metric}
+    other = compare_runs(base, [fake_run(rng, sample=1.05, tokens=24.0) for _ in range(2)], threshold=0.02)
+    assert next(r for r in other if r.metric == "device_sample_ms_per_step").verdict == "changed"
+
+
+def test_each_phase_metric_is_a_family_of_its_own():
+    # the alpha is split over families (`_Runs`); a phase's name must not read as a latency statistic's
+    phases = [m for m in STEP_METRICS if m.startswith(("device_", "host_"))]
+    assert len(phases) == len(DEVICE_PHASES) + len(HOST_PHASE_METRICS)
+    assert {m: _family(m) for m in (*phases, "mean_step_ms", "mean_device_ms")} == {
+        m: m for m in (*phases, "mean_step_ms", "mean_device_ms")}
+    assert {_family(m) for m in ("mean_tpot_ms", "mean_itl_ms")} == {"mean"}
+    assert _family("p99_e2el_ms") == "p99" and _family("output_throughput") == "throughput"
+
+
+def test_the_level_is_split_over_the_families_that_vary():
+    # mean, median, P90, P99, throughput, the step window, the host time: 7; acceptance, syncs and tokens per step
+    # are the same in every run (their logs' mean misses them by an ulp: no spread), as is a phase no run has
+    rng = np.random.default_rng(13)
+    base, current = ([fake_run(rng, sample=1.0) for _ in range(n)] for n in (BASE_RUNS, 2))
+    assert _Runs(base, current, 0.02, {**METRICS, **STEP_METRICS}).alpha == pytest.approx(0.02 / 8)  # and sample
+    base, current = ([fake_run(rng) for _ in range(n)] for n in (BASE_RUNS, 2))
+    assert _Runs(base, current, 0.02, {**METRICS, **STEP_METRICS}).alpha == pytest.approx(0.02 / 7)
 
 
 def test_step_metrics_are_not_gated_at_the_sim_or_with_one_plain_run_a_side():
@@ -187,3 +224,31 @@ def test_spread_table_gives_a_spread_and_each_arms_change():
     step = next(line for line in text.splitlines() if line.startswith("| mean_step_ms |")).split("|")
     assert 0.0 < float(step[2].strip(" %")) < 0.5 and 9.0 < float(step[3].strip(" %+")) < 11.0
     assert "| syncs_per_step | 0.00% | +0.0% |" in text
+
+
+def test_an_old_pools_run_gets_the_step_metrics_its_summary_lacks(tmp_path):
+    # the pools of 2026-11-27 predate the per-phase metrics: they are computed from each run's steps.parquet
+    from simharness.compare import load_run
+    from simharness.metrics import engine_metrics
+    from simharness.records import STEP_COLUMNS, SYNC_COLUMNS
+
+    gp = _benchmark()
+    ms = 1e-3
+    steps = pd.DataFrame([dict.fromkeys(STEP_COLUMNS, 0.0) | {"point": point, "step": i, "prep_end": 0.5 * ms * scale,
+                                                              "gpu_verify_s": (i + 1) * ms * scale}
+                          for point, scale in (("a", 1.0), ("b", 2.0)) for i in range(2)])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    summary = [{"point": p, "level": "real", "mean_step_ms": 9.0} for p in "ab"]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    old = load_run(run_dir)
+    assert gp.with_step_metrics(old, run_dir) is old  # no steps.parquet: as it was
+    steps.to_parquet(run_dir / "steps.parquet")
+    summary = gp.with_step_metrics(load_run(run_dir), run_dir).summary
+    assert summary.loc["a", "device_verify_ms_per_step"] == pytest.approx(1.5)  # (1 + 2) / 2 ms
+    assert summary.loc["b", "device_verify_ms_per_step"] == pytest.approx(3.0)
+    assert summary.loc["b", "host_prep_ms_per_step"] == pytest.approx(1.0)
+    assert (summary["mean_step_ms"] == 9.0).all()  # a metric the summary has is kept
+    expected = engine_metrics(steps[steps["point"] == "b"], pd.DataFrame(columns=SYNC_COLUMNS))
+    assert {m: summary.loc["b", m] for m in STEP_METRICS if m != "mean_step_ms"} == {
+        m: expected[m] for m in STEP_METRICS if m != "mean_step_ms"}

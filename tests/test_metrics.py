@@ -9,7 +9,14 @@ import pandas as pd
 import pytest
 
 from simharness.metrics import compute_metrics, host_intervals, latency_stats, percentile_label
-from simharness.records import DEVICE_PHASE_COLUMNS, EMISSION_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, SYNC_COLUMNS
+from simharness.records import (
+    DEVICE_PHASE_COLUMNS,
+    DEVICE_PHASES,
+    EMISSION_COLUMNS,
+    REQUEST_COLUMNS,
+    STEP_COLUMNS,
+    SYNC_COLUMNS,
+)
 from simharness.scenario import Goodput
 
 NO_SLO = Goodput()
@@ -164,6 +171,10 @@ def test_engine_metrics() -> None:
     assert m["wasted_slots"] == 2 and m["wasted_slot_fraction"] == pytest.approx(2 / 16)
     assert m["mean_batch_size"] == pytest.approx(5 / 3)
     assert m["tokens_per_step"] == pytest.approx(3.0)
+    # the host phases with a metric of their own: prep 1 + 1, launch 1 + 1 (step 0's after its sync), propose 2
+    assert m["host_prep_ms_per_step"] == pytest.approx(2 / 3)
+    assert m["host_launch_ms_per_step"] == pytest.approx(2 / 3)
+    assert m["host_propose_ms_per_step"] == pytest.approx(2 / 3)
     iv = host_intervals(steps, syncs)
     gc = iv[iv["kind"] == "gc"].iloc[0]
     assert (gc["start_s"], gc["end_s"]) == pytest.approx((101 * ms, 106 * ms))  # ends where the sync starts
@@ -181,8 +192,19 @@ def test_device_busy_time_per_step_is_the_sum_of_its_phases() -> None:
     m = _metrics(steps=_steps(phases), syncs=EMPTY_SYNCS)
     assert m["mean_device_ms"] == pytest.approx(3.0)  # (2 + 4) / 2
     assert m["mean_step_ms"] == pytest.approx(4.0)  # the windows: (3 + 5) / 2
-    sim = _steps([{c: math.nan for c in DEVICE_PHASE_COLUMNS} | {"gpu_end": 1 * ms}])
-    assert math.isnan(_metrics(steps=sim, syncs=EMPTY_SYNCS)["mean_device_ms"])  # the sim models no phases
+    # each phase's own: the mean over the steps, a step without the phase counting 0
+    each = {p: m[f"device_{p}_ms_per_step"] for p in DEVICE_PHASES}
+    assert each == pytest.approx({"prefill": 1.0, "verify": 1.0, "sample": 0.5, "commit": 0.1, "propose": 0.4})
+    # a phase a step did not measure (NaN) is left out of that phase's mean, and the step out of the busy time
+    unmeasured = _metrics(steps=_steps([phases[0], phases[1] | {"gpu_verify_s": math.nan}]), syncs=EMPTY_SYNCS)
+    assert unmeasured["device_verify_ms_per_step"] == pytest.approx(1.0)
+    assert unmeasured["device_prefill_ms_per_step"] == pytest.approx(1.0) and unmeasured["mean_device_ms"] == 2.0
+    sim = _metrics(steps=_steps([{c: math.nan for c in DEVICE_PHASE_COLUMNS} | {"gpu_end": 1 * ms,
+                                                                               "prep_end": 2 * ms}]),
+                   syncs=EMPTY_SYNCS)
+    assert math.isnan(sim["mean_device_ms"])  # the sim models no phases
+    assert all(math.isnan(sim[f"device_{p}_ms_per_step"]) for p in DEVICE_PHASES)
+    assert sim["host_prep_ms_per_step"] == pytest.approx(2.0)  # its host phases are modelled
 
 
 def test_single_token_requests_have_no_tpot() -> None:
