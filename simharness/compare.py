@@ -7,8 +7,8 @@ with several runs a side (`compare BASE... CURRENT...`, a rolling baseline of th
 change is a regression only when it is beyond the threshold and the runs' values differ
 (`run_significance`, pooled t-test on logs, alpha split over the families of metrics), and the step
 records' figures are gated too (`STEP_METRICS`: device window and busy time and each device phase's, host time per
-step and that of prep, launch and propose, tokens per step; far steadier run to run than latency, and a phase's
-own figure says where a change landed); with one run a side that has `repeats: N` the repeats are the
+step and the shares of prep, launch and propose in it, tokens per step; far steadier run to run than latency, and a
+phase's own figure says where a change landed); with one run a side that has `repeats: N` the repeats are the
 units (`stats.significance`); with one plain run a side the per-request samples are (Mann-Whitney U,
 p < 0.01), and a warning says that this cannot tell run-to-run noise from a change. docs/baselines.md
 and docs/ci.md ("The GPU gate's statistic") say which test and why, and how the threshold meets the
@@ -30,7 +30,7 @@ import pandas as pd
 import yaml
 
 from simharness import stats
-from simharness.metrics import HOST_PHASE_METRICS, phase_metric
+from simharness.metrics import HOST_PHASE_METRICS, phase_metric, share_metric
 from simharness.pointfiles import read_points
 from simharness.records import DEVICE_PHASES
 from simharness.results import finished_points, point_dir
@@ -50,9 +50,9 @@ METRICS: dict[str, tuple[bool | None, str]] = {
     "syncs_per_step": (False, "count"),
     "sync_wait_ms_per_step": (None, "ms"),
 }
-# Each device phase's time per step, and each host phase's where the engine's code runs (metrics.HOST_PHASE_METRICS),
-# localize a change to the kernel or host phase that moved, and see one that the step's sum hides under its spread
-# (#37238's sampler, #41043's allocations in prep; docs/ci.md "Per-phase step metrics").
+# Each device phase's time per step, and each host phase's share of the host work where the engine's code runs
+# (metrics.HOST_PHASE_METRICS), localize a change to the kernel or host phase that moved, and see one that the step's
+# sum hides under its spread (#37238's sampler, #41043's allocations in prep; docs/ci.md "Per-phase step metrics").
 DEVICE_PHASE_METRICS = tuple(phase_metric("device", p) for p in DEVICE_PHASES)
 # measured levels, with runs or repeats as the units: the step records' figures (engine_metrics). A slower device
 # moves its step time by its own size, but TPOT by less (a slower device hides more of the host's time) and under a
@@ -63,7 +63,7 @@ STEP_METRICS: dict[str, tuple[bool | None, str]] = {
     "mean_device_ms": (False, "ms"),  # the device phases' busy time per step: the same steps only, as above
     **dict.fromkeys(DEVICE_PHASE_METRICS, (False, "ms")),  # the same steps only, as above
     "mean_host_ms_per_step": (False, "ms"),
-    **{phase_metric("host", p): (False, "ms") for p in HOST_PHASE_METRICS},
+    **{share_metric(p): (False, "fraction") for p in HOST_PHASE_METRICS},  # not its ms: see metrics.engine_metrics
     "tokens_per_step": (True, "tokens"),
 }
 # the steps of two runs are alike when these agree (within SAME_STEPS_TOL): a step that does other work (more

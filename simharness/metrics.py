@@ -158,6 +158,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
     # holds while the device waits for the host's enqueues (the sim models no phases: NaN, not compared)
     device = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS])
     phases = _phases(steps, syncs)
+    host_s = _host_work_s(phases)
     wasted = int(_col(steps, "wasted_slots").sum())
     return {
         "num_steps": n,
@@ -168,7 +169,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
         "syncs_per_step": _ratio(np.count_nonzero(recorded), n),
         "sync_wait_ms_per_step": _ratio((_col(syncs, "end_s")[recorded] - _col(syncs, "start_s")[recorded]).sum(),
                                         n) * MS,
-        "mean_host_ms_per_step": _ratio(_host_work_s(phases), n) * MS,
+        "mean_host_ms_per_step": _ratio(host_s, n) * MS,
         "gc_pauses_per_step": _ratio(np.count_nonzero(gc > 0), n),
         "gc_pause_ms_per_step": _ratio(gc.sum(), n) * MS,
         "wasted_slots": wasted,
@@ -177,6 +178,9 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
         "tokens_per_step": _mean(_col(steps, "emitted")),
         **{phase_metric("device", p): _device_ms(device[:, i], n) for i, p in enumerate(DEVICE_PHASES)},
         **{phase_metric("host", p): _ratio(_busy_s(*phases[p]), n) * MS for p in HOST_PHASE_METRICS},
+        # a phase's share of the host work: the run's host speed, which moves every phase alike (20-28% run to run
+        # at real), cancels, and a change to one phase's code does not
+        **{share_metric(p): _ratio(_busy_s(*phases[p]), host_s) for p in HOST_PHASE_METRICS},
     }
 
 
@@ -184,6 +188,11 @@ def phase_metric(side: str, phase: str) -> str:
     """The metric of one phase's time per step: `device_verify_ms_per_step`, `host_prep_ms_per_step` (a name that is
     no latency statistic's, `<stat>_<kind>_ms`: each phase is a family of its own in compare's test)."""
     return f"{side}_{phase}_ms_per_step"
+
+
+def share_metric(phase: str) -> str:
+    """The metric of a host phase's share of the host work: `host_prep_share`."""
+    return f"host_{phase}_share"
 
 
 def _device_ms(seconds: np.ndarray, n: int) -> float:

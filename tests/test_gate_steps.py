@@ -247,7 +247,7 @@ def test_an_old_pools_run_gets_the_step_metrics_its_summary_lacks(tmp_path):
     summary = gp.with_step_metrics(load_run(run_dir), run_dir).summary
     assert summary.loc["a", "device_verify_ms_per_step"] == pytest.approx(1.5)  # (1 + 2) / 2 ms
     assert summary.loc["b", "device_verify_ms_per_step"] == pytest.approx(3.0)
-    assert summary.loc["b", "host_prep_ms_per_step"] == pytest.approx(1.0)
+    assert summary.loc["b", "host_prep_share"] == pytest.approx(1.0)  # prep is all the host work there
     assert (summary["mean_step_ms"] == 9.0).all()  # a metric the summary has is kept
     expected = engine_metrics(steps[steps["point"] == "b"], pd.DataFrame(columns=SYNC_COLUMNS))
     assert {m: summary.loc["b", m] for m in STEP_METRICS if m != "mean_step_ms"} == {

@@ -175,6 +175,8 @@ def test_engine_metrics() -> None:
     assert m["host_prep_ms_per_step"] == pytest.approx(2 / 3)
     assert m["host_launch_ms_per_step"] == pytest.approx(2 / 3)
     assert m["host_propose_ms_per_step"] == pytest.approx(2 / 3)
+    # and their shares of the host work (11 ms in all)
+    assert [m[f"host_{p}_share"] for p in ("prep", "launch", "propose")] == pytest.approx([2 / 11] * 3)
     iv = host_intervals(steps, syncs)
     gc = iv[iv["kind"] == "gc"].iloc[0]
     assert (gc["start_s"], gc["end_s"]) == pytest.approx((101 * ms, 106 * ms))  # ends where the sync starts
