@@ -179,3 +179,23 @@ def test_drafts_only_without_a_device_proposer() -> None:
             loop.step([0], drafts=np.zeros((1, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="exceeds"):
         graphed.step(list(range(SLOTS + 1)))
+
+
+def test_step_graphs_hold_the_buckets_up_to_the_runs_largest_batch():
+    """A loop told its largest batch builds the graphs of the buckets up to the one that holds it, steps a batch
+    padded into that bucket as the full set of graphs does, and refuses a larger batch with a message."""
+    def loop(**kwargs) -> DecodeLoop:
+        model = Transformer(SMALL_VOCAB, max_slots=SLOTS, max_len=MAX_LEN, device="cpu", seed=0)
+        out = DecodeLoop(model, k=2, min_n=1, max_n=3, step_graphs=True, **kwargs)
+        for slot in range(5):
+            out.add_request(slot, [1, 2, 3, 1, 2, slot], temperature=0.0)
+        return out
+
+    limited, full = loop(max_batch=3), loop()
+    assert limited.graphs.sizes == [1, 2, 4] and {size for size, _, _ in limited.graphs._graphs} == {1, 2, 4}
+    assert full.graphs.sizes == [1, 2, 4, 6] and loop(max_batch=6).graphs.sizes == [1, 2, 4, 6]
+    for slots in ([0, 1, 2], [3], [4, 0]):
+        outs = [each.readback(each.step(slots)) for each in (limited, full)]
+        np.testing.assert_array_equal(outs[0].packed, outs[1].packed)
+    with pytest.raises(ValueError, match="exceeds the step graphs' largest bucket, 4"):
+        limited.step([0, 1, 2, 3, 4])

@@ -68,7 +68,8 @@ class DecodeLoop:
     token as an ordinary draft. With `device_proposer=False` the drafts come from the host with every step (the CPU
     n-gram proposer). A slot may be stepped while its committed length + k <= max_len; at most `max_in_flight`
     steps may be launched and not yet read back. With `step_graphs` (default: the model's `cuda_graphs`) each step
-    replays the whole step captured as one CUDA graph per batch bucket and step k (`engine.step_graph`); without,
+    replays the whole step captured as one CUDA graph per batch bucket and step k (`engine.step_graph`), the buckets
+    up to the one that holds `max_batch` rows when given (a step of more then fails); without,
     the step's ops are enqueued one by one around the model's verify (a graph replay with `cuda_graphs`): the
     reference, and the CPU's path.
     """
@@ -87,6 +88,7 @@ class DecodeLoop:
         max_in_flight: int = READBACK_RING,
         step_graphs: bool | None = None,
         step_ks: Sequence[int] | None = None,
+        max_batch: int | None = None,
     ):
         self.model, self.k, self.seed = model, k, seed
         self.step_ks = tuple(sorted(set(step_ks))) if step_ks is not None else (k,)
@@ -119,7 +121,7 @@ class DecodeLoop:
         self._step_id = 0
         self.graphs: StepGraphs | None = None
         if model.cuda_graphs if step_graphs is None else step_graphs:
-            self.graphs = StepGraphs(self, stamps=MARKS)
+            self.graphs = StepGraphs(self, stamps=MARKS, max_batch=max_batch)
         elif model.cuda_graphs:
             for sk in self.step_ks:
                 model.capture_graphs(sk + 1)

@@ -44,11 +44,16 @@ class StepGraphs:
     largest first, in the model's graph pool: their intermediate tensors are dead between replays, so they share its
     memory."""
 
-    def __init__(self, loop: DecodeState, stamps: int):
+    def __init__(self, loop: DecodeState, stamps: int, max_batch: int | None = None):
         # A weak reference: no cycle, so a dropped loop is freed at once, not by the cyclic collector in the middle of
         # a later capture (freeing its graphs and events there would invalidate that capture).
         self.loop, self.stamps = weakref.proxy(loop), stamps
-        self.sizes = loop.model.batch_buckets
+        # the buckets up to the first that holds `max_batch` (the most requests the loop's run has at once): a
+        # model sized for 256 rows has 36 buckets, and a point of 8 users needs 4 of them
+        buckets = loop.model.batch_buckets
+        last = len(buckets) - 1 if max_batch is None else next((i for i, s in enumerate(buckets) if s >= max_batch),
+                                                                 len(buckets) - 1)
+        self.sizes = buckets[: last + 1]
         self.pad_slot = loop.model.pad_slot
         self.width = loop.k + 4  # packed columns per row, whatever the step's k
         # Written by every graph: the device's clock at each part boundary, then each row's packed results.
@@ -115,7 +120,7 @@ class StepGraphs:
         batch = len(slots)
         size = next((s for s in self.sizes if s >= batch), None)
         if size is None:
-            raise ValueError(f"a step of {batch} slots exceeds the model's {self.sizes[-1]}")
+            raise ValueError(f"a step of {batch} slots exceeds the step graphs' largest bucket, {self.sizes[-1]}")
         if staging.events:
             staging.events[0].record()
         block = staging.inputs.numpy()

@@ -91,6 +91,7 @@ class TorchBackend:
             device_proposer=not mode.ngram_cpu,
             max_in_flight=mode.depth + 1,
             step_ks=reachable_ks(mode.k_schedule, slots),  # a k schedule's steps verify their own k
+            max_batch=slots,  # step graphs for the buckets this point's batches reach only
         )
         self.references = requests.output_tokens if steer else None  # what a first token is steered to
         self.ngram_args = {"min_n": spec.min_n, "max_n": spec.max_n, "k": mode.k, "tie_break": spec.tie_break}
