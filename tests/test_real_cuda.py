@@ -139,9 +139,11 @@ def sleep_rate() -> float:
 
 
 def test_device_clock_stays_on_the_hosts_clock_over_seconds():
-    """A mark recorded on an idle device is passed within microseconds of its record: over three seconds of steps
-    the clock, anchored anew by each wait the host blocked on, puts it there, never before the record (the GPU's timer
-    and the host's clock drift apart by tens of microseconds a second, which one anchor at the start would keep)."""
+    """A mark recorded on an idle device is passed soon after its record: over three seconds of steps the clock,
+    anchored anew by each wait the host blocked on, never puts it before the record, and puts it no later at the end
+    than at the start (the GPU's timer and the host's clock drift apart by tens of microseconds a second, which one
+    anchor at the start would keep: 70 us over this test). How soon is the host's fastest wake-up of the last 50 ms:
+    a few microseconds alone, 20-50 us measured within the CUDA suite."""
     import time
 
     from simharness.engine.timing import DeviceClock
@@ -162,4 +164,5 @@ def test_device_clock_stays_on_the_hosts_clock_over_seconds():
         gaps.append(clock.seconds(idle) - recorded)
     gaps = np.array(gaps)
     assert len(gaps) > 500
-    assert gaps.min() > -2e-6 and np.median(gaps) < 30e-6 and np.quantile(gaps[-100:], 0.9) < 60e-6
+    assert gaps.min() > -2e-6 and np.median(gaps) < 100e-6
+    assert np.median(gaps[-200:]) < np.median(gaps[:200]) + 10e-6
