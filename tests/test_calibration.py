@@ -80,7 +80,8 @@ def test_fit_recovers_known_costs(kind):
 def test_each_step_is_read_once_where_the_real_loop_reads_it():
     """Steps 0-3 at depth 2, a valid-draft-count sync in each prep (all launched): step 1's reads step 0 alone,
     step 2's finds step 0 settled and reads step 1, step 3's finds nothing in flight; step 2 is read at its settle
-    (no sync after its launch) and step 3 too. Each read runs from the step's device end or the read's start."""
+    (no sync after its launch) and step 3 too. Each read runs from the step's device end or the read's start. hil
+    reads every step at its settle."""
     steps = pd.DataFrame({"step": [0, 1, 2, 3], "launch_end": [1.0, 2.0, 4.0, 9.0], "gpu_end": [3.0, 5.0, 7.5, 10.0]})
     rows = [(1, "valid_draft_counts", "prep", "all_launched", 1.5, 3.2),  # reads 0: from its end at 3.0
             (0, "output_readback", "update", "oldest_in_flight", 3.3, 3.31),  # read already: no sample
@@ -90,9 +91,11 @@ def test_each_step_is_read_once_where_the_real_loop_reads_it():
             (3, "valid_draft_counts", "prep", "all_launched", 8.0, 8.01),  # nothing launched unread: no read
             (3, "output_readback", "update", "oldest_in_flight", 10.5, 10.6)]  # read from its start
     syncs = pd.DataFrame(rows, columns=["step", "name", "phase", "waits_for", "start_s", "end_s"])
-    reads = step_reads(steps, syncs).sort_index()
+    reads = step_reads(steps, syncs, "real").sort_index()
     np.testing.assert_allclose(reads.to_numpy(), [0.2, 0.4, 0.3, 0.1])
     assert list(reads.index) == [0, 1, 2, 3]
+    # hil measures every readback at the settle (its syncs wait in virtual time)
+    np.testing.assert_allclose(step_reads(steps, syncs, "hil").sort_index().to_numpy(), [0.01, 0.01, 0.3, 0.1])
 
 
 def test_context_is_rebuilt_from_emissions():
