@@ -33,6 +33,7 @@ from simharness.costfile import DEVICE_FEATURES, FORMAT
 from simharness.costmodel import GPUS
 from simharness.jit import loaded_digest
 from simharness.levels import LEVELS
+from simharness.modes import OUTPUT_READBACK
 from simharness.overrides import parse_value
 from simharness.pointfiles import finished_rows, read_points
 from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
@@ -52,7 +53,7 @@ HOST_PHASES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[float, ...]
     "update": (("step", "n_reqs"), ("update_us", "update_per_req_us"), (1e-6, 1e-6)),
     "propose": (("step", "proposed", "history"), ("ngram_cpu_us", "ngram_cpu_per_req_us", "ngram_cpu_per_token_ns"),
                 (1e-6, 1e-6, 1e-9)),
-    "readback": (("step",), ("sync_us",), (1e-6,)),
+    "readback": (("step", "n_reqs"), ("sync_us", "sync_per_req_us"), (1e-6, 1e-6)),
 }  # fmt: skip
 
 
@@ -127,7 +128,7 @@ def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict
             except (OSError, ValueError, pa.ArrowException) as e:  # a run copied in part, a truncated table
                 raise ScenarioError(f"{run_dir}: point {int(row['index'])}: its records cannot be read "
                                     f"({type(e).__name__}: {e})") from None
-            parts.append(point_steps(*point, point_sc))
+            parts.append(point_steps(*point, point_sc, level))
         provenance.append({"run": str(run_dir), "run_id": meta.get("run_id"), "device": meta["device"],
                            "source_digest": meta.get("source_digest"), "git_revision": meta.get("git_revision"),
                            "points": len(fitted)})  # fmt: skip
@@ -201,8 +202,8 @@ TABLES = ("steps", "requests", "emissions", "syncs")
 
 
 def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataFrame, syncs: pd.DataFrame,
-                sc: Scenario) -> pd.DataFrame:
-    """One point's steps with their features (DEVICE_FEATURES and the host phases') and phase times."""
+                sc: Scenario, level: str) -> pd.DataFrame:
+    """One point's steps at `level` with their features (DEVICE_FEATURES and the host phases') and phase times."""
     s = steps.merge(_emission_counts(requests, emissions), on="step", how="left").fillna(
         {"emitting_decodes": 0, "emitting_context": 0, "proposed": 0, "history": 0})
     decode_rows = s["n_reqs"] - s["n_prefill_reqs"]
@@ -231,11 +232,36 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
     out["update_s"] = s["update_end"] - s["update_start"]
     out["propose_s"] = s["propose_end"] - s["propose_start"] if sc.engine.speculation.proposer == "ngram_cpu" \
         else np.nan
-    readback = syncs[syncs["name"] == "output_readback"].set_index("step")
-    gpu_end = s.set_index("step")["gpu_end"]
-    ready = np.maximum(readback["start_s"], gpu_end.reindex(readback.index))
-    out["readback_s"] = s["step"].map(readback["end_s"] - ready)
+    out["readback_s"] = s["step"].map(step_reads(s, syncs, level))
     return out
+
+
+def step_reads(steps: pd.DataFrame, syncs: pd.DataFrame, level: str) -> pd.Series:
+    """Each step's readback seconds (from its device end, or the read's start if later), read where `level` reads
+    it: the real loop (`realloop.RealLoop`) at the first sync point after its launch that waits for it (with the
+    other launched steps not yet read), else at its settle; hil at its settle, where it measures the readback (its
+    sync points wait in virtual time). A sync that read several steps gives none of them a sample (its reads ran
+    one after another, partly while the device still ran the newer ones)."""
+    if level != REFERENCE:
+        syncs = syncs[syncs["name"] == OUTPUT_READBACK]
+    gpu_end = steps.set_index("step")["gpu_end"]
+    launch_end = steps.set_index("step")["launch_end"]
+    settle_start = syncs[syncs["name"] == OUTPUT_READBACK].set_index("step")["start_s"]
+    reads: dict[int, float] = {}
+    for row in syncs.sort_values("start_s", kind="stable").itertuples(index=False):
+        if row.name == OUTPUT_READBACK:
+            read = [] if row.step in reads else [row.step]
+        else:
+            launched = launch_end.index[(launch_end <= row.start_s).to_numpy()]
+            unsettled = [i for i in launched if settle_start.get(i, np.inf) > row.start_s]
+            if row.waits_for == "oldest_in_flight":
+                unsettled = unsettled[:1]
+            read = [i for i in unsettled if i not in reads]
+        for i in read:
+            reads[i] = np.nan
+        if len(read) == 1:
+            reads[read[0]] = row.end_s - max(row.start_s, gpu_end[read[0]])
+    return pd.Series(reads, dtype=np.float64)
 
 
 def _emission_counts(requests: pd.DataFrame, emissions: pd.DataFrame) -> pd.DataFrame:

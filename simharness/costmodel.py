@@ -112,6 +112,10 @@ class CostModel:
     def sync(self) -> float:
         return self.h.sync_us * 1e-6
 
+    def readback(self, n_reqs: int) -> float:
+        """One step's readback of `n_reqs` requests' outputs, once the step ended on the device."""
+        return (self.h.sync_us + self.h.sync_per_req_us * n_reqs) * 1e-6
+
 
 # Coefficients of `gpu_seconds`: CostModel.sizes and CostModel.rates.
 WEIGHT_BYTES, KV_BYTES_PER_TOKEN, LINEAR_FLOPS_PER_TOKEN, ATTN_FLOPS_PER_PAIR, LOGIT_BYTES = range(5)

@@ -70,7 +70,6 @@ class ModelBackend:
         self.allocated = 0
         self.acc = acceptance
         self.cost = cost
-        self.readback_s = cost.sync()
         # the launch's cost, unless it varies with the batch (a calibration's per-request and per-prefill terms)
         self.launch_s = None if cost.h.launch_per_req_us or cost.h.launch_per_prefill_us else cost.launch(0, 0)
         self.k = k
@@ -135,9 +134,10 @@ class ModelBackend:
             self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
             self.cost.prof,
         )
+        readback_s = self.cost.readback(b.size)
         if self.overlap is not None:  # the launch's one part (`launch`)
-            return StepTiming(seconds, self.readback_s, (seconds,))
-        return StepTiming(seconds, self.readback_s)
+            return StepTiming(seconds, readback_s, (seconds,))
+        return StepTiming(seconds, readback_s)
 
 
 @njit

@@ -250,6 +250,7 @@ class HostCosts(Strict):
     ngram_cpu_per_req_us: NonNegFloat = 3.0
     ngram_cpu_per_token_ns: NonNegFloat = Field(2.0, description="CPU n-gram cost per history token")
     sync_us: NonNegFloat = Field(15.0, description="cost of one host sync once its event has fired (D2H)")
+    sync_per_req_us: NonNegFloat = Field(0.0, description="sim: a step's readback per request it holds")
     gc_ns_per_object: NonNegFloat = Field(
         30.0, description="sim: a full garbage collection's host time per GC-tracked object of the heap "
         "(docs/seeds.md, #41043)"

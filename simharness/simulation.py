@@ -64,7 +64,10 @@ class Simulation:
         self.loop = EngineLoop(sc, requests, mode, backend, self)
         self.core = self.loop.core
         self.backend = backend
-        self.sync_s = self.loop.cost.sync()  # a sync's own host time, once its GPU event fired
+        self.sync_s = self.loop.cost.sync()  # hil: a modelled sync's own host time, once its GPU event fired
+        # the sim charges each step's modelled readback once, where the real loop reads it (`synced`, `read`); hil
+        # keeps its measured readback at the settle, where it measured it
+        self.reads_at_syncs = not backend.measured
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
         self.gpu_idle: Wake | None = None  # set while the GPU waits for a launch
@@ -176,14 +179,26 @@ class Simulation:
 
     def synced(self, t: float, target: Step | None, op_s: float | None) -> float:
         """The host's time runs ahead of the clock: the sync starts at `t` or when its step ended on the GPU, whichever
-        is later (the loop waited for the newest step it may wait for), and costs a sync's own host time, or the
-        backend's operation's (hil). Only the engine launches, so what a sync waits for cannot change meanwhile."""
+        is later (the loop waited for the newest step it may wait for). The sim's sync reads back every launched
+        step up to it not read yet, in launch order, as the real loop does (`realloop.RealLoop.synced`; the grid
+        shows no cost of its own beyond them, docs/calibration.md); hil's costs a sync's own host time, or the
+        backend's operation's. Only the engine launches, so what a sync waits for cannot change meanwhile."""
+        if op_s is None and self.reads_at_syncs:
+            if target is not None:
+                for step in self.core.in_flight:
+                    if step.read_back is None:
+                        t = step.read_back = max(t, step.gpu_end) + step.readback_s
+                    if step is target:
+                        break
+            return t
         if target is not None and target.gpu_end > t:
             t = target.gpu_end
         return t + (self.sync_s if op_s is None else op_s)
 
     def read(self, step: Step, t: float) -> float:
-        return max(t, self.env.now) + step.readback_s
+        """The settle's readback, unless a sync read the step already (the sim's steps only)."""
+        t = max(t, self.env.now)
+        return t if step.read_back is not None else t + step.readback_s
 
     def admit(self) -> None:
         pass  # clients are processes of their own

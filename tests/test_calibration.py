@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 import simharness
-from simharness.calibration import FitData, _emission_counts, calibrate
+from simharness.calibration import FitData, _emission_counts, calibrate, step_reads
 from simharness.cli import app
 from simharness.costfile import DEVICE_FEATURES
 from simharness.scenario import ScenarioError, load_scenario
@@ -21,7 +21,7 @@ from simharness.scenario import ScenarioError, load_scenario
 TRUE_DEVICE_US = {"step": 400.0, "decode_rows": 12.0, "decode_tokens": 3.0, "decode_context": 0.02,
                   "prefill_reqs": 300.0, "prefill_tokens": 1.5, "ngram_gpu_step": 40.0, "ngram_gpu_context": 0.01}
 TRUE_HOST = {"prep_us": 180.0, "prep_per_req_us": 4.0, "prep_per_token_us": 0.1, "launch_us": 900.0,
-             "launch_per_req_us": 2.0, "launch_per_prefill_us": 5000.0, "sync_us": 80.0}
+             "launch_per_req_us": 2.0, "launch_per_prefill_us": 5000.0, "sync_us": 80.0, "sync_per_req_us": 1.5}
 
 
 def synthetic_steps(kind: str, n: int = 4000, seed: int = 0) -> pd.DataFrame:
@@ -48,7 +48,7 @@ def synthetic_steps(kind: str, n: int = 4000, seed: int = 0) -> pd.DataFrame:
                    f["n_tokens"]) * 1e-6 * noise()
     f["launch_s"] = (host["launch_us"] + host["launch_per_req_us"] * f["n_reqs"] + host["launch_per_prefill_us"] *
                      f["prefill_reqs"]) * 1e-6 * noise()
-    f["readback_s"] = host["sync_us"] * 1e-6 * noise()
+    f["readback_s"] = (host["sync_us"] + host["sync_per_req_us"] * f["n_reqs"]) * 1e-6 * noise()
     f["schedule_s"] = f["update_s"] = f["propose_s"] = np.nan
     f["proposed"] = f["history"] = 0
     f["measured"] = "prep,launch,gpu,readback"
@@ -75,6 +75,27 @@ def test_fit_recovers_known_costs(kind):
                                          "ngram_cpu_us", "ngram_cpu_per_req_us", "ngram_cpu_per_token_ns"]
     error = cal["quality"]["device"]["median_rel_error"]
     assert error < 1e-6 if kind != "noisy" else 0.02 < error < 0.05  # median |lognormal 5%| is 3.4%
+
+
+def test_each_step_is_read_once_where_the_real_loop_reads_it():
+    """Steps 0-3 at depth 2, a valid-draft-count sync in each prep (all launched): step 1's reads step 0 alone,
+    step 2's finds step 0 settled and reads step 1, step 3's finds nothing in flight; step 2 is read at its settle
+    (no sync after its launch) and step 3 too. Each read runs from the step's device end or the read's start. hil
+    reads every step at its settle."""
+    steps = pd.DataFrame({"step": [0, 1, 2, 3], "launch_end": [1.0, 2.0, 4.0, 9.0], "gpu_end": [3.0, 5.0, 7.5, 10.0]})
+    rows = [(1, "valid_draft_counts", "prep", "all_launched", 1.5, 3.2),  # reads 0: from its end at 3.0
+            (0, "output_readback", "update", "oldest_in_flight", 3.3, 3.31),  # read already: no sample
+            (2, "valid_draft_counts", "prep", "all_launched", 3.5, 5.4),  # reads 1: from its end at 5.0
+            (1, "output_readback", "update", "oldest_in_flight", 5.5, 5.51),
+            (2, "output_readback", "update", "oldest_in_flight", 7.0, 7.8),  # a settle read: from its end at 7.5
+            (3, "valid_draft_counts", "prep", "all_launched", 8.0, 8.01),  # nothing launched unread: no read
+            (3, "output_readback", "update", "oldest_in_flight", 10.5, 10.6)]  # read from its start
+    syncs = pd.DataFrame(rows, columns=["step", "name", "phase", "waits_for", "start_s", "end_s"])
+    reads = step_reads(steps, syncs, "real").sort_index()
+    np.testing.assert_allclose(reads.to_numpy(), [0.2, 0.4, 0.3, 0.1])
+    assert list(reads.index) == [0, 1, 2, 3]
+    # hil measures every readback at the settle (its syncs wait in virtual time)
+    np.testing.assert_allclose(step_reads(steps, syncs, "hil").sort_index().to_numpy(), [0.01, 0.01, 0.3, 0.1])
 
 
 def test_context_is_rebuilt_from_emissions():
