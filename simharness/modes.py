@@ -20,6 +20,10 @@ KNOWN_SYNC_POINTS: dict[str, SyncPoint] = {
     "metadata_item": SyncPoint(name="metadata_item", phase="prep"),
     "bool_mask_index": SyncPoint(name="bool_mask_index", phase="prep"),
 }
+# The what-ifs that run a device operation of their own (its kernels, their copy back to the host and the host's
+# wake-up: `engine.host_work.SYNC_OPS` at the measured levels), which costs its round trip even where the step's
+# data was read already; the others only wait for the data and read it back.
+DEVICE_OP_SYNCS = frozenset({"metadata_item", "bool_mask_index"})
 # Not a sync point one can remove: settling a step needs its output (engine core `get_output`).
 OUTPUT_READBACK = "output_readback"
 # The host phases a sync point can sit in, in loop order.

@@ -179,10 +179,11 @@ class Simulation:
 
     def synced(self, t: float, target: Step | None, op_s: float | None) -> float:
         """The host's time runs ahead of the clock: the sync starts at `t` or when its step ended on the GPU, whichever
-        is later (the loop waited for the newest step it may wait for). The sim's sync reads back every launched
-        step up to it not read yet, in launch order, as the real loop does (`realloop.RealLoop.synced`; the grid
-        shows no cost of its own beyond them, docs/calibration.md); hil's costs a sync's own host time, or the
-        backend's operation's. Only the engine launches, so what a sync waits for cannot change meanwhile."""
+        is later (the loop waited for the newest step it may wait for). The sim's sync that waits for data reads back
+        every launched step up to it not read yet, in launch order, as the real loop does (`realloop.RealLoop.synced`;
+        the grid shows no cost of its own beyond them, docs/calibration.md); one with a device operation
+        (`modes.DEVICE_OP_SYNCS`, `op_s`) costs the operation after the wait, at every level; hil's other syncs cost
+        a sync's own host time. Only the engine launches, so what a sync waits for cannot change meanwhile."""
         if op_s is None and self.reads_at_syncs:
             if target is not None:
                 for step in self.core.in_flight:

@@ -226,3 +226,24 @@ def test_same_seed_same_records():
 def test_budget_too_small_for_a_decode_is_a_scenario_error():
     with pytest.raises(ScenarioError, match="max_num_batched_tokens"):
         simulate(scenario(k=4, max_num_batched_tokens=3), make_requests(2, 2, 4))
+
+
+def test_a_device_operation_sync_costs_its_round_trip_where_a_data_sync_costs_nothing_more():
+    """A `.item()` in metadata build (a device operation at the measured levels, engine.host_work.SYNC_OPS) costs
+    its round trip after the wait even where the step's data was read already; a second sync that only waits for
+    the same data reads nothing more and costs nothing."""
+    from simharness.engine.host_work import SYNC_OPS
+    from simharness.modes import DEVICE_OP_SYNCS
+
+    assert set(SYNC_OPS) == DEVICE_OP_SYNCS  # the sim's catalogue of operation syncs is the measured levels'
+
+    def run(add: list[str]) -> tuple[float, int]:
+        sc = scenario(depth=2, k=2, concurrency=4, invalid_slots="trim", policy="optimistic",
+                      sync_points={"add": add})
+        _, rec, duration = simulate(sc, make_requests(4, 32, 16))
+        return duration, len(rec.steps_frame())
+
+    shipped, steps = run([])
+    assert run(["accepted_counts"]) == (pytest.approx(shipped, rel=1e-12), steps)  # read at the trim sync already
+    with_item, item_steps = run(["metadata_item"])
+    assert item_steps == steps and with_item - shipped == pytest.approx(steps * HOST["sync_us"] * 1e-6, rel=0.5)
