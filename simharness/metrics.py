@@ -159,6 +159,7 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
     device = np.column_stack([_col(steps, c) for c in DEVICE_PHASE_COLUMNS])
     phases = _phases(steps, syncs)
     host_s = _host_work_s(phases)
+    own_s = {p: _busy_s(*phases[p]) for p in HOST_PHASE_METRICS}  # the host phases with metrics of their own
     wasted = int(_col(steps, "wasted_slots").sum())
     return {
         "num_steps": n,
@@ -177,10 +178,10 @@ def engine_metrics(steps: Table, syncs: Table) -> dict[str, float]:
         "mean_batch_size": _mean(_col(steps, "n_reqs")),
         "tokens_per_step": _mean(_col(steps, "emitted")),
         **{phase_metric("device", p): _device_ms(device[:, i], n) for i, p in enumerate(DEVICE_PHASES)},
-        **{phase_metric("host", p): _ratio(_busy_s(*phases[p]), n) * MS for p in HOST_PHASE_METRICS},
+        **{phase_metric("host", p): _ratio(seconds, n) * MS for p, seconds in own_s.items()},
         # a phase's share of the host work: the run's host speed, which moves every phase alike (20-28% run to run
         # at real), cancels, and a change to one phase's code does not
-        **{share_metric(p): _ratio(_busy_s(*phases[p]), host_s) for p in HOST_PHASE_METRICS},
+        **{share_metric(p): _ratio(seconds, host_s) for p, seconds in own_s.items()},
     }
 
 
