@@ -48,39 +48,41 @@ def main() -> None:
     overrides = parse_sets(args.set)
     sc = load_scenario(args.scenario, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = args.out / "runs" if args.keep_runs else Path(tempfile.mkdtemp(prefix="frontier-"))
-    seconds = {}
-    t = time.perf_counter()
-    run_dir = args.run_dir or simharness.run(sc, runs).run_dir
-    seconds["frontier"] = time.perf_counter() - t
-    fr, schedules = write_frontier(run_dir)
-    fr.table.to_csv(args.out / "frontier.csv", index=False)
-    fr.points.to_csv(args.out / "points.csv", index=False)
-    fr.crossovers.to_csv(args.out / "crossovers.csv", index=False)
-    shutil.copy(run_dir / "plots" / "frontier.png", args.out / "frontier.png")
-    (args.out / "schedule.yaml").write_text(yaml.safe_dump(
-        {label: {"k": max(s.values()), "k_schedule": s} for label, s in schedules.items()}, sort_keys=False))
-    compared = []
-    if not args.no_schedule:
-        for values in itertools.product(*(sc.sweep[g] for g in fr.groups)):
-            fixed = dict(zip(fr.groups, values, strict=True))
-            label = group_label({g: str(v) for g, v in fixed.items()}, fr.groups)
-            schedule = schedules[label]
-            t = time.perf_counter()
-            scheduled = simharness.run(load_scenario(args.scenario, {
-                **overrides, **fixed, K: max(schedule.values()), "engine.speculation.k_schedule": schedule,
-                "name": f"{sc.name}-schedule"}), runs)
-            seconds[f"schedule {label}"] = time.perf_counter() - t
-            compared.append(schedule_vs_fixed(fr, label, scheduled.summary))
-            pd.concat(compared).to_csv(args.out / "schedule.csv", index=False)
-    (args.out / "settings.json").write_text(json.dumps({
-        "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.level, "repeats": sc.repeats,
-        "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds,
-        "run": json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() and args.run_dir
-        else None}, indent=1))
-    print(fr.crossovers.to_string(index=False))
-    if compared:
-        print(pd.concat(compared).round(2).to_string(index=False))
+    # the run directories live only as long as this benchmark, unless --keep-runs
+    with tempfile.TemporaryDirectory(prefix="frontier-") as tmp:
+        runs = args.out / "runs" if args.keep_runs else Path(tmp)
+        seconds = {}
+        t = time.perf_counter()
+        run_dir = args.run_dir or simharness.run(sc, runs).run_dir
+        seconds["frontier"] = time.perf_counter() - t
+        fr, schedules = write_frontier(run_dir)
+        fr.table.to_csv(args.out / "frontier.csv", index=False)
+        fr.points.to_csv(args.out / "points.csv", index=False)
+        fr.crossovers.to_csv(args.out / "crossovers.csv", index=False)
+        shutil.copy(run_dir / "plots" / "frontier.png", args.out / "frontier.png")
+        (args.out / "schedule.yaml").write_text(yaml.safe_dump(
+            {label: {"k": max(s.values()), "k_schedule": s} for label, s in schedules.items()}, sort_keys=False))
+        compared = []
+        if not args.no_schedule:
+            for values in itertools.product(*(sc.sweep[g] for g in fr.groups)):
+                fixed = dict(zip(fr.groups, values, strict=True))
+                label = group_label({g: str(v) for g, v in fixed.items()}, fr.groups)
+                schedule = schedules[label]
+                t = time.perf_counter()
+                scheduled = simharness.run(load_scenario(args.scenario, {
+                    **overrides, **fixed, K: max(schedule.values()), "engine.speculation.k_schedule": schedule,
+                    "name": f"{sc.name}-schedule"}), runs)
+                seconds[f"schedule {label}"] = time.perf_counter() - t
+                compared.append(schedule_vs_fixed(fr, label, scheduled.summary))
+                pd.concat(compared).to_csv(args.out / "schedule.csv", index=False)
+        (args.out / "settings.json").write_text(json.dumps({
+            "scenario": str(args.scenario), "overrides": overrides, "level": sc.engine.level, "repeats": sc.repeats,
+            "commit": commit + (" (simharness/ modified)" if dirty else ""), "seconds": seconds,
+            "run": json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() and args.run_dir
+            else None}, indent=1))
+        print(fr.crossovers.to_string(index=False))
+        if compared:
+            print(pd.concat(compared).round(2).to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -47,27 +47,29 @@ def main() -> None:
         return
     overrides = parse_sets(args.set)
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = args.out / "runs" if args.keep_runs else Path(tempfile.mkdtemp(prefix="seeds-"))
-    all_rows, seconds = [], []
-    for level in args.levels:
-        level_rows = []
-        for pr in args.seeds:
-            t = time.perf_counter()
-            rows = simharness.run_seed(pr, level, args.repeats, runs, overrides)
-            seconds.append({"seed": pr, "level": level, "seconds": time.perf_counter() - t})
-            print(f"{pr} {level}: {seconds[-1]['seconds']:.1f} s", flush=True)
-            level_rows.append(rows)
-            # written after every seed: a run cut short keeps what it finished
-            pd.concat(level_rows).to_csv(args.out / f"{level}.csv", index=False)
-            pd.DataFrame(seconds).to_csv(args.out / f"seconds-{'-'.join(args.levels)}.csv", index=False)
-        all_rows.extend(level_rows)
-    effects = simharness.seed_effects(pd.concat(all_rows))
-    effects.to_csv(args.out / "effects.csv", index=False)
-    measured = set(args.levels) - {"sim"}
-    settings = {"repeats": args.repeats, "levels": args.levels, "overrides": overrides,
-                "device": device() if measured else "sim (virtual time, cost model)"}
-    (args.out / f"settings-{'-'.join(args.levels)}.json").write_text(json.dumps(settings, indent=1))
-    print(table(effects))
+    # the run directories live only as long as this benchmark, unless --keep-runs
+    with tempfile.TemporaryDirectory(prefix="seeds-") as tmp:
+        runs = args.out / "runs" if args.keep_runs else Path(tmp)
+        all_rows, seconds = [], []
+        for level in args.levels:
+            level_rows = []
+            for pr in args.seeds:
+                t = time.perf_counter()
+                rows = simharness.run_seed(pr, level, args.repeats, runs, overrides)
+                seconds.append({"seed": pr, "level": level, "seconds": time.perf_counter() - t})
+                print(f"{pr} {level}: {seconds[-1]['seconds']:.1f} s", flush=True)
+                level_rows.append(rows)
+                # written after every seed: a run cut short keeps what it finished
+                pd.concat(level_rows).to_csv(args.out / f"{level}.csv", index=False)
+                pd.DataFrame(seconds).to_csv(args.out / f"seconds-{'-'.join(args.levels)}.csv", index=False)
+            all_rows.extend(level_rows)
+        effects = simharness.seed_effects(pd.concat(all_rows))
+        effects.to_csv(args.out / "effects.csv", index=False)
+        measured = set(args.levels) - {"sim"}
+        settings = {"repeats": args.repeats, "levels": args.levels, "overrides": overrides,
+                    "device": device() if measured else "sim (virtual time, cost model)"}
+        (args.out / f"settings-{'-'.join(args.levels)}.json").write_text(json.dumps(settings, indent=1))
+        print(table(effects))
 
 
 def device() -> str:

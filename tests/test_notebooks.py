@@ -61,6 +61,10 @@ def python3_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    # the notebooks write their runs under tempfile.mkdtemp() for a user to look at afterwards; under the tests
+    # that is pytest's tmp_path, which pytest prunes (CI had filled the machine's /tmp with them)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     return "python3"
 
 
