@@ -212,7 +212,9 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
     out = pd.DataFrame({
         "step": 1.0, "decode_rows": decode_rows, "decode_tokens": s["decode_tokens"],
         "decode_context": per_row * decode_rows,  # rows that emitted nothing (wasted) at the mean context
-        "prefill_reqs": s["n_prefill_reqs"], "prefill_tokens": s["prefill_tokens"], "ngram_gpu_step": ngram_gpu,
+        "prefill_reqs": s["n_prefill_reqs"], "prefill_tokens": s["prefill_tokens"],
+        # runs recorded before the column: no chunk's start is known (`profile_grid`: measure such blocks again)
+        "prefill_context": s["prefill_context"] if "prefill_context" in s else 0, "ngram_gpu_step": ngram_gpu,
         "n_reqs": s["n_reqs"], "n_tokens": s["decode_tokens"] + s["prefill_tokens"],
         "proposed": s["proposed"], "history": s["history"], "measured": s["measured"],
     })  # fmt: skip

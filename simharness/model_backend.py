@@ -180,7 +180,7 @@ def _run_step(
     numba keeps their calls cheap only in short loops."""
     size = table.shape[1]
     tokens = kv_tokens = pairs2 = history = random_tokens = 0
-    decode_rows = decode_context = prefill_reqs = prefill_tokens = 0
+    decode_rows = decode_context = prefill_reqs = prefill_tokens = prefill_context = 0
     any_drafts = False
     for i in range(size):
         rid = table[REQ, i]
@@ -193,6 +193,7 @@ def _run_step(
             pairs2 += t * (2 * c + t + 1)
             prefill_reqs += 1
             prefill_tokens += t
+            prefill_context += c
             if table[COMPLETES, i]:  # the last prefill chunk samples the first token
                 truth[CONTEXT, rid] += 1
                 table[EMITTED, i] = 1
@@ -233,7 +234,7 @@ def _run_step(
         return seconds, next_uniform
     if len(prof):
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
-                                  prefill_tokens, random_tokens, history)
+                                  prefill_tokens, random_tokens, history, prefill_context)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards), next_uniform

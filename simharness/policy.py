@@ -26,12 +26,13 @@ import numpy as np
 from simharness.jit import njit
 from simharness.scenario import Scheduler as SchedulerConfig
 
-# Rows of a batch table. The scheduler fills REQ to VERIFIED (VERIFIED = SLOTS until prep trims); the
-# outcome rows are filled when the step runs, per request, 0 where they do not apply (a prefill's drafts).
+# Rows of a batch table. The scheduler fills REQ to VERIFIED (VERIFIED = SLOTS until prep trims) and a prefill
+# chunk's START (the prompt tokens prefilled before it, whose KV the chunk's attention reads); the outcome rows are
+# filled when the step runs, per request, 0 where they do not apply (a prefill's drafts).
 # The compiled functions of other modules (model_backend, records, engine.torch_backend) bake these in; their
 # disk cache is dropped when they change (simharness/jit.py).
-REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALID, WASTED = range(10)
-BATCH_ROWS = 10
+REQ, TOKENS, PREFILL, COMPLETES, SLOTS, VERIFIED, EMITTED, ACCEPTED, DRAFTS_VALID, WASTED, START = range(11)
+BATCH_ROWS = 11
 # The host's request counters, one array that the compiled functions update in place.
 N_ARRIVED, N_ADMITTED, N_RUNNING, N_PREFILLING = range(4)
 # Rows of the host's per-request state, one table (a compiled call costs per argument, most on a cold cache):
@@ -171,6 +172,7 @@ def _schedule(
         used += tokens
         if prefill:
             table[PREFILL, size] = 1
+            table[START, size] = prompt_len[rid] - prompt_left[rid]
             prompt_left[rid] -= tokens
             n_prefill += 1
             if prompt_left[rid] == 0:

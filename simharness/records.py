@@ -88,8 +88,8 @@ class Step:
 
 # Step columns counted from the batch table (`record_step`), then one `acc_pos_<i>` per draft position; the
 # others are the step's host columns.
-COUNT_COLUMNS = ["n_reqs", "n_prefill_reqs", "prefill_tokens", "decode_tokens", "drafts_scheduled", "drafts_valid",
-                 "accepted", "emitted", "wasted_slots"]
+COUNT_COLUMNS = ["n_reqs", "n_prefill_reqs", "prefill_tokens", "prefill_context", "decode_tokens", "drafts_scheduled",
+                 "drafts_valid", "accepted", "emitted", "wasted_slots"]
 _NOT_RECORDED = ("batch", "trimmed", "launch_start", "enqueue", "parts_s", "readback_s", "read_back", "done")
 HOST_COLUMNS = [f.name for f in fields(Step) if f.name not in _NOT_RECORDED]
 STEP_COLUMNS = [HOST_COLUMNS[0], *COUNT_COLUMNS, *HOST_COLUMNS[1:]]
@@ -116,8 +116,8 @@ REQUEST_COLUMNS = [
 ]
 
 N_COUNTS = len(COUNT_COLUMNS)
-(N_REQS, N_PREFILL_REQS, PREFILL_TOKENS, DECODE_TOKENS, DRAFTS_SCHEDULED, DRAFTS_VALID, ACCEPTED, EMITTED,
- WASTED_SLOTS) = range(N_COUNTS)
+(N_REQS, N_PREFILL_REQS, PREFILL_TOKENS, PREFILL_CONTEXT, DECODE_TOKENS, DRAFTS_SCHEDULED, DRAFTS_VALID, ACCEPTED,
+ EMITTED, WASTED_SLOTS) = range(N_COUNTS)
 # Per-request tallies: the time columns of REQUEST_COLUMNS (rows of `request_times`), then its counts
 # (rows of `request_counts`).
 ARRIVAL_S, FIRST_TOKEN_S, LAST_TOKEN_S = range(3)
@@ -233,6 +233,7 @@ def record_step(
         if table[policy.PREFILL, i]:
             counts[N_PREFILL_REQS] += 1
             counts[PREFILL_TOKENS] += table[policy.TOKENS, i]
+            counts[PREFILL_CONTEXT] += table[policy.START, i]  # the prompt tokens before each chunk
         else:
             counts[DECODE_TOKENS] += 1 + table[policy.VERIFIED, i]  # a decode computes 1 + its verified slots
             counts[DRAFTS_SCHEDULED] += table[policy.SLOTS, i]

@@ -30,6 +30,8 @@ from simharness.profile import (
     UNITS,
     own_device_costs,
     prior_coefficients,
+    _forward,
+    profile_seconds,
     profile_times,
     shape_sizes,
 )
@@ -51,15 +53,17 @@ def truth() -> np.ndarray:
 
 def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) -> np.ndarray:
     """Steps (profile.FEATURES) of up to `rows` decode rows, `k` drafts per row, `context` tokens per row, some
-    with prefill chunks, greedy, random and mixed sampling, and the GPU proposer's history."""
+    with prefill chunks (half of them later chunks of a long prompt), greedy, random and mixed sampling, and the GPU
+    proposer's history."""
     decode_rows = rng.integers(1, rows + 1, n).astype(float)
     tokens = decode_rows * (1 + rng.integers(0, k + 1, n))
     decode_context = decode_rows * rng.uniform(64, context, n)
     chunks = (rng.random(n) < 0.2) * rng.integers(1, 4, n)
     prefill_tokens = chunks * rng.integers(16, 1024, n)
     random_tokens = tokens * rng.choice([0.0, 0.5, 1.0], n)
+    prefill_context = chunks * rng.integers(0, 4096, n) * (rng.random(n) < 0.5)
     return np.column_stack([decode_rows, tokens, decode_context, chunks, prefill_tokens, random_tokens,
-                            decode_context + prefill_tokens])
+                            decode_context + prefill_tokens, prefill_context])
 
 
 def known_prior(coef: np.ndarray) -> np.ndarray:
@@ -111,6 +115,40 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
     beta = np.linalg.lstsq(linear_x, work, rcond=None)[0]
     linear_error = np.abs(np.column_stack([np.ones(len(far)), far[:, :5]]) @ beta / expected - 1)
     assert linear_error.max() > 0.2
+
+
+def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
+    """A chunk of C tokens after S prompt tokens: its forward reads the S tokens' KV besides its own and computes
+    C * S attention pairs more than the prompt's first chunk of C tokens; a decode-only step has no prefill context."""
+    coef = truth()
+    weights, kv, linear, attention, _ = SIZES
+    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0)
+    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048)
+    forward = lambda memory, flops: _forward(coef, memory, flops)  # noqa: E731
+    own = 512 * 513 / 2
+    assert later - first == pytest.approx(
+        forward(weights + kv * (2048 + 512), linear * 512 + attention * (own + 512 * 2048))
+        - forward(weights + kv * 512, linear * 512 + attention * own), rel=1e-12)
+    assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
+    # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
+    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096)
+    assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
+        forward(2 * weights + kv * (4096 + 1024), linear * 1024 + attention * 1024 * (513 / 2 + 2048))
+        + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)
+
+
+def test_steps_record_the_prompt_before_each_prefill_chunk(tmp_path):
+    """`prefill_context` of a step is the prompt tokens prefilled before its chunks: one request at a time, a
+    1,000-token prompt in chunks of a 256-token budget starts its chunks at 0, 256, 512 and 768."""
+    sc = scenario_from_dict({"name": "chunks", "workload": {"num_requests": 2, "concurrency": 1,
+                                                             "prompt_len": {"dist": "fixed", "value": 1000},
+                                                             "output_len": {"dist": "fixed", "value": 4}},
+                             "engine": {"speculation": {"k": 0}}, "scheduler": {"max_num_batched_tokens": 256}})
+    steps = pd.read_parquet(run(sc, tmp_path).run_dir / "steps.parquet")
+    chunks = steps[steps["n_prefill_reqs"] > 0]
+    assert chunks["prefill_tokens"].tolist() == [256, 256, 256, 232] * 2
+    assert chunks["prefill_context"].tolist() == [0, 256, 512, 768] * 2
+    assert (steps.loc[steps["n_prefill_reqs"] == 0, "prefill_context"] == 0).all()
 
 
 def test_the_random_path_comes_from_the_samplers_own_time():
@@ -330,8 +368,8 @@ DEPTH_BLOCK = {"depth": {"scheduler.depth": [1, 3], "workload.concurrency": [4]}
 def test_profile_command_fits_the_costs_a_sim_run_was_made_with(tmp_path):
     """The designed grid (tiny sizes) run at the sim level on a known profile, its records relabelled as measured at
     the real level, then `simharness profile --from`: the step records' features, the device windows and the
-    launch overlap give back the profile the run was made with. The records hold no sampling flag per row, no
-    prefill context and the CPU proposer's history, not the GPU's, so the recovery is close, not exact. The depth
+    launch overlap give back the profile the run was made with. The records hold no sampling flag per row and the
+    CPU proposer's history, not the GPU's, so the recovery is close, not exact. The depth
     block measured again in a second run comes from that run, and the command says which blocks each run gave."""
     source = tmp_path / "truth.yaml"
     source.write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))

@@ -31,7 +31,7 @@ def test_the_per_forward_time_is_pinned_where_kv_reads_vary_and_a_range_where_th
     # no context and no prefill: every forward reads the weights once and nothing else, so the per-forward time and
     # the weight reads (the memory slowdown) trade off freely
     x[:, 2] = x[:, 3] = x[:, 4] = 0.0
-    x[:, 6] = 0.0
+    x[:, 6] = x[:, 7] = 0.0
     _, _, flat = fitted(x)
     lo, hi = flat["per_forward_us"]
     assert hi > 2 * max(lo, 100.0)

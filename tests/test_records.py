@@ -23,18 +23,18 @@ def step(id: int, table: np.ndarray) -> Step:
 def test_step_counts_emissions_and_request_tallies():
     records = Records(k=3, output_len=np.array([5, 5, 5]))
     records.request_times[ARRIVAL_S] = [0.0, 0.1, 0.2]
-    # step 0: request 0's last prefill chunk (first token), request 1's first chunk
-    records.add_step(step(0, table(req=[0, 1], tokens=[7, 4], prefill=[1, 1], completes=[1, 0], emitted=[1, 0])),
-                     1.0)
+    # step 0: request 0's last prefill chunk (first token) after 5 prompt tokens, request 1's first chunk
+    records.add_step(step(0, table(req=[0, 1], tokens=[7, 4], prefill=[1, 1], completes=[1, 0], emitted=[1, 0],
+                                   start=[5, 0])), 1.0)
     # step 1: request 0 decodes (2 of 3 drafts accepted), request 1 finishes its prompt, request 2 had finished
     # and wastes its slots
     records.add_step(step(1, table(req=[0, 1, 2], tokens=[4, 2, 4], prefill=[0, 1, 0], completes=[0, 1, 0],
                                    slots=[3, 0, 3], verified=[3, 0, 2], drafts_valid=[3, 0, 0], accepted=[2, 0, 0],
-                                   emitted=[3, 1, 0], wasted=[0, 0, 3])), 2.0)
+                                   emitted=[3, 1, 0], wasted=[0, 0, 3], start=[0, 4, 0])), 2.0)
     steps = records.steps_frame()
     assert list(steps.columns) == STEP_COLUMNS + ["acc_pos_0", "acc_pos_1", "acc_pos_2"]
-    assert steps[STEP_COLUMNS[1:10]].to_numpy().tolist() == [[2, 2, 11, 0, 0, 0, 0, 1, 0],
-                                                             [3, 1, 2, 7, 6, 3, 2, 4, 3]]
+    assert steps[STEP_COLUMNS[1:11]].to_numpy().tolist() == [[2, 2, 11, 5, 0, 0, 0, 0, 1, 0],
+                                                             [3, 1, 2, 4, 7, 6, 3, 2, 4, 3]]
     assert steps[["acc_pos_0", "acc_pos_1", "acc_pos_2"]].to_numpy().tolist() == [[0, 0, 0], [1, 1, 0]]
     assert steps[HOST_COLUMNS].iloc[1].tolist()[:2] == [1, 1]
     emissions = records.emissions_frame()

@@ -1,0 +1,76 @@
+"""The host phases of one measured point, each run in a fresh process pinned to one CPU (and some unpinned): does a
+process's host speed depend on the CPU it runs on? Usage (on the GPU machine):
+
+    python benchmarks/host_by_cpu.py --cpus 0 1 2 8 --unpinned 2 --out DIR [--scenario S] [--set PATH=VALUE ...]
+
+Each process runs `simharness run SCENARIO` (one point: the overrides must leave no sweep) under `taskset -c CPU`.
+Prints and writes (DIR/host-by-cpu.csv) per process the medians over its decode-only steps of each host phase
+(µs), the device window and the step period; DIR/lscpu.txt holds the machine's CPU topology. The validation runs
+of issue 35 showed one point's launch at 141 µs in one process and 283 µs in another (docs/validation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = {  # name: (start column, end column) of the steps table
+    "schedule": ("schedule_start", "schedule_end"),
+    "prep": ("prep_start", "prep_end"),
+    "launch": ("prep_end", "launch_end"),
+    "update": ("update_start", "update_end"),
+    "propose": ("propose_start", "propose_end"),
+    "device": ("gpu_start", "gpu_end"),
+}
+
+
+def process_row(label: str, run_dir: Path) -> dict:
+    """Medians (µs) over the decode-only steps of one process's run."""
+    steps = pd.read_parquet(run_dir / "steps.parquet").sort_values("step")
+    period = steps["update_end"].diff()
+    decode = steps["n_prefill_reqs"] == 0
+    row = {"process": label, "steps": int(decode.sum())}
+    for name, (start, end) in PHASES.items():
+        row[name] = float(np.nanmedian((steps[end] - steps[start])[decode])) * 1e6
+    row["period"] = float(np.nanmedian(period[decode])) * 1e6
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", type=Path, default=ROOT / "scenarios/validation/cpu-proposer-sampling.yaml")
+    ap.add_argument("--set", action="append", default=[
+        "workload.concurrency=6", "workload.random_fraction=0.1", "engine.level=real"], metavar="PATH=VALUE")
+    ap.add_argument("--cpus", nargs="+", type=int, default=[0, 1, 2, 3])
+    ap.add_argument("--unpinned", type=int, default=2, help="processes run without a pin")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lscpu.txt").write_text(subprocess.run(["lscpu", "-e"], capture_output=True, text=True).stdout)
+    sets = [f"--set={s}" for s in args.set]
+    plan = [(f"cpu {c}", ["taskset", "-c", str(c)]) for c in args.cpus]
+    plan += [(f"unpinned {i}", []) for i in range(args.unpinned)]
+    rows = []
+    for label, pin in plan:
+        out = args.out / "runs" / label.replace(" ", "-")
+        done = subprocess.run([*pin, sys.executable, "-m", "simharness", "run", str(args.scenario), *sets,
+                               "--out", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{label}: exit {done.returncode}\n{done.stderr[-2000:]}", flush=True)
+            continue
+        run_dir = max(p.parent for p in out.rglob("steps.parquet"))
+        rows.append(process_row(label, run_dir))
+        print({k: round(v, 1) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(args.out / "host-by-cpu.csv", index=False)
+    print(table.round(1).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
