@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from simharness.calibration import point_scenario, read_run
-from simharness.engine.model import batch_buckets
+from simharness.engine.buckets import batch_buckets
 from simharness.profile_grid import GRID, grid_points, run_groups
 from simharness.scenario import Scenario
 

@@ -31,6 +31,7 @@ import yaml
 from simharness import results
 from simharness.costfile import DEVICE_FEATURES, FORMAT
 from simharness.costmodel import GPUS
+from simharness.engine.buckets import prefill_bucket
 from simharness.jit import loaded_digest
 from simharness.levels import LEVELS
 from simharness.modes import OUTPUT_READBACK
@@ -128,7 +129,10 @@ def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict
             except (OSError, ValueError, pa.ArrowException) as e:  # a run copied in part, a truncated table
                 raise ScenarioError(f"{run_dir}: point {int(row['index'])}: its records cannot be read "
                                     f"({type(e).__name__}: {e})") from None
-            parts.append(point_steps(*point, point_sc, level))
+            try:
+                parts.append(point_steps(*point, point_sc, level))
+            except ValueError as e:  # records this scheduler did not write
+                raise ScenarioError(f"{run_dir}: point {int(row['index'])}: {e}") from None
         provenance.append({"run": str(run_dir), "run_id": meta.get("run_id"), "device": meta["device"],
                            "source_digest": meta.get("source_digest"), "git_revision": meta.get("git_revision"),
                            "points": len(fitted)})  # fmt: skip
@@ -213,12 +217,12 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
         "step": 1.0, "decode_rows": decode_rows, "decode_tokens": s["decode_tokens"],
         "decode_context": per_row * decode_rows,  # rows that emitted nothing (wasted) at the mean context
         "prefill_reqs": s["n_prefill_reqs"], "prefill_tokens": s["prefill_tokens"],
-        # runs recorded before the column: no chunk's start is known (`profile_grid`: measure such blocks again)
-        "prefill_context": s["prefill_context"] if "prefill_context" in s else 0, "ngram_gpu_step": ngram_gpu,
+        "ngram_gpu_step": ngram_gpu,
         "n_reqs": s["n_reqs"], "n_tokens": s["decode_tokens"] + s["prefill_tokens"],
         "proposed": s["proposed"], "history": s["history"], "measured": s["measured"],
     })  # fmt: skip
     out["ngram_gpu_context"] = ngram_gpu * out["decode_context"]
+    out["prefill_context"], out["prefill_padded"] = prefill_chunks(s, requests)
     # a profile's overlap model (simharness.profile_fit): the device window, the launch, the sampling mix, depth
     out["gpu_start_s"], out["gpu_end_s"], out["launch_end_s"] = s["gpu_start"], s["gpu_end"], s["launch_end"]
     out["prev_gpu_end_s"] = s["gpu_end"].shift(1)
@@ -236,6 +240,36 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
         else np.nan
     out["readback_s"] = s["step"].map(step_reads(s, syncs, level))
     return out
+
+
+def prefill_chunks(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's prompt tokens before its prefill chunks and its chunks' tokens padded to their graphs' token
+    buckets (`engine.buckets`), in the rows' order, from the steps' prefill counts and the prompts: the scheduler
+    (`policy`) admits requests in id order and cuts a prompt only where the step's token budget ends, so at most one
+    request is part-way through its prompt. Its chunk comes first among a step's chunks, the new requests' (from 0)
+    after it, all whole but the last; the step's prefill tokens tell how far the last one got. A steps table that
+    records `prefill_context` must agree, step by step."""
+    prompt = requests.sort_values("request_id")["prompt_tokens"].to_numpy(np.int64)
+    context, padded = np.zeros(len(steps), dtype=np.int64), np.zeros(len(steps), dtype=np.int64)
+    counts = steps[["n_prefill_reqs", "prefill_tokens"]].to_numpy(np.int64)
+    partial, done, admitted = -1, 0, 0  # the request part-way through its prompt, its tokens prefilled; ids admitted
+    for i in np.argsort(steps["step"].to_numpy(), kind="stable"):
+        chunks, tokens = counts[i]
+        sizes = []
+        if chunks and partial >= 0:
+            left = min(tokens, prompt[partial] - done)  # all its prompt's rest, or all the step's budget left
+            context[i], sizes, chunks, tokens = done, [left], chunks - 1, tokens - left
+            partial, done = (partial, done + left) if done + left < prompt[partial] else (-1, 0)
+        if chunks:
+            sizes += [*prompt[admitted : admitted + chunks - 1], tokens - prompt[admitted : admitted + chunks - 1].sum()]
+            admitted += chunks
+            if admitted > len(prompt) or not 0 < sizes[-1] <= prompt[admitted - 1]:
+                raise ValueError(f"step {steps['step'].iloc[i]}: its prefill chunks do not follow the scheduler's")
+            partial, done = (admitted - 1, sizes[-1]) if sizes[-1] < prompt[admitted - 1] else (-1, 0)
+        padded[i] = sum(prefill_bucket(int(n)) for n in sizes)
+    if "prefill_context" in steps and not np.array_equal(steps["prefill_context"].to_numpy(np.int64), context):
+        raise ValueError("the recorded prefill_context differs from the scheduler's chunks")
+    return context, padded
 
 
 def step_reads(steps: pd.DataFrame, syncs: pd.DataFrame, level: str) -> pd.Series:

@@ -11,6 +11,7 @@ import numpy as np
 from simharness.acceptance import AcceptanceModel, accepted_drafts, held_drafts, make_acceptance, verifies_fillers
 from simharness.backend import Enqueue, StepTiming
 from simharness.costmodel import CostModel, fitted_seconds, gpu_seconds
+from simharness.engine.buckets import prefill_bucket
 from simharness.jit import njit
 from simharness.modes import DEVICE_OP_SYNCS, Mode
 from simharness.policy import (
@@ -180,7 +181,7 @@ def _run_step(
     numba keeps their calls cheap only in short loops."""
     size = table.shape[1]
     tokens = kv_tokens = pairs2 = history = random_tokens = 0
-    decode_rows = decode_context = prefill_reqs = prefill_tokens = prefill_context = 0
+    decode_rows = decode_context = prefill_reqs = prefill_tokens = prefill_context = prefill_padded = 0
     any_drafts = False
     for i in range(size):
         rid = table[REQ, i]
@@ -194,6 +195,7 @@ def _run_step(
             prefill_reqs += 1
             prefill_tokens += t
             prefill_context += c
+            prefill_padded += prefill_bucket(t)  # the real loop replays the chunk's token-bucket graph
             if table[COMPLETES, i]:  # the last prefill chunk samples the first token
                 truth[CONTEXT, rid] += 1
                 table[EMITTED, i] = 1
@@ -234,7 +236,7 @@ def _run_step(
         return seconds, next_uniform
     if len(prof):
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
-                                  prefill_tokens, random_tokens, history, prefill_context)
+                                  prefill_tokens, random_tokens, history, prefill_context, prefill_padded)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards), next_uniform

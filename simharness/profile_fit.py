@@ -63,7 +63,7 @@ def step_features(steps: pd.DataFrame) -> np.ndarray:
     x = steps[["decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_tokens"]].to_numpy(float)
     random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
     history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
-    return np.column_stack([x, random_tokens, history, steps["prefill_context"].to_numpy(float)])
+    return np.column_stack([x, random_tokens, history, steps[["prefill_context", "prefill_padded"]].to_numpy(float)])
 
 
 # The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds

@@ -376,7 +376,8 @@ def test_prefill_warm_up_with_cuda_graphs_captures_the_prefill_graphs_instead(mo
 
 
 def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
-    from simharness.engine.model import PREFILL_PAD, prefill_sizes
+    from simharness.engine.buckets import prefill_sizes
+    from simharness.engine.model import PREFILL_PAD
 
     assert prefill_sizes(1) == [16] and prefill_sizes(16) == [16] and prefill_sizes(17) == [16, 32]
     assert prefill_sizes(1024)[-4:] == [832, 896, 960, 1024] and prefill_sizes(1025)[-2:] == [1024, 1280]

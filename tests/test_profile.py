@@ -35,6 +35,8 @@ from simharness.profile import (
     profile_times,
     shape_sizes,
 )
+from simharness.calibration import prefill_chunks
+from simharness.engine.buckets import prefill_bucket, prefill_sizes
 from simharness.profile_fit import FITTED, fit_device, fit_profile_host, fit_random_path
 from simharness.runner import run, without_ignored
 from simharness.scenario import GpuCosts, ScenarioError, load_scenario, scenario_from_dict, sweep_points
@@ -62,8 +64,9 @@ def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) ->
     prefill_tokens = chunks * rng.integers(16, 1024, n)
     random_tokens = tokens * rng.choice([0.0, 0.5, 1.0], n)
     prefill_context = chunks * rng.integers(0, 4096, n) * (rng.random(n) < 0.5)
+    padded = np.ceil(prefill_tokens / 64) * 64
     return np.column_stack([decode_rows, tokens, decode_context, chunks, prefill_tokens, random_tokens,
-                            decode_context + prefill_tokens, prefill_context])
+                            decode_context + prefill_tokens, prefill_context, padded])
 
 
 def known_prior(coef: np.ndarray) -> np.ndarray:
@@ -119,11 +122,11 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
 
 def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
     """A chunk of C tokens after S prompt tokens: its forward reads the S tokens' KV besides its own and computes
-    C * S attention pairs more than the prompt's first chunk of C tokens; a decode-only step has no prefill context."""
+    C * S attention pairs more than the prompt's first chunk of C tokens; a chunk costs its token bucket's tokens."""
     coef = truth()
     weights, kv, linear, attention, _ = SIZES
-    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0)
-    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048)
+    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0, 512)
+    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048, 512)
     forward = lambda memory, flops: _forward(coef, memory, flops)  # noqa: E731
     own = 512 * 513 / 2
     assert later - first == pytest.approx(
@@ -131,15 +134,20 @@ def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
         - forward(weights + kv * 512, linear * 512 + attention * own), rel=1e-12)
     assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
     # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
-    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096)
+    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1000, 0, 0, 4096, 1024)  # chunks of 500 padded to 512
     assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
         forward(2 * weights + kv * (4096 + 1024), linear * 1024 + attention * 1024 * (513 / 2 + 2048))
         + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)
 
 
+def test_a_chunks_bucket_is_the_prefill_graph_it_replays():
+    assert [prefill_bucket(n) for n in range(1, 9000)] == [prefill_sizes(n)[-1] for n in range(1, 9000)]
+
+
 def test_steps_record_the_prompt_before_each_prefill_chunk(tmp_path):
     """`prefill_context` of a step is the prompt tokens prefilled before its chunks: one request at a time, a
-    1,000-token prompt in chunks of a 256-token budget starts its chunks at 0, 256, 512 and 768."""
+    1,000-token prompt in chunks of a 256-token budget starts its chunks at 0, 256, 512 and 768; the last chunk's
+    232 tokens run as a 256-token bucket."""
     sc = scenario_from_dict({"name": "chunks", "workload": {"num_requests": 2, "concurrency": 1,
                                                              "prompt_len": {"dist": "fixed", "value": 1000},
                                                              "output_len": {"dist": "fixed", "value": 4}},
@@ -149,6 +157,35 @@ def test_steps_record_the_prompt_before_each_prefill_chunk(tmp_path):
     assert chunks["prefill_tokens"].tolist() == [256, 256, 256, 232] * 2
     assert chunks["prefill_context"].tolist() == [0, 256, 512, 768] * 2
     assert (steps.loc[steps["n_prefill_reqs"] == 0, "prefill_context"] == 0).all()
+    context, padded = prefill_chunks(chunks, pd.read_parquet(run(sc, tmp_path).run_dir / "requests.parquet"))
+    assert context.tolist() == [0, 256, 512, 768] * 2 and padded.tolist() == [256] * 8
+
+
+@pytest.mark.parametrize("settings", [
+    {"workload": {"concurrency": 64}, "scheduler": {"max_num_batched_tokens": 512}},
+    {"workload": {"concurrency": 8, "arrival": "poisson", "rate": 400.0}, "scheduler": {"max_num_batched_tokens": 300}},
+    {"workload": {"concurrency": 256}, "scheduler": {"max_num_batched_tokens": 8192, "depth": 3}},
+])
+def test_the_prefill_context_of_older_runs_is_rebuilt_exactly(settings, tmp_path):
+    """Runs recorded before the steps table held `prefill_context`: `calibration.prefill_chunks` rebuilds it from the
+    steps' prefill counts and the prompts, equal to what the scheduler records, step by step; its chunks' buckets
+    add up to no fewer tokens than the step's and at most 63 (or a quarter, past 1,024 tokens) more per chunk; a
+    table whose record disagrees is refused."""
+    base = {"name": "rebuild", "seed": 3, "workload": {"num_requests": 120, "prompt_len":
+            {"dist": "uniform", "min": 16, "max": 1500}, "output_len": {"dist": "uniform", "min": 2, "max": 40}}}
+    sc = scenario_from_dict(base, {f"{s}.{k}": v for s, fields in settings.items() for k, v in fields.items()})
+    run_dir = run(sc, tmp_path).run_dir
+    steps, requests = pd.read_parquet(run_dir / "steps.parquet"), pd.read_parquet(run_dir / "requests.parquet")
+    assert (steps["prefill_context"] > 0).sum() >= 5
+    shuffled = steps.sample(frac=1.0, random_state=0)
+    context, padded = prefill_chunks(shuffled.drop(columns="prefill_context"), requests)
+    assert context.tolist() == shuffled["prefill_context"].tolist()
+    tokens, chunks = shuffled["prefill_tokens"].to_numpy(), shuffled["n_prefill_reqs"].to_numpy()
+    assert (padded >= tokens).all() and (padded <= tokens + np.maximum(63 * chunks, tokens // 4 + 255)).all()
+    assert (padded[chunks == 0] == 0).all() and (padded > tokens).any()
+    shuffled.loc[shuffled["prefill_context"] > 0, "prefill_context"] += 1
+    with pytest.raises(ValueError, match="recorded prefill_context differs"):
+        prefill_chunks(shuffled, requests)
 
 
 def test_the_random_path_comes_from_the_samplers_own_time():

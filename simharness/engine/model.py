@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from simharness.engine.buckets import batch_buckets, prefill_sizes
 from simharness.models import MODELS, ModelConfig
 
 
@@ -197,22 +198,6 @@ class _Graph:
     start_pos: Tensor
     logits: Tensor
     last: Tensor | None = None  # a prefill graph's index of the chunk's last real token
-
-
-def batch_buckets(max_slots: int) -> list[int]:
-    """The batch sizes captured as CUDA graphs (1, 2, 4, then multiples of 8, and max_slots): a batch replays the
-    smallest that holds it, its extra rows padded onto the scratch slot."""
-    return sorted({s for s in [1, 2, 4, *range(8, max_slots + 1, 8)] if s <= max_slots} | {max_slots})
-
-
-def prefill_sizes(longest: int) -> list[int]:
-    """The token buckets of the prefill graphs that cover chunks up to `longest` tokens: 16, 32, then steps of
-    64 up to 1024 and of 256 beyond (a chunk pads to the next one: at most 63 tokens of extra device work up to
-    1024, a quarter at most beyond). vLLM captures its piecewise graphs at such token-count buckets too."""
-    sizes = [16, 32, *range(64, 1025, 64)]
-    while sizes[-1] < longest:
-        sizes.append(sizes[-1] + 256)
-    return [s for s in sizes if s < longest] + [next(s for s in sizes if s >= longest)]
 
 
 # A prefill graph pads its chunk with tokens whose K/V land past the chunk, in its own slot; the cache holds
