@@ -261,7 +261,8 @@ def prefill_chunks(steps: pd.DataFrame, requests: pd.DataFrame) -> tuple[np.ndar
             context[i], sizes, chunks, tokens = done, [left], chunks - 1, tokens - left
             partial, done = (partial, done + left) if done + left < prompt[partial] else (-1, 0)
         if chunks:
-            sizes += [*prompt[admitted : admitted + chunks - 1], tokens - prompt[admitted : admitted + chunks - 1].sum()]
+            whole = prompt[admitted : admitted + chunks - 1]
+            sizes += [*whole, tokens - whole.sum()]
             admitted += chunks
             if admitted > len(prompt) or not 0 < sizes[-1] <= prompt[admitted - 1]:
                 raise ValueError(f"step {steps['step'].iloc[i]}: its prefill chunks do not follow the scheduler's")

@@ -23,8 +23,8 @@ LAYERS = [
     ["acceptance", "costmodel"],  # the sim level's models of the device
     ["policy", "modes"],  # the scheduling policy
     ["records", "instrument", "backend"],  # what a step records, the Backend contract
-    ["engine", "engine.buckets", "engine.model", "engine.model_triton", "engine.checkpoint", "engine.timing", "engine.decode",
-     "engine.step_graph", "engine.mirror", "engine.slots", "engine.host_work", "engine.decode_step",
+    ["engine", "engine.buckets", "engine.model", "engine.model_triton", "engine.checkpoint", "engine.timing",
+     "engine.decode", "engine.step_graph", "engine.mirror", "engine.slots", "engine.host_work", "engine.decode_step",
      "engine.eager_step", "engine.torch_backend", "model_backend"],
     ["core", "loop"],  # the host's decisions and the phase sequence, shared by every level
     # set-up of the measured levels (run on the clock their caller hands them), benchmarks (vLLM's own host costs

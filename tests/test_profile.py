@@ -12,8 +12,10 @@ import yaml
 from typer.testing import CliRunner
 
 from simharness import profile
+from simharness.calibration import prefill_chunks
 from simharness.cli import app
 from simharness.costmodel import CostModel
+from simharness.engine.buckets import prefill_bucket, prefill_sizes
 from simharness.models import model_config
 from simharness.profile import (
     COMPUTE,
@@ -28,15 +30,13 @@ from simharness.profile import (
     SAMPLER,
     TERMS,
     UNITS,
+    _forward,
     own_device_costs,
     prior_coefficients,
-    _forward,
     profile_seconds,
     profile_times,
     shape_sizes,
 )
-from simharness.calibration import prefill_chunks
-from simharness.engine.buckets import prefill_bucket, prefill_sizes
 from simharness.profile_fit import FITTED, fit_device, fit_profile_host, fit_random_path
 from simharness.runner import run, without_ignored
 from simharness.scenario import GpuCosts, ScenarioError, load_scenario, scenario_from_dict, sweep_points
