@@ -11,7 +11,7 @@ import pytest
 from helpers import hil_requests, simulate
 from test_hil import N_REQUESTS, VOCAB, hil_scenario, model, requests, run_hil  # noqa: F401
 
-from simharness.records import STEP_COLUMNS
+from simharness.records import COUNT_COLUMNS
 
 
 def repeating_requests():
@@ -37,7 +37,7 @@ def test_hil_and_sim_accept_the_same_fillers(depth, policy, model):  # noqa: F81
     sim_sc.engine.level = "sim"
     _, hil = run_hil(hil_sc, first, model)
     sim, _ = simulate(sim_sc, first)
-    counts = STEP_COLUMNS[1:10]  # n_reqs .. wasted_slots: the batches, their draft slots, outcomes
+    counts = COUNT_COLUMNS  # n_reqs .. wasted_slots: the batches, their chunks, draft slots, outcomes
     hil_steps, sim_steps = hil.steps_frame(), sim.steps_frame()
     np.testing.assert_array_equal(hil_steps[counts].to_numpy(), sim_steps[counts].to_numpy())
     # fillers were accepted: more drafts accepted than valid ones in some step

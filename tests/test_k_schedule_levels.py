@@ -14,7 +14,7 @@ from test_real import run_real
 from simharness.core import EngineCore
 from simharness.engine.decode import DecodeLoop
 from simharness.policy import scheduled_k
-from simharness.records import STEP_COLUMNS
+from simharness.records import COUNT_COLUMNS
 
 # Under the proposer's k = 3 of `hil_scenario` (concurrency 3): the limit, a k below it and plain decode steps.
 SCHEDULE = {1: 3, 2: 1, 3: 0}
@@ -110,7 +110,7 @@ def test_hil_takes_the_sims_decisions_under_a_k_schedule(depth, policy, proposer
                                 output_tokens=every.output_tokens[:n])  # fmt: skip
     _, hil = run_hil(scheduled(depth, policy, proposer, invalid), first, model)
     sim, _ = simulate(scheduled(depth, policy, proposer, invalid, "sim"), first)
-    counts = STEP_COLUMNS[1:10]  # n_reqs .. wasted_slots: the batches, their draft slots, outcomes
+    counts = COUNT_COLUMNS  # n_reqs .. wasted_slots: the batches, their chunks, draft slots, outcomes
     hil_steps, sim_steps = hil.steps_frame(), sim.steps_frame()
     np.testing.assert_array_equal(hil_steps[counts].to_numpy(), sim_steps[counts].to_numpy())
     assert hil.syncs_frame()["name"].tolist() == sim.syncs_frame()["name"].tolist()
@@ -135,7 +135,7 @@ def test_a_constant_schedule_is_that_fixed_k_at_hil(depth, policy, proposer, inv
     fixed = hil_scenario(depth, policy, proposer, invalid).model_copy(deep=True)
     fixed.engine.speculation.k = 2
     (b1, r1), (b2, r2) = run_hil(constant, first, model), run_hil(fixed, first, model)
-    counts = STEP_COLUMNS[1:10]
+    counts = COUNT_COLUMNS
     np.testing.assert_array_equal(r1.steps_frame()[counts].to_numpy(), r2.steps_frame()[counts].to_numpy())
     for rid in range(n):
         np.testing.assert_array_equal(emitted(b1, rid), emitted(b2, rid))
@@ -166,5 +166,5 @@ def test_a_schedules_unreached_ks_are_not_built(graphs, requests, model, monkeyp
     if graphs:
         assert {k for _, k, _ in built[1].graphs._graphs} == {3}
     (_, r1), (_, r2) = runs[1:]
-    counts = STEP_COLUMNS[1:10]
+    counts = COUNT_COLUMNS
     np.testing.assert_array_equal(r1.steps_frame()[counts].to_numpy(), r2.steps_frame()[counts].to_numpy())

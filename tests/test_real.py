@@ -13,7 +13,7 @@ from simharness.engine.torch_backend import TorchBackend
 from simharness.ledger import HostLedger
 from simharness.modes import resolve_mode
 from simharness.realloop import RealLoop
-from simharness.records import DEVICE_PHASE_COLUMNS, STEP_COLUMNS
+from simharness.records import COUNT_COLUMNS, DEVICE_PHASE_COLUMNS
 from simharness.scenario import load_scenario
 from simharness.simulation import Simulation
 
@@ -56,7 +56,7 @@ def test_real_makes_the_decisions_of_hil_step_by_step(requests, model):  # noqa:
         sc.engine.level = "real"
         _, records, _ = run_real(sc, first, model)
         _, hil_records = run_hil(hil_sc, first, model)
-        counts = STEP_COLUMNS[1:10]
+        counts = COUNT_COLUMNS
         steps, hil_steps = records.steps_frame(), hil_records.steps_frame()
         np.testing.assert_array_equal(steps[counts].to_numpy(), hil_steps[counts].to_numpy())
         assert records.syncs_frame()["name"].tolist() == hil_records.syncs_frame()["name"].tolist()
@@ -114,7 +114,7 @@ def test_a_capped_open_loop_takes_in_freed_slots_as_hil_does(requests, model):  
     at_once = dataclasses.replace(requests, arrival_s=np.zeros(N_REQUESTS))
     _, records, _ = run_real(sc, at_once, model)
     _, hil_records = run_hil(hil_sc, at_once, model)
-    counts = STEP_COLUMNS[1:10]
+    counts = COUNT_COLUMNS
     steps, hil_steps = records.steps_frame(), hil_records.steps_frame()
     np.testing.assert_array_equal(steps[counts].to_numpy(), hil_steps[counts].to_numpy())
     assert (records.requests["arrival_s"].to_numpy()[2:] > 0).all()  # the later three waited for a slot

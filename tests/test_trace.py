@@ -71,9 +71,9 @@ def synthetic_records(
             t = done["update_end"]
     for row in rows:
         accepted = row["step"] % (k + 1)
-        row.update(n_reqs=n_reqs, n_prefill_reqs=0, prefill_tokens=0, decode_tokens=n_reqs * (1 + k),
-                   drafts_scheduled=n_reqs * k, drafts_valid=n_reqs * k, accepted=accepted,
-                   emitted=n_reqs + accepted, wasted_slots=(1 + k) if row["step"] % 7 == 6 else 0)
+        row.update(n_reqs=n_reqs, n_prefill_reqs=0, prefill_tokens=0, prefill_context=0,
+                   decode_tokens=n_reqs * (1 + k), drafts_scheduled=n_reqs * k, drafts_valid=n_reqs * k,
+                   accepted=accepted, emitted=n_reqs + accepted, wasted_slots=(1 + k) if row["step"] % 7 == 6 else 0)
         # hardware-in-the-loop columns as the sim level writes them
         row.update(measured="", device_syncs=0, harness_s=np.nan, **dict.fromkeys(DEVICE_PHASE_COLUMNS, np.nan))
     steps = pd.DataFrame(rows)[STEP_COLUMNS]
