@@ -33,6 +33,7 @@ from simharness.calibration import (
 from simharness.jit import loaded_digest
 from simharness.models import model_config
 from simharness.profile import (
+    ATTENTION,
     COMPUTE,
     EXPONENT,
     FIXED,
@@ -76,6 +77,7 @@ SEARCH = {
     SAMPLER: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
     PROPOSER: ("linear", 1e-9, (0.0, 1e4), 10.0),  # ns per token
     EXPONENT: ("linear", 1.0, (4.0, 16.0), 4.0),
+    ATTENTION: ("log", 1.0, (0.0, np.log(100.0)), 1.0),  # no faster than the datasheet's peak
 }
 FITTED = tuple(SEARCH)  # the random path's term (RANDOM) is the sampler phase's (`fit_random_path`)
 TAIL_BOUNDS_US = (0.0, 1e4)
@@ -326,7 +328,7 @@ def fit_profile(data: FitData) -> dict:
         "device": data.device, "gpu": data.gpu, "model": data.model, "level": data.level,
         "device_step": {name: float(fit.coef[i] / UNITS[i]) for i, name in enumerate(TERMS)},
         "efficiency": {"memory": float(1 / fit.coef[MEMORY]), "compute": float(1 / fit.coef[COMPUTE]),
-                       "sampler": float(1 / fit.coef[SAMPLER])},
+                       "attention": float(1 / fit.coef[ATTENTION]), "sampler": float(1 / fit.coef[SAMPLER])},
         "overlap": fit_overlap(ok, fit.tails, censored, ~bound),
         "host_costs": host,
         "kept_from_scenario": kept,

@@ -18,6 +18,7 @@ from simharness.costmodel import CostModel
 from simharness.engine.buckets import prefill_bucket, prefill_sizes
 from simharness.models import model_config
 from simharness.profile import (
+    ATTENTION,
     COMPUTE,
     EXPONENT,
     FIXED,
@@ -50,6 +51,7 @@ def truth() -> np.ndarray:
     coef = prior_coefficients("H100", GpuCosts())
     coef[FIXED], coef[PER_FORWARD], coef[PROPOSER], coef[EXPONENT] = 300e-6, 80e-6, 0.2e-9, 6.0
     coef[MEMORY], coef[COMPUTE], coef[SAMPLER], coef[RANDOM] = 1 / 0.7, 1 / 0.5, 1 / 0.6, 0.3
+    coef[ATTENTION] = 1 / 0.3
     return coef
 
 
@@ -127,16 +129,16 @@ def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
     weights, kv, linear, attention, _ = SIZES
     first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0, 512)
     later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048, 512)
-    forward = lambda memory, flops: _forward(coef, memory, flops)  # noqa: E731
+    forward = lambda memory, flops, pairs: _forward(coef, memory, flops, attention * pairs)  # noqa: E731
     own = 512 * 513 / 2
     assert later - first == pytest.approx(
-        forward(weights + kv * (2048 + 512), linear * 512 + attention * (own + 512 * 2048))
-        - forward(weights + kv * 512, linear * 512 + attention * own), rel=1e-12)
+        forward(weights + kv * (2048 + 512), linear * 512, own + 512 * 2048)
+        - forward(weights + kv * 512, linear * 512, own), rel=1e-12)
     assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
     # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
     two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1000, 0, 0, 4096, 1024)  # chunks of 500 padded to 512
     assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
-        forward(2 * weights + kv * (4096 + 1024), linear * 1024 + attention * 1024 * (513 / 2 + 2048))
+        forward(2 * weights + kv * (4096 + 1024), linear * 1024, 1024 * (513 / 2 + 2048))
         + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)
 
 
