@@ -236,7 +236,7 @@ def _run_step(
         return seconds, next_uniform
     if len(prof):
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
-                                  prefill_tokens, random_tokens, history, prefill_context, prefill_padded)
+                                  prefill_padded, random_tokens, history, prefill_context)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
     return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards), next_uniform

@@ -45,8 +45,8 @@ FIXED, PER_FORWARD, S_PER_BYTE, S_PER_FLOP, MEMORY, COMPUTE, SAMPLER, RANDOM, PR
     range(len(TERMS))
 UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0, 1.0)  # seconds (or 1) per unit of each term in the file
 # What a step holds (columns of `step_features`, arguments of `profile_seconds`).
-FEATURES = ("decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_tokens", "random_tokens",
-            "history", "prefill_context", "prefill_padded")
+FEATURES = ("decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_padded", "random_tokens",
+            "history", "prefill_context")
 
 
 class ProfileError(ValueError):
@@ -73,12 +73,12 @@ def _forward(coef: np.ndarray, memory_bytes: float, linear_flops: float, attenti
 
 @njit
 def profile_seconds(coef: np.ndarray, sizes: np.ndarray, decode_rows: float, decode_tokens: float,
-                    decode_context: float, prefill_reqs: float, prefill_tokens: float, random_tokens: float,
-                    history: float, prefill_context: float, prefill_padded: float) -> float:
+                    decode_context: float, prefill_reqs: float, prefill_padded: float, random_tokens: float,
+                    history: float, prefill_context: float) -> float:
     """A step's device time from what it holds: decode rows, their tokens and context (KV tokens before the step),
-    prefill chunks and tokens, verified tokens of rows sampled at a temperature, history the GPU proposer scans, the
-    prompt tokens before the prefill chunks (a later chunk of a long prompt reads their KV and attends to them) and
-    the tokens the prefill forwards compute (each chunk padded to its graph's token bucket, `engine.buckets`).
+    prefill chunks and the tokens they compute (each chunk padded to its graph's token bucket, `engine.buckets`),
+    verified tokens of rows sampled at a temperature, history the GPU proposer scans, and the prompt tokens before
+    the prefill chunks (a later chunk of a long prompt reads their KV and attends to them).
     Attention pairs are taken at the mean row (decode) and chunk (prefill), so the fit and the sim see the same
     features."""
     weights, kv, linear, attention, logits = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]
@@ -102,8 +102,7 @@ def profile_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndar
     """`profile_seconds` of every row of `x` (columns: FEATURES)."""
     out = np.empty(x.shape[0])
     for i in range(x.shape[0]):
-        out[i] = profile_seconds(coef, sizes, x[i, 0], x[i, 1], x[i, 2], x[i, 3], x[i, 4], x[i, 5], x[i, 6], x[i, 7],
-                                 x[i, 8])
+        out[i] = profile_seconds(coef, sizes, x[i, 0], x[i, 1], x[i, 2], x[i, 3], x[i, 4], x[i, 5], x[i, 6], x[i, 7])
     return out
 
 

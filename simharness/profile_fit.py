@@ -61,10 +61,10 @@ REWEIGHTINGS = 5  # of `fit_weighted` (on the grid's CPU proposer it settles aft
 def step_features(steps: pd.DataFrame) -> np.ndarray:
     """The FEATURES of each step (calibration.point_steps' rows); the random path's tokens at the point's share of
     rows sampled at a temperature."""
-    x = steps[["decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_tokens"]].to_numpy(float)
+    x = steps[["decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_padded"]].to_numpy(float)
     random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
     history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
-    return np.column_stack([x, random_tokens, history, steps[["prefill_context", "prefill_padded"]].to_numpy(float)])
+    return np.column_stack([x, random_tokens, history, steps["prefill_context"].to_numpy(float)])
 
 
 # The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds

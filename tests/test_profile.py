@@ -67,8 +67,8 @@ def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) ->
     random_tokens = tokens * rng.choice([0.0, 0.5, 1.0], n)
     prefill_context = chunks * rng.integers(0, 4096, n) * (rng.random(n) < 0.5)
     padded = np.ceil(prefill_tokens / 64) * 64
-    return np.column_stack([decode_rows, tokens, decode_context, chunks, prefill_tokens, random_tokens,
-                            decode_context + prefill_tokens, prefill_context, padded])
+    return np.column_stack([decode_rows, tokens, decode_context, chunks, padded, random_tokens,
+                            decode_context + prefill_tokens, prefill_context])
 
 
 def known_prior(coef: np.ndarray) -> np.ndarray:
@@ -127,8 +127,8 @@ def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
     C * S attention pairs more than the prompt's first chunk of C tokens; a chunk costs its token bucket's tokens."""
     coef = truth()
     weights, kv, linear, attention, _ = SIZES
-    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0, 512)
-    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048, 512)
+    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0)
+    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048)
     forward = lambda memory, flops, pairs: _forward(coef, memory, flops, attention * pairs)  # noqa: E731
     own = 512 * 513 / 2
     assert later - first == pytest.approx(
@@ -136,7 +136,7 @@ def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
         - forward(weights + kv * 512, linear * 512, own), rel=1e-12)
     assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
     # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
-    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1000, 0, 0, 4096, 1024)  # chunks of 500 padded to 512
+    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096)  # chunks of 500 padded to 512
     assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
         forward(2 * weights + kv * (4096 + 1024), linear * 1024, 1024 * (513 / 2 + 2048))
         + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)

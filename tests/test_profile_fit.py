@@ -31,7 +31,7 @@ def test_the_per_forward_time_is_pinned_where_kv_reads_vary_and_a_range_where_th
     # no context and no prefill: every forward reads the weights once and nothing else, so the per-forward time and
     # the weight reads (the memory slowdown) trade off freely
     x[:, 2] = x[:, 3] = x[:, 4] = 0.0
-    x[:, 6] = x[:, 7] = 0.0
+    x[:, 6] = x[:, 7] = 0.0  # no history, no prompt before a chunk
     _, _, flat = fitted(x)
     lo, hi = flat["per_forward_us"]
     assert hi > 2 * max(lo, 100.0)
@@ -46,4 +46,4 @@ def test_a_tail_no_step_is_bound_by_is_reported_as_a_range_and_the_measured_ones
         assert best.tails[d] == pytest.approx(TAILS[d], rel=0.01)
         assert near["tail_us"][d] == pytest.approx([TAILS[d] * 1e6] * 2, rel=0.01)
     lo, hi = near["tail_us"][3]
-    assert hi - lo > 300.0  # the starts' tails fit equally, up to where they would bind a step: nothing measured it
+    assert hi - lo > 200.0  # the starts' tails fit equally, up to where they would bind a step: nothing measured it
