@@ -167,8 +167,9 @@ def fit_device_starts(x: np.ndarray, window: np.ndarray, launch: np.ndarray | No
 def near_equal_optima(x: np.ndarray, window: np.ndarray, launch: np.ndarray | None, depth: np.ndarray,
                       sizes: np.ndarray, prior: np.ndarray, best: DeviceFit, starts: list[DeviceFit]) -> dict:
     """What the fits within NEAR_COST of the best fit's cost span, which the grid cannot tell apart: the per-forward
-    time and the efficiencies that go with it (fits with the per-forward time held at each of SCAN times the best
-    fit's, at least 100 µs) and each depth's launch tail (the fits of the other `starts`)."""
+    time and the efficiencies (memory, linear layers, attention) that go with it (fits with the per-forward time held
+    at each of SCAN times the best fit's, at least 100 µs) and each depth's launch tail (the fits of the other
+    `starts`)."""
     unit = max(best.coef[PER_FORWARD], 100e-6)
     held = [fit_device(x, window, launch, depth, sizes, prior, best.params, hold={PER_FORWARD: f * unit})
             for f in SCAN]
@@ -179,6 +180,7 @@ def near_equal_optima(x: np.ndarray, window: np.ndarray, launch: np.ndarray | No
             "per_forward_us": span([f.coef[PER_FORWARD] * 1e6 for f in near]),
             "memory_efficiency": span([1 / f.coef[MEMORY] for f in near]),
             "compute_efficiency": span([1 / f.coef[COMPUTE] for f in near]),
+            "attention_efficiency": span([1 / f.coef[ATTENTION] for f in near]),
             "tail_us": {d: span([f.tails[d] * 1e6 for f in near_tails]) for d in best.tails}}
 
 

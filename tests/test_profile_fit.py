@@ -36,6 +36,7 @@ def test_the_per_forward_time_is_pinned_where_kv_reads_vary_and_a_range_where_th
     lo, hi = flat["per_forward_us"]
     assert hi > 2 * max(lo, 100.0)
     assert flat["memory_efficiency"][1] > 1.2 * flat["memory_efficiency"][0]
+    assert set(flat) >= {"memory_efficiency", "compute_efficiency", "attention_efficiency"}
 
 
 def test_a_tail_no_step_is_bound_by_is_reported_as_a_range_and_the_measured_ones_are_recovered():
