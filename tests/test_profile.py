@@ -350,6 +350,20 @@ def test_a_profile_that_does_not_fit_exits_2_naming_file_and_field(tmp_path, con
     assert not (tmp_path / "out").exists()
 
 
+def test_only_the_sim_level_reads_the_profile(tmp_path):
+    """A profile of an older format is refused where the sim would run on it, not at a measured level, which reads
+    none: a recorded real run (a profile grid's) stays readable after the shipped profiles change format. Set to
+    the sim later, as a fidelity run's sim checks are, the point is checked then."""
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(profile_mapping(format="simharness-profile-1")))
+    with pytest.raises(ScenarioError, match="field format: 'simharness-profile-1'"):
+        scenario_from_dict(TINY, {"engine.profile": str(old)})
+    sc = scenario_from_dict(TINY, {"engine.profile": str(old), "engine.level": "real"})
+    assert sc.engine.profile == str(old)
+    with pytest.raises(ValueError, match="field format: 'simharness-profile-1'"):
+        sc.engine.level = "sim"
+
+
 def test_a_corrupt_committed_profile_is_refused(profiles, tmp_path):
     (profiles / "h100-tiny.yaml").write_text(yaml.safe_dump(profile_mapping(model="llama-3.2-1b")))
     with pytest.raises(ValueError, match="h100-tiny.yaml: field model"):
