@@ -5,8 +5,9 @@ process's host speed depend on the CPU it runs on? Usage (on the GPU machine):
 
 Each process runs `simharness run SCENARIO` (one point: the overrides must leave no sweep) under `taskset -c CPU`.
 Prints and writes (DIR/host-by-cpu.csv) per process the medians over its decode-only steps of each host phase
-(µs), the device window and the step period; DIR/lscpu.txt holds the machine's CPU topology. The validation runs
-of issue 35 showed one point's launch at 141 µs in one process and 283 µs in another (docs/validation.md).
+(µs, `metrics.host_intervals`' phases: launch without its syncs), the device window and the step period;
+DIR/lscpu.txt holds the machine's CPU topology. The validation runs of issue 35 showed one point's launch at 141 µs
+in one process and 283 µs in another (docs/validation.md).
 """
 
 from __future__ import annotations
@@ -19,26 +20,23 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from simharness.metrics import host_intervals
+
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = {  # name: (start column, end column) of the steps table
-    "schedule": ("schedule_start", "schedule_end"),
-    "prep": ("prep_start", "prep_end"),
-    "launch": ("prep_end", "launch_end"),
-    "update": ("update_start", "update_end"),
-    "propose": ("propose_start", "propose_end"),
-    "device": ("gpu_start", "gpu_end"),
-}
+PHASES = ("schedule", "prep", "launch", "update", "propose")
 
 
 def process_row(label: str, run_dir: Path) -> dict:
     """Medians (µs) over the decode-only steps of one process's run."""
     steps = pd.read_parquet(run_dir / "steps.parquet").sort_values("step")
-    period = steps["update_end"].diff()
     decode = steps["n_prefill_reqs"] == 0
+    intervals = host_intervals(steps, pd.read_parquet(run_dir / "syncs.parquet"))
+    intervals = intervals[intervals["step"].isin(steps.loc[decode, "step"])]
+    seconds = (intervals["end_s"] - intervals["start_s"]).groupby(intervals["kind"]).median()
     row = {"process": label, "steps": int(decode.sum())}
-    for name, (start, end) in PHASES.items():
-        row[name] = float(np.nanmedian((steps[end] - steps[start])[decode])) * 1e6
-    row["period"] = float(np.nanmedian(period[decode])) * 1e6
+    row.update({name: float(seconds.get(name, np.nan)) * 1e6 for name in PHASES})
+    row["device"] = float(np.nanmedian((steps["gpu_end"] - steps["gpu_start"])[decode])) * 1e6
+    row["period"] = float(np.nanmedian(steps["update_end"].diff()[decode])) * 1e6
     return row
 
 

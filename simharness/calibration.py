@@ -216,8 +216,7 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
     out = pd.DataFrame({
         "step": 1.0, "decode_rows": decode_rows, "decode_tokens": s["decode_tokens"],
         "decode_context": per_row * decode_rows,  # rows that emitted nothing (wasted) at the mean context
-        "prefill_reqs": s["n_prefill_reqs"], "prefill_tokens": s["prefill_tokens"],
-        "ngram_gpu_step": ngram_gpu,
+        "prefill_reqs": s["n_prefill_reqs"], "prefill_tokens": s["prefill_tokens"], "ngram_gpu_step": ngram_gpu,
         "n_reqs": s["n_reqs"], "n_tokens": s["decode_tokens"] + s["prefill_tokens"],
         "proposed": s["proposed"], "history": s["history"], "measured": s["measured"],
     })  # fmt: skip
@@ -281,8 +280,8 @@ def step_reads(steps: pd.DataFrame, syncs: pd.DataFrame, level: str) -> pd.Serie
     one after another, partly while the device still ran the newer ones)."""
     if level != REFERENCE:
         syncs = syncs[syncs["name"] == OUTPUT_READBACK]
-    gpu_end = steps.set_index("step")["gpu_end"]
-    launch_end = steps.set_index("step")["launch_end"]
+    by_step = steps.set_index("step")
+    gpu_end, launch_end = by_step["gpu_end"], by_step["launch_end"]
     settle_start = syncs[syncs["name"] == OUTPUT_READBACK].set_index("step")["start_s"]
     reads: dict[int, float] = {}
     for row in syncs.sort_values("start_s", kind="stable").itertuples(index=False):
