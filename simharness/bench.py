@@ -192,9 +192,12 @@ def rejection_rows(device: torch.device, quick: bool, copy_gbps: float, progress
                 "mixed": torch.arange(batch, device=device).remainder(2).float(),
             }
             read_bytes = logits.numel() * logits.element_size()  # every position <= num_drafts is read
+            # The Triton sampler reads its seed from device memory, as the decode step's graph gives it (an int
+            # seed would add a fill kernel to every call); the reference seeds a torch.Generator.
+            seeds = {"reference": 1, "triton": torch.ones(1, dtype=torch.int64, device=device)}
             for mode, temperature in temperatures.items():
                 for impl_name, impl in impls.items():
-                    call = functools.partial(impl, logits, drafts, num_drafts, temperature, seed=1)
+                    call = functools.partial(impl, logits, drafts, num_drafts, temperature, seed=seeds[impl_name])
                     device_ms, wall_ms = time_call(call, device, repeats)
                     gbps = read_bytes / (device_ms * 1e-3) / 1e9
                     rows.append(
@@ -271,7 +274,8 @@ def write_tables(
         f"random tokens from a {NGRAM_VOCAB}-token vocabulary; the pure-Python n-gram reference runs only for "
         f"B*L <= {REFERENCE_NGRAM_MAX_TOKENS} (too slow above); Triton rows need CUDA",
         "- rejection: every row has k drafts (all k+1 positions are read); logits_gb_per_s = logits bytes / "
-        "device_ms; pct_of_copy_bw compares it with the measured copy bandwidth",
+        "device_ms (the Triton sampler's two kernels, its seed in device memory as the decode step gives it); "
+        "pct_of_copy_bw compares it with the measured copy bandwidth",
         f"- verify: one model verify step, B rows x (k+1) tokens after {VERIFY_CONTEXT} cached tokens per row, "
         "random weights, CUDA-graph replay on CUDA; device_ms = median of CUDA events around 50 back-to-back steps "
         "(5 when quick or on CPU, wall clock on CPU). Floors: weights_floor_ms = bytes of weights a step reads "
