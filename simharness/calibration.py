@@ -147,7 +147,8 @@ def load_fit_data(run_dirs: list[Path], *, level: str | None = None, where: dict
 
 def read_run(run_dir: Path) -> tuple[dict, Scenario, pd.DataFrame]:
     """A run directory's meta, scenario and finished points' summary rows (with `config`: a fidelity run's own,
-    else the point without its repeat)."""
+    else the point without its repeat); a committed run that kept only its run-level tables gives its
+    `summary.json`'s rows."""
     if not run_dir.is_dir():
         raise ScenarioError(f"{run_dir}: not a run directory")
     sc = results.load_run_scenario(run_dir)
@@ -156,6 +157,8 @@ def read_run(run_dir: Path) -> tuple[dict, Scenario, pd.DataFrame]:
         raise ScenarioError(f"{run_dir}: not a run directory (no meta.json)")
     meta = json.loads(meta_path.read_text())
     rows = list(finished_rows(run_dir).values())
+    if not rows and not (run_dir / "points").exists() and (run_dir / "summary.json").is_file():
+        rows = json.loads((run_dir / "summary.json").read_text())
     if not rows:
         raise ScenarioError(f"{run_dir}: no finished points")
     summary = pd.DataFrame(rows)

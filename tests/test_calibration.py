@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 import simharness
-from simharness.calibration import FitData, _emission_counts, calibrate, step_reads
+from simharness.calibration import FitData, _emission_counts, calibrate, load_fit_data, step_reads
 from simharness.cli import app
 from simharness.costfile import DEVICE_FEATURES
 from simharness.scenario import ScenarioError, load_scenario
@@ -159,6 +159,19 @@ def test_sim_calibrated_from_its_own_records_reproduces_itself(sim_run, tmp_path
     base = pd.read_csv(sim_run / "summary.csv").set_index("point")
     again = calibrated.summary.set_index("point")
     assert np.allclose(again["mean_tpot_ms"], base["mean_tpot_ms"], rtol=0.02)
+
+
+def test_a_run_kept_as_its_run_level_tables_is_read_as_the_run(sim_run, tmp_path):
+    """A committed run may keep only its run-level tables and summary (no `points/`): the fit reads the same steps."""
+    measured = as_measured(shutil.copytree(sim_run, tmp_path / "run"))
+    whole = load_fit_data([measured])
+    rows = [json.loads(p.read_text()) for p in sorted((measured / "points").glob("*/summary.json"))]
+    (measured / "summary.json").write_text(json.dumps(rows))
+    shutil.rmtree(measured / "points")
+    kept = load_fit_data([measured])
+    assert (kept.level, kept.model, kept.gpu) == (whole.level, whole.model, whole.gpu)
+    assert (kept.level, kept.model, kept.gpu) == ("hil", "llama-3.2-1b", "H100")
+    pd.testing.assert_frame_equal(kept.steps, whole.steps)
 
 
 def test_fit_where_and_check_on_held_out_points(sim_run, tmp_path):
