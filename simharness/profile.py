@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from simharness.jit import njit
 from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_config
 
-FORMAT = "simharness-profile-2"  # 2: the attention FLOPs at their own slowdown
+FORMAT = "simharness-profile-3"  # 2: the attention FLOPs at their own slowdown; 3: a chunk's pairs with its prefix
 PACKAGE = Path(__file__).resolve().parent
 PROFILES_DIR = PACKAGE / "data" / "profiles"  # the committed profiles (package data)
 # What the sim without a profile (the roofline) carried against the real level on the validation families
@@ -37,13 +37,15 @@ UNCALIBRATED_ERROR = ("mean TPOT median |error| 7-19% (llama-3.2-1b; 23% with 2,
 # FLOPs (cuBLAS GEMMs) and the sampler's logit reads, the random path's extra (in logit reads), seconds per history
 # token the GPU proposer scans, the exponent of the memory/compute overlap (large: a hard max), and the slowdown of
 # the attention's FLOPs (kernels of their own, with their own efficiency: the harness's Triton verify attention, SDPA
-# for a prefill).
+# for a fresh prompt's chunk), and that of a later chunk's pairs with the prompt before it (the Triton prefix kernel,
+# which streams the prefix's K/V past each block of the chunk's queries: more traffic a pair than the others).
 TERMS = ("fixed_us", "per_forward_us", "datasheet_s_per_byte", "datasheet_s_per_flop", "memory_slowdown",
          "compute_slowdown", "sampler_slowdown", "random_sampler_extra", "proposer_ns_per_token", "overlap_exponent",
-         "attention_slowdown")
-FIXED, PER_FORWARD, S_PER_BYTE, S_PER_FLOP, MEMORY, COMPUTE, SAMPLER, RANDOM, PROPOSER, EXPONENT, ATTENTION = \
-    range(len(TERMS))
-UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0, 1.0)  # seconds (or 1) per unit of each term in the file
+         "attention_slowdown", "prefix_attention_slowdown")
+(FIXED, PER_FORWARD, S_PER_BYTE, S_PER_FLOP, MEMORY, COMPUTE, SAMPLER, RANDOM, PROPOSER, EXPONENT, ATTENTION,
+ PREFIX_ATTENTION) = range(len(TERMS))
+# seconds (or 1) per unit of each term in the file
+UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0, 1.0, 1.0)
 # What a step holds (columns of `step_features`, arguments of `profile_seconds`).
 FEATURES = ("decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_padded", "random_tokens",
             "history", "prefill_context")
@@ -61,10 +63,11 @@ def shape_sizes(shape: ModelConfig) -> np.ndarray:
 
 
 @njit
-def _forward(coef: np.ndarray, memory_bytes: float, linear_flops: float, attention_flops: float) -> float:
-    """One forward's time: its memory and compute times at the fitted slowdowns, overlapped (a p-norm)."""
+def _forward(coef: np.ndarray, memory_bytes: float, linear_flops: float, slowed_attention_flops: float) -> float:
+    """One forward's time: its memory and compute times at the fitted slowdowns (the attention's FLOPs come already
+    times theirs), overlapped (a p-norm)."""
     m = coef[MEMORY] * memory_bytes * coef[S_PER_BYTE]
-    c = (coef[COMPUTE] * linear_flops + coef[ATTENTION] * attention_flops) * coef[S_PER_FLOP]
+    c = (coef[COMPUTE] * linear_flops + slowed_attention_flops) * coef[S_PER_FLOP]
     hi, lo = max(m, c), min(m, c)
     if hi <= 0.0:
         return 0.0
@@ -87,12 +90,14 @@ def profile_seconds(coef: np.ndarray, sizes: np.ndarray, decode_rows: float, dec
         q, c = decode_tokens / decode_rows, decode_context / decode_rows
         pairs = decode_tokens * (c + (q + 1.0) / 2.0)
         t += coef[PER_FORWARD] + _forward(coef, weights + kv * (decode_context + decode_tokens),
-                                          linear * decode_tokens, attention * pairs)
+                                          linear * decode_tokens, coef[ATTENTION] * attention * pairs)
     if prefill_reqs > 0:
         # a chunk's padding tokens run through every layer as its own tokens do (their K/V land past the chunk)
-        pairs = prefill_padded * ((prefill_padded / prefill_reqs + 1.0) / 2.0 + prefill_context / prefill_reqs)
-        t += _forward(coef, weights * prefill_reqs + kv * (prefill_context + prefill_padded),
-                      linear * prefill_padded, attention * pairs)
+        own = prefill_padded * (prefill_padded / prefill_reqs + 1.0) / 2.0
+        prefix = prefill_padded * prefill_context / prefill_reqs  # a later chunk's pairs with the prompt before it
+        slowed = attention * (coef[ATTENTION] * own + coef[PREFIX_ATTENTION] * prefix)
+        t += _forward(coef, weights * prefill_reqs + kv * (prefill_context + prefill_padded), linear * prefill_padded,
+                      slowed)
     sampled = decode_tokens + prefill_reqs  # each verified position, and a prompt's last
     return t + (coef[SAMPLER] * sampled + coef[RANDOM] * random_tokens) * logits * coef[S_PER_BYTE]
 
@@ -117,7 +122,7 @@ def prior_coefficients(gpu: str, g: BaseModel) -> np.ndarray:
     coef[RANDOM] = (g.sampler_random_factor - 1) / g.mem_efficiency
     coef[PROPOSER] = g.ngram_gpu_per_token_ns * 1e-9
     coef[EXPONENT] = 4.0
-    coef[ATTENTION] = 1 / g.compute_efficiency
+    coef[ATTENTION] = coef[PREFIX_ATTENTION] = 1 / g.compute_efficiency
     return coef
 
 

@@ -40,6 +40,7 @@ from simharness.profile import (
     FORMAT,
     MEMORY,
     PER_FORWARD,
+    PREFIX_ATTENTION,
     PROPOSER,
     RANDOM,
     S_PER_BYTE,
@@ -78,6 +79,7 @@ SEARCH = {
     PROPOSER: ("linear", 1e-9, (0.0, 1e4), 10.0),  # ns per token
     EXPONENT: ("linear", 1.0, (4.0, 16.0), 4.0),
     ATTENTION: ("log", 1.0, (0.0, np.log(100.0)), 1.0),  # no faster than the datasheet's peak
+    PREFIX_ATTENTION: ("log", 1.0, (0.0, np.log(100.0)), 1.0),
 }
 FITTED = tuple(SEARCH)  # the random path's term (RANDOM) is the sampler phase's (`fit_random_path`)
 TAIL_BOUNDS_US = (0.0, 1e4)
@@ -181,6 +183,7 @@ def near_equal_optima(x: np.ndarray, window: np.ndarray, launch: np.ndarray | No
             "memory_efficiency": span([1 / f.coef[MEMORY] for f in near]),
             "compute_efficiency": span([1 / f.coef[COMPUTE] for f in near]),
             "attention_efficiency": span([1 / f.coef[ATTENTION] for f in near]),
+            "prefix_attention_efficiency": span([1 / f.coef[PREFIX_ATTENTION] for f in near]),
             "tail_us": {d: span([f.tails[d] * 1e6 for f in near_tails]) for d in best.tails}}
 
 
@@ -330,7 +333,9 @@ def fit_profile(data: FitData) -> dict:
         "device": data.device, "gpu": data.gpu, "model": data.model, "level": data.level,
         "device_step": {name: float(fit.coef[i] / UNITS[i]) for i, name in enumerate(TERMS)},
         "efficiency": {"memory": float(1 / fit.coef[MEMORY]), "compute": float(1 / fit.coef[COMPUTE]),
-                       "attention": float(1 / fit.coef[ATTENTION]), "sampler": float(1 / fit.coef[SAMPLER])},
+                       "attention": float(1 / fit.coef[ATTENTION]),
+                       "prefix_attention": float(1 / fit.coef[PREFIX_ATTENTION]),
+                       "sampler": float(1 / fit.coef[SAMPLER])},
         "overlap": fit_overlap(ok, fit.tails, censored, ~bound),
         "host_costs": host,
         "kept_from_scenario": kept,

@@ -25,6 +25,7 @@ from simharness.profile import (
     FORMAT,
     MEMORY,
     PER_FORWARD,
+    PREFIX_ATTENTION,
     PROPOSER,
     RANDOM,
     S_PER_BYTE,
@@ -51,7 +52,7 @@ def truth() -> np.ndarray:
     coef = prior_coefficients("H100", GpuCosts())
     coef[FIXED], coef[PER_FORWARD], coef[PROPOSER], coef[EXPONENT] = 300e-6, 80e-6, 0.2e-9, 6.0
     coef[MEMORY], coef[COMPUTE], coef[SAMPLER], coef[RANDOM] = 1 / 0.7, 1 / 0.5, 1 / 0.6, 0.3
-    coef[ATTENTION] = 1 / 0.3
+    coef[ATTENTION], coef[PREFIX_ATTENTION] = 1 / 0.3, 1 / 0.15
     return coef
 
 
@@ -124,21 +125,25 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
 
 def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
     """A chunk of C tokens after S prompt tokens: its forward reads the S tokens' KV besides its own and computes
-    C * S attention pairs more than the prompt's first chunk of C tokens; a chunk costs its token bucket's tokens."""
+    C * S attention pairs more than the prompt's first chunk of C tokens, at the prefix pairs' own slowdown; a chunk
+    costs its token bucket's tokens."""
     coef = truth()
     weights, kv, linear, attention, _ = SIZES
+
+    def forward(memory: float, flops: float, own: float, prefix: float = 0.0) -> float:
+        return _forward(coef, memory, flops, attention * (coef[ATTENTION] * own + coef[PREFIX_ATTENTION] * prefix))
+
     first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0)
     later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048)
-    forward = lambda memory, flops, pairs: _forward(coef, memory, flops, attention * pairs)  # noqa: E731
     own = 512 * 513 / 2
     assert later - first == pytest.approx(
-        forward(weights + kv * (2048 + 512), linear * 512, own + 512 * 2048)
+        forward(weights + kv * (2048 + 512), linear * 512, own, 512 * 2048)
         - forward(weights + kv * 512, linear * 512, own), rel=1e-12)
     assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
     # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
     two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096)  # chunks of 500 padded to 512
     assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
-        forward(2 * weights + kv * (4096 + 1024), linear * 1024, 1024 * (513 / 2 + 2048))
+        forward(2 * weights + kv * (4096 + 1024), linear * 1024, 1024 * 513 / 2, 1024 * 2048)
         + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)
 
 
