@@ -284,15 +284,17 @@ def step_reads(steps: pd.DataFrame, syncs: pd.DataFrame, level: str) -> pd.Serie
     if level != REFERENCE:
         syncs = syncs[syncs["name"] == OUTPUT_READBACK]
     by_step = steps.set_index("step")
-    gpu_end, launch_end = by_step["gpu_end"], by_step["launch_end"]
-    settle_start = syncs[syncs["name"] == OUTPUT_READBACK].set_index("step")["start_s"]
+    gpu_end = by_step["gpu_end"]
+    # per step, in step order: when its launch ended and when it was settled (never: inf)
+    ids, launch_end = by_step.index.to_numpy(), by_step["launch_end"].to_numpy()
+    settled = syncs[syncs["name"] == OUTPUT_READBACK].groupby("step")["start_s"].first()
+    settle_start = settled.reindex(ids).fillna(np.inf).to_numpy()
     reads: dict[int, float] = {}
     for row in syncs.sort_values("start_s", kind="stable").itertuples(index=False):
         if row.name == OUTPUT_READBACK:
             read = [] if row.step in reads else [row.step]
         else:
-            launched = launch_end.index[(launch_end <= row.start_s).to_numpy()]
-            unsettled = [i for i in launched if settle_start.get(i, np.inf) > row.start_s]
+            unsettled = ids[(launch_end <= row.start_s) & (settle_start > row.start_s)].tolist()
             if row.waits_for == "oldest_in_flight":
                 unsettled = unsettled[:1]
             read = [i for i in unsettled if i not in reads]
