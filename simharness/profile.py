@@ -241,7 +241,8 @@ def _load(path: str, mtime: int) -> Profile:
         raise ProfileError(f"{path}: field format: missing; not a simharness profile (`format: {FORMAT}`)")
     if data["format"] != FORMAT:
         raise ProfileError(f"{path}: field format: {data['format']!r} is not {FORMAT!r} (another file kind or an "
-                           "older profile: measure it again with `simharness profile`)")
+                           "older profile: fit it again from its grid runs with `simharness profile --from RUN_DIR`, "
+                           "on a CPU, or measure it again)")
     field = "gpu"
     try:
         gpu, model, device = str(data["gpu"]), str(data["model"]), str(data["device"])
