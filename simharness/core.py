@@ -12,6 +12,7 @@ frees what settles.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -104,6 +105,14 @@ class EngineCore:
         if self.mode.k and self.mode.depth == 1 and self.mode.trim:
             return valid_drafts
         return K_SLOTS
+
+    def through(self, target: Step) -> Iterator[Step]:
+        """The in-flight steps in launch order, up to and including `target`: what a sync that waits for `target`
+        reads back (the clocks differ only in how a read is timed)."""
+        for step in self.in_flight:
+            yield step
+            if step is target:
+                return
 
     def sync_target(self, sp: SyncPoint) -> Step | None:
         """The step whose end sync point `sp` waits for (None: nothing launched yet)."""

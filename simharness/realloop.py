@@ -96,11 +96,9 @@ class RealLoop:
         """The backend's operation, where it has one, was the wait; otherwise wait for the step the point waits for
         and read back every launched step up to it (the data a sync exists to get)."""
         if op_s is None and target is not None:
-            for step in self.core.in_flight:
+            for step in self.core.through(target):
                 if step.done is None:
                     self._read(step)
-                if step is target:
-                    break
         return self.now()
 
     def read(self, step: Step, t: float) -> float:

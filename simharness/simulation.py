@@ -186,11 +186,9 @@ class Simulation:
         a sync's own host time. Only the engine launches, so what a sync waits for cannot change meanwhile."""
         if op_s is None and self.reads_at_syncs:
             if target is not None:
-                for step in self.core.in_flight:
+                for step in self.core.through(target):
                     if step.read_back is None:
                         t = step.read_back = max(t, step.gpu_end) + step.readback_s
-                    if step is target:
-                        break
             return t
         if target is not None and target.gpu_end > t:
             t = target.gpu_end
