@@ -147,13 +147,14 @@ def main() -> None:
     runs = args.runs or sorted(p.parent for p in Path("results/validation").glob("*/*/fidelity.json"))
     rows, splits, windows = [], [], []
     for run_dir in runs:
-        windows.append({"family": run_dir.parent.name.removeprefix("validation-"), **window_errors(run_dir)})
+        family = run_dir.parent.name.removeprefix("validation-")
+        windows.append({"family": family, **window_errors(run_dir)})
         stats, split, drift = family_errors(run_dir, args.out)
         if drift:
             print(f"warning: {run_dir}: {drift}")
-        splits.append(split.assign(family=run_dir.parent.name.removeprefix("validation-"), run=run_dir.name))
+        splits.append(split.assign(family=family, run=run_dir.name))
         for _, r in stats.iterrows():
-            rows.append({"family": run_dir.parent.name.removeprefix("validation-"), "run": run_dir.name,
+            rows.append({"family": family, "run": run_dir.name,
                          "sim": r["level"], "metric": r["metric"], "points": r["points"],
                          "median": r["median_abs_error"], "worst": r["worst_abs_error"]})
     table = pd.DataFrame(rows)
