@@ -25,7 +25,7 @@ Enqueue = Sequence[tuple[float, float]] | None
 
 
 class StepTiming(NamedTuple):
-    """What a step's run on the device gives the level, in seconds. The last four come from a measured backend."""
+    """What a step's run on the device gives the level, in seconds. The last five come from a measured backend."""
 
     device_s: float  # the step's device time
     readback_s: float  # the host time of its readback
@@ -34,6 +34,7 @@ class StepTiming(NamedTuple):
     phases_s: Sequence[float] | None = None  # the device time of each of DEVICE_PHASES (None: modelled)
     device_syncs: int = 0  # synchronizing CUDA operations caught in the step
     harness_s: float = math.nan  # the harness's own host time for it
+    wake_s: float = 0.0  # how much later than its tightest the host woke when it blocked on the step's end
 
 
 @runtime_checkable

@@ -69,14 +69,16 @@ class Step:
     # Not recorded: prep cut the verified slots to the valid drafts (known at a sync); when the launch began
     # (after the launch phase's syncs); where the backend knows it, when each part of the launch (a prefill chunk,
     # a decode phase) was enqueued, as (start, end) host seconds after launch_start, and each part's device time
-    # (None: the step was enqueued at once when its launch ended); the host seconds of its readback, and when a
-    # sync point read it back (None: not read at a sync; the sim level); the level's handle on its completion (a
-    # SimPy event at the sim and hil levels).
+    # (None: the step was enqueued at once when its launch ended); the host seconds of its readback, and of the
+    # host's wake-up when it blocked on the step (hil: measured at the real wait, `DeviceClock.wait`); when a sync
+    # point read it back (None: not read at a sync; the sim level); the level's handle on its completion (a SimPy
+    # event at the sim and hil levels).
     trimmed: bool = False
     launch_start: float = 0.0
     enqueue: Sequence[tuple[float, float]] | None = None
     parts_s: Sequence[float] | None = None
     readback_s: float = 0.0
+    wake_s: float = 0.0
     read_back: float | None = None
     done: Any = None
 
@@ -90,7 +92,8 @@ class Step:
 # others are the step's host columns.
 COUNT_COLUMNS = ["n_reqs", "n_prefill_reqs", "prefill_tokens", "prefill_context", "decode_tokens", "drafts_scheduled",
                  "drafts_valid", "accepted", "emitted", "wasted_slots"]
-_NOT_RECORDED = ("batch", "trimmed", "launch_start", "enqueue", "parts_s", "readback_s", "read_back", "done")
+_NOT_RECORDED = ("batch", "trimmed", "launch_start", "enqueue", "parts_s", "readback_s", "wake_s", "read_back",
+                 "done")
 HOST_COLUMNS = [f.name for f in fields(Step) if f.name not in _NOT_RECORDED]
 STEP_COLUMNS = [HOST_COLUMNS[0], *COUNT_COLUMNS, *HOST_COLUMNS[1:]]
 assert set(DEVICE_PHASE_COLUMNS) <= set(HOST_COLUMNS), "every device phase has its Step field"

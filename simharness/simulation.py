@@ -136,7 +136,7 @@ class Simulation:
         """Start `step` on the GPU at time `start`: the device truth moves on now. Its end is then known, so its
         `done` is set to fire then (one SimPy event per step; the GPU waits for the next launch meanwhile)."""
         timing = self.backend.run(step)
-        step.readback_s = timing.readback_s
+        step.readback_s, step.wake_s = timing.readback_s, timing.wake_s
         if timing.phases_s is not None:
             record_measured(step, timing)
         step.gpu_start = start
@@ -195,9 +195,15 @@ class Simulation:
         return t + (self.sync_s if op_s is None else op_s)
 
     def read(self, step: Step, t: float) -> float:
-        """The settle's readback, unless a sync read the step already (the sim's steps only)."""
+        """The settle's readback, unless a sync read the step already (the sim's steps only). A host that reached the
+        settle before the step ended blocked on it, and hil adds the wake-up it measured at the real wait (the sim's
+        readback cost, fitted on the real level's steps, holds its wake-ups already)."""
+        blocked = step.gpu_end > t
         t = max(t, self.env.now)
-        return t if step.read_back is not None else t + step.readback_s
+        if step.read_back is not None:
+            return t
+        t += step.readback_s
+        return t + step.wake_s if blocked else t
 
     def admit(self) -> None:
         pass  # clients are processes of their own

@@ -227,10 +227,15 @@ def test_device_clock_anchors_on_waits_the_host_blocked_on(monkeypatch):
     late, passed, ahead, later = clock.mark(), clock.mark(), clock.mark(), clock.mark()
     Event.elapsed.update({id(late): 10.0, id(passed): 15.0, id(ahead): 20.0, id(later): 100.0})  # ms after the ref
     passed.done = True
-    clock.wait(late)  # blocked: woke 40 us after the device passed it (by its timer)
-    clock.wait(passed)  # the device had passed it: no anchor (and no host time read)
+    # blocked: woke 40 us after the device passed it (by its timer), 40 us later than the reference's wake-up
+    assert clock.wait(late) == pytest.approx(40e-6, abs=1e-9)
+    assert clock.wait(passed) == 0.0  # the device had passed it: no anchor (and no host time read)
     assert clock.anchors.offset() == 0.0  # the reference's own wake-up is the tighter
-    clock.wait(ahead)  # the host woke 30 us before the timer says the device passed: the timer runs ahead
+    # the host woke 30 us before the timer says the device passed: the timer runs ahead; the tightest wake-up yet
+    assert clock.wait(ahead) == 0.0
     assert clock.seconds(passed) == pytest.approx(ref + 0.015 - 30e-6, abs=1e-12)
-    clock.wait(later)  # 80 ms on: the older anchors are out of the window
+    assert clock.wait(later) == 0.0  # 80 ms on: the older anchors are out of the window, it is the only one
     assert clock.seconds(later) == pytest.approx(ref + 0.100 - 20e-6, abs=1e-12)
+    # marks read back go back to the clock, and the next marks record them again instead of new events
+    assert clock.seconds_of([passed, later]) == (clock.seconds(passed), clock.seconds(later))
+    assert {id(clock.mark()), id(clock.mark())} == {id(passed), id(later)} and not clock.free

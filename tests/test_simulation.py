@@ -197,6 +197,21 @@ def test_a_sync_that_reads_two_steps_charges_two_reads_and_their_settles_none():
     assert sim.synced(3.5, steps[1], 4e-6) == 3.5 + 4e-6  # the backend's own operation (hil's what-ifs)
 
 
+def test_a_settle_pays_the_hosts_wake_up_only_where_it_blocked_on_the_step():
+    """hil's wake-up measured at the real wait (`StepTiming.wake_s`) is host time after the step's end: a settle
+    reached before the step ended blocked on it and pays the wake-up after its readback; one reached after the
+    end did not block, and does not."""
+    sc = scenario(depth=2)
+    requests = make_requests(1, 8, 4)
+    sim = Simulation(sc, requests, resolve_mode(sc), model_backend(sc, requests, resolve_mode(sc)))
+    blocked = Step(0, None, gpu_end=1.0, readback_s=20e-6, wake_s=30e-6)
+    ended = Step(1, None, gpu_end=1.5, readback_s=20e-6, wake_s=30e-6)
+    sim.env.run(until=1.0)  # the host waited for the first step's end
+    assert sim.read(blocked, 0.9) == 1.0 + 20e-6 + 30e-6
+    sim.env.run(until=2.0)
+    assert sim.read(ended, 2.0) == 2.0 + 20e-6
+
+
 def test_ngram_cpu_falls_back_to_depth_1():
     mode = resolve_mode(scenario(depth=3, proposer="ngram_cpu"))
     assert mode.depth == 1 and "depth 3 -> 1" in mode.note

@@ -246,7 +246,11 @@ class DecodeLoop:
     def wait(self, result: StepResult) -> None:
         """Block until the step and its copy to the host are done (CUDA; on the CPU it ran when launched)."""
         if self.cuda:
-            self._staging(result).events[-1].synchronize()
+            self.done_mark(result).synchronize()
+
+    def done_mark(self, result: StepResult) -> torch.cuda.Event | None:
+        """The event after the step and its copy to the host (None on the CPU, where the step ran when launched)."""
+        return self._staging(result).events[-1] if self.cuda else None
 
     def readback(self, result: StepResult) -> StepOutput:
         """Copy a finished step's tokens and counts to the host and read its phase times; call `wait` first (the

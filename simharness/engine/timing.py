@@ -94,9 +94,10 @@ class Anchors:
 
 
 class DeviceClock:
-    """Device timestamps on the host's clock (`time.perf_counter` seconds; the real level): CUDA events timed from a
-    reference event recorded, on an idle device, when the clock started, shifted by the offset of the latest waits
-    the host blocked on (`Anchors`); on the CPU, where the work runs inside the host's calls, the host's own clock."""
+    """Device timestamps on the host's clock (`time.perf_counter` seconds): CUDA events timed from a reference event
+    recorded, on an idle device, when the clock started, shifted by the offset of the latest waits the host blocked
+    on (`Anchors`); on the CPU, where the work runs inside the host's calls, the host's own clock. The real level
+    marks each step's device window with it; both measured levels read the host's wake-up at each blocking wait."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -107,28 +108,41 @@ class DeviceClock:
             self.reference.synchronize()
             self.reference_s = time.perf_counter()
             self.anchors = Anchors(self.reference_s, self.reference_s)
+            self.free: list[torch.cuda.Event] = []  # marks read back (`seconds_of`), recorded again by `mark`
 
     def mark(self):
-        """A mark at this point of the stream (an event recorded on it), or of the host on the CPU."""
+        """A mark at this point of the stream (an event recorded on it), or of the host on the CPU. Events are
+        reused: creating one and destroying it are driver calls, host time vLLM's loop does not spend."""
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = self.free.pop() if self.free else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def wait(self, mark) -> None:
-        """Block until the device passes `mark`; when the host had to block, its wake-up anchors the clock anew."""
+    def wait(self, mark) -> float:
+        """Block until the device passes `mark`; when the host had to block, its wake-up anchors the clock anew.
+        Returns how much later than the tightest recent wake-up the host woke (0 when it did not block): the part
+        of a wake-up that varies from wait to wait (`seconds` puts the tightest at the device's own time)."""
         if not self.cuda or mark.query():
-            return
+            return 0.0
         mark.synchronize()
         host = time.perf_counter()
-        self.anchors.add(self._timer(mark), host)
+        device = self._timer(mark)
+        self.anchors.add(device, host)
+        return host - device - self.anchors.offset()
 
     def seconds(self, mark) -> float:
         """When the device passed `mark` (it must have: wait for it first)."""
         if not self.cuda:
             return mark
         return self._timer(mark) + self.anchors.offset()
+
+    def seconds_of(self, marks: list) -> tuple[float, ...]:
+        """`seconds` of each of `marks`, which go back to the clock for reuse."""
+        times = tuple(self.seconds(m) for m in marks)
+        if self.cuda:
+            self.free.extend(marks)
+        return times
 
     def _timer(self, mark) -> float:
         """The device's own time of `mark`, in seconds on the host's clock as it stood at the reference."""

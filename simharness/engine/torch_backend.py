@@ -101,7 +101,8 @@ class TorchBackend:
         self.n_launched = self.n_read = 0
         self.hil = gate
         self.timing = PartTiming(gate) if self.cuda else None
-        self.clock = None if gate else DeviceClock(self.cuda)  # the real level's device timestamps
+        # the real level's device timestamps; at both levels, the host's wake-up at each blocking wait
+        self.clock = DeviceClock(self.cuda)
         self.starved_steps = 0  # steps whose enqueue may have outlasted a gate: their device time may hold gaps
         # The engine's host time (every phase here; the real level adds its modelled phases): the harness's own
         # time per read-back step is the wall time since the last read-back outside it.
@@ -112,8 +113,7 @@ class TorchBackend:
 
     def start_clock(self) -> None:
         """Anchor the real level's device timestamps now, at the wall clock's start (`MeasuredBackend`)."""
-        if self.clock is not None:
-            self.clock = DeviceClock(self.cuda)
+        self.clock = DeviceClock(self.cuda)
 
     # ---------------------------------------------------------------- host view
 
@@ -183,14 +183,14 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         if timing is not None:
             timing.start_launch()
-        if self.clock is not None:
-            launch.window = [self.clock.mark()]  # before the step's first kernel
+        if not self.hil:
+            launch.window = [self._mark()]  # before the step's first kernel
         with phase("launch"):
             with phase("gpu_prefill"):
                 launch.enqueue_prefills(self.loop, self.slots.of, self.references, timing, t0)
             step_s = launch.enqueue_decode(self.loop, timing, t0)
-            if self.clock is not None:
-                launch.window.append(self.clock.mark())  # after its last
+            if not self.hil:
+                launch.window.append(self._mark())  # after its last
         self.n_launched += 1
         wall = time.perf_counter() - t0
         if timing is None:  # the CPU: the device work ran synchronously inside the launch
@@ -220,14 +220,18 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         launch = self.launches.pop(step.step)
         with phase("readback"):
-            # The wait is the GPU's time (gates included), not the host's readback: it ends before t_read.
-            launch.wait(self.loop, self.clock)
+            # The wait is the GPU's time (gates included) and the host's wake-up, not its readback: it ends
+            # before t_read.
+            wake_s = launch.wait(self.loop, self.clock)
             t_read = time.perf_counter()
-            read = launch.read(self.loop, self.clock)
+            read = launch.read(self.loop)
+            marks = launch.window
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
             # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
             del launch
             readback_s = self._leave(t0) - (t_read - t0)
+        # the real level's device window: the harness's clock, not the engine's work
+        window = self.clock.seconds_of(marks) if marks else None
         # The host's mirror and the step's outcome are the harness's own work: one compiled pass over the batch
         # writes the outcome into its table (a few dozen small array operations would cost more than the step's
         # own host phases on a slow host).
@@ -244,10 +248,19 @@ class TorchBackend:
         self.read_mark = self.ledger.mark()
         # the device time of each enqueued part, in order (read where the launch returned its enqueue)
         parts_s = (*read.chunks_s, *(out.parts_s if out is not None else ()))
-        return StepTiming(read.prefill_s + sum(decode_s), readback_s, parts_s, read.window,
-                          (read.prefill_s, *decode_s), self.syncs.count(step.step), harness_s)
+        return StepTiming(read.prefill_s + sum(decode_s), readback_s, parts_s, window, (read.prefill_s, *decode_s),
+                          self.syncs.count(step.step), harness_s, wake_s)
 
     # ---------------------------------------------------------------- helpers
+
+    def _mark(self):
+        """A mark of the real level's device clock. Its host time is the harness's, as hil's gate events are: left
+        out of the measured launch, so the real loop's next modelled work absorbs it (`realloop.RealLoop.work`)."""
+        t = time.perf_counter()
+        mark = self.clock.mark()
+        if self.timing is not None:
+            self.timing.host_s += time.perf_counter() - t
+        return mark
 
     def _leave(self, t0: float) -> float:
         """Seconds since `t0`, counted as time inside the backend."""
@@ -260,14 +273,13 @@ class TorchBackend:
 
 class Readback(NamedTuple):
     """What a launch gave back: the decode step's output, the first tokens of the requests whose prefill ended
-    (with their valid drafts) and the prefill chunks' device time; on the real level's clock, the device window."""
+    (with their valid drafts) and the prefill chunks' device time."""
 
     out: StepOutput | None
     first: np.ndarray | None  # [2, n]: first tokens, their valid drafts
     first_rids: list[int]
     chunks_s: list[float]  # CUDA: each prefill chunk's device time
     prefill_s: float
-    window: tuple[float, ...] | None
 
 
 @dataclass
@@ -286,7 +298,7 @@ class Launch:
     first_host: torch.Tensor | None = None
     events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
     enqueue: list[tuple[float, float]] = field(default_factory=list)  # CUDA: see `backend.Enqueue`
-    window: list = field(default_factory=list)  # with a device clock: marks before and after the step's work
+    window: list = field(default_factory=list)  # the real level: device clock marks before and after its work
     prefill_s: float = 0.0  # CPU: measured on the host
 
     def enqueue_prefills(self, loop: DecodeLoop, slot_of: np.ndarray, references: Sequence | None,
@@ -338,23 +350,23 @@ class Launch:
             timing.mark(self.events)  # after the first tokens' copy: what the readback waits for
         return step_s
 
-    def wait(self, loop: DecodeLoop, clock: DeviceClock | None) -> None:
-        """Block until the launch's device work is done."""
-        if self.window and loop.cuda:
-            clock.wait(self.window[-1])  # after everything the step enqueued
+    def wait(self, loop: DecodeLoop, clock: DeviceClock) -> float:
+        """Block until the launch's device work is done; returns the host's wake-up (`DeviceClock.wait`)."""
+        if self.window:
+            last = self.window[-1]  # after everything the step enqueued
         elif self.events:
-            self.events[-1].synchronize()  # the step, its readback copy and the first tokens' copy
-        elif self.result is not None:
-            loop.wait(self.result)
+            last = self.events[-1]  # the step, its readback copy and the first tokens' copy
+        else:
+            last = loop.done_mark(self.result)
+        return clock.wait(last)  # on the CPU, nothing to wait for: the work ran inside the launch
 
-    def read(self, loop: DecodeLoop, clock: DeviceClock | None) -> Readback:
+    def read(self, loop: DecodeLoop) -> Readback:
         """Read back what the launch computed (after `wait`)."""
-        window = tuple(clock.seconds(m) for m in self.window) if self.window else None
         out = loop.readback(self.result) if self.result is not None else None
         first = self.first_host.numpy().copy() if self.first_host is not None else None
         marks = self.events  # CUDA: each prefill chunk's start and end, then the step's end
         chunks_s = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(0, len(marks) - 1, 2)]
-        return Readback(out, first, self.first_rids, chunks_s, self.prefill_s + sum(chunks_s), window)
+        return Readback(out, first, self.first_rids, chunks_s, self.prefill_s + sum(chunks_s))
 
 
 def decode_enqueue(loop: DecodeLoop, result: StepResult, shift: float) -> list[tuple[float, float]]:
