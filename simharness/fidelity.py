@@ -121,6 +121,7 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
                  "agreement": agreement(summary).to_dict(orient="records"),
                  "real_overhead": overhead(summary, steps).to_dict(orient="records"),
                  "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records"),
+                 "period": period_split(summary, steps).to_dict(orient="records"),
                  "host": host_speed(summary).to_dict(orient="records")}  # fmt: skip
         (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
         from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
@@ -159,8 +160,13 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"config": counts.index, "identical": (counts == 1).all(axis=1).to_numpy()})
 
 
-# the step columns `overhead` and `prefill_enqueue` read
-STEP_COLUMNS = ["point", "n_prefill_reqs", "gpu_start", "gpu_end", "harness_s", "prep_end", "launch_end"]
+# the parts of a decode step's period at depth 1, in the order the engine loop runs them: (start, end) columns
+PERIOD_PARTS = {"schedule": ("schedule_start", "schedule_end"), "prep": ("prep_start", "prep_end"),
+                "launch": ("prep_end", "launch_end"), "device_after_launch": ("launch_end", "gpu_end"),
+                "end_to_settle": ("gpu_end", "update_start"), "settle": ("update_start", "propose_end")}
+# the step columns `overhead`, `prefill_enqueue` and `period_split` read
+STEP_COLUMNS = ["point", "step", "n_prefill_reqs", "schedule_start", "schedule_end", "prep_start", "prep_end",
+                "launch_end", "gpu_start", "gpu_end", "update_start", "propose_end", "harness_s"]
 # 20 ms: the bound over which hil flags a part as one that may have outlasted its gate (engine/timing.STARVED_S);
 # 80 ms: a gate's life on the H100 (docs/hil.md).
 ENQUEUE_BOUNDS_MS = (20, 40, 80)
@@ -197,6 +203,36 @@ def prefill_enqueue(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         rows.append({"level": lv, "prefill_steps": len(ms), "median_ms": float(ms.median()),
                      **{f"over_{b}ms": int((ms > b).sum()) for b in ENQUEUE_BOUNDS_MS}})  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
+
+
+def period_split(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per depth-1 point and level, where a decode-only step's period goes (µs): each of PERIOD_PARTS, the gap from
+    the settle's end to the next schedule, the period (schedule start to the next) and the harness's own host time;
+    medians over each run's decode-only steps, then over the point's runs. At depth 1 the parts follow one another,
+    so a level's part that differs from the real level's says where its time differs (docs/hil.md)."""
+    parts = [*PERIOD_PARTS, "gap", "period", "harness"]
+    columns = ["config", "level", *parts]
+    runs = summary[summary["effective_depth"] == 1] if "effective_depth" in summary else summary.iloc[:0]
+    if not len(steps) or not len(runs):
+        return pd.DataFrame(columns=columns)
+    by_point = dict(tuple(steps.groupby("point", sort=False)))
+    rows = []
+    for point, config, level in runs[["point", "config", "level"]].itertuples(index=False):
+        s = by_point.get(point)
+        if s is None:
+            continue
+        s = s.sort_values("step")
+        times = {name: s[end] - s[start] for name, (start, end) in PERIOD_PARTS.items()}
+        following = s["schedule_start"].shift(-1)  # the next step's schedule
+        times |= {"gap": following - s["propose_end"], "period": following - s["schedule_start"],
+                  "harness": s["harness_s"]}
+        decode = s["n_prefill_reqs"] == 0
+        rows.append({"config": config, "level": level, **{name: float(t[decode].median()) * 1e6
+                                                          for name, t in times.items()}})
+    table = pd.DataFrame(rows, columns=columns).groupby(["config", "level"], sort=False)[parts].median().reset_index()
+    # in the sweep's order of points, and the levels in LEVELS' order within each
+    rank = {**{c: i for i, c in enumerate(dict.fromkeys(summary["config"]))}, **{lv: i for i, lv in enumerate(LEVELS)}}
+    return table.sort_values(["config", "level"], key=lambda c: c.map(rank), kind="stable", ignore_index=True)
 
 
 # a run whose host gauge was this many times slower than the fastest is counted as measured in a slow spell

@@ -3,12 +3,21 @@
 import errno
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from simharness.cli import app
-from simharness.fidelity import check_tolerances, fidelity_points, host_speed, prefill_enqueue, run_fidelity, spread
+from simharness.fidelity import (
+    check_tolerances,
+    fidelity_points,
+    host_speed,
+    period_split,
+    prefill_enqueue,
+    run_fidelity,
+    spread,
+)
 from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
 from simharness.stats import METRICS, error_stats, error_table
@@ -64,6 +73,44 @@ def test_prefill_enqueue_by_hand():
     assert prefill_enqueue(summary, pd.DataFrame()).empty
 
 
+def step_rows(point: str, starts: list[float], parts_us: list[int], prefills: list[int]) -> list[dict]:
+    """Steps of one run, each from its schedule start: schedule, prep, launch, device after it, end to settle,
+    settle, each `parts_us` long (the settle ends the step's host cycle), harness 7 µs."""
+    rows = []
+    for i, (start, n) in enumerate(zip(starts, prefills, strict=True)):
+        edges = start + np.cumsum([0, *parts_us]) * 1e-6
+        rows.append({"point": point, "step": i, "n_prefill_reqs": n, "schedule_start": edges[0],
+                     "schedule_end": edges[1], "prep_start": edges[1], "prep_end": edges[2], "launch_end": edges[3],
+                     "gpu_start": edges[2], "gpu_end": edges[4], "update_start": edges[5], "propose_end": edges[6],
+                     "harness_s": 7e-6})  # fmt: skip
+    return rows
+
+
+def test_period_split_by_hand():
+    """Per depth-1 point and level: each part's median over decode-only steps, the gap to the next schedule, the
+    period, the harness time; medians over runs; a deeper point and the last step (no next schedule) add nothing
+    of their own, a step with prefills is left out."""
+    summary = pd.DataFrame({"point": ["h0", "h1", "r0", "d"], "config": ["a", "a", "a", "b"],
+                            "level": ["hil", "hil", "real", "real"], "effective_depth": [1, 1, 1, 2]})
+    parts = [10, 20, 30, 1000, 40, 50]  # 1150 µs of host cycle and device
+    steps = pd.DataFrame([
+        *step_rows("h0", [0.0, 0.0012, 0.0024, 0.0036], parts, [0, 0, 1, 0]),  # gaps 50 µs
+        *step_rows("h1", [0.0, 0.0013, 0.0026, 0.0039], parts, [0, 0, 0, 0]),  # gaps 150 µs
+        *step_rows("r0", [0.0, 0.0012], [5, 20, 30, 1000, 90, 50], [0, 0]),
+        *step_rows("d", [0.0, 0.001], parts, [0, 0])])  # fmt: skip
+    table = period_split(summary, steps)
+    assert table[["config", "level"]].values.tolist() == [["a", "hil"], ["a", "real"]]
+    hil, real = table.iloc[0], table.iloc[1]
+    assert hil[["schedule", "prep", "launch", "device_after_launch", "end_to_settle", "settle", "harness"]].tolist() \
+        == pytest.approx([10, 20, 30, 1000, 40, 50, 7])
+    # h0: the gaps of its decode steps 0 and 1 (50 µs; step 2 has a prefill, step 3 no next), h1: 150 µs
+    assert hil["gap"] == pytest.approx(100) and hil["period"] == pytest.approx(1250)
+    assert real["schedule"] == pytest.approx(5) and real["end_to_settle"] == pytest.approx(90)
+    assert real["gap"] == pytest.approx(5) and real["period"] == pytest.approx(1200)  # a cycle of 1195 µs
+    assert period_split(summary, steps.iloc[:0]).empty
+    assert period_split(summary.drop(columns="effective_depth"), steps).empty
+
+
 def test_host_speed_by_hand():
     summary = pd.DataFrame({"level": ["sim", "hil", "hil", "real", "real", "real"],
                             "host_slowdown": [float("nan"), 1.0, 1.5, 1.1, 1.3, 1.0],
@@ -106,7 +153,13 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
         prefills = steps[(steps["point"].map(levels) == level) & (steps["n_prefill_reqs"] > 0)]
         assert enqueue[level]["prefill_steps"] == len(prefills) > 0
         assert enqueue[level]["median_ms"] > 0 and 0 <= enqueue[level]["over_80ms"] <= enqueue[level]["over_20ms"]
+    period = pd.DataFrame(facts["period"])
+    depth1 = result.summary.loc[result.summary["effective_depth"] == 1, "config"].unique()
+    assert len(depth1) and set(period["config"]) == set(depth1)
+    assert period.groupby("config")["level"].apply(list).to_dict() == {c: ["sim", "hil", "real"] for c in depth1}
+    assert (period.set_index("level").loc[["hil", "real"], ["period", "harness"]] > 0).all().all()
     report = result.report.read_text()
+    assert "## Where a decode step's period goes (depth 1)" in report
     assert "## Error per level and metric" in report and "hil" in report
     assert "## Prefill enqueue on the host" in report and "| real | " in report
     # resume: nothing left to run, the same errors
