@@ -22,6 +22,7 @@ from tempfile import TemporaryDirectory
 
 import simharness
 from simharness.overrides import parse_sets
+from simharness.scenario import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,12 +42,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
     args = ap.parse_args()
+    # two requests a user (num_requests back at its default, which is what leaves requests_per_user to count)
     base = {"sweep": {}, "scheduler.depth": 1, "scheduler.policy": "wait", "engine.speculation.proposer": "ngram_gpu",
-            "workload.output_len": {"dist": "uniform", "min": 100, "max": 150}, **parse_sets(args.set)}
+            "workload.output_len": {"dist": "uniform", "min": 100, "max": 150}, "workload.requests_per_user": 2,
+            "workload.num_requests": Workload.model_fields["num_requests"].default, **parse_sets(args.set)}
     print(f"{'concurrency':>11} {'harness µs (median, min-max)':>30} {'modelled µs':>12} {'harness / modelled':>19}")
     with TemporaryDirectory() as out:
         for c in args.concurrency:
-            point = {**base, "workload.concurrency": c, "workload.num_requests": 2 * c}
+            point = {**base, "workload.concurrency": c}
             real = simharness.load_scenario(args.scenario, {**point, "engine.level": "real"})
             hil = simharness.load_scenario(args.scenario, {**point, "engine.level": "hil"})
             decode_medians(real, out)  # warm-up: compiles, caches
