@@ -30,7 +30,7 @@ class StepTiming(NamedTuple):
     device_s: float  # the step's device time
     readback_s: float  # the host time of its readback
     parts_s: Sequence[float] | None = None  # the device time of each enqueued part, in order (with an `Enqueue`)
-    window: tuple[float, float] | None = None  # the real level: the step's device start and end, host perf_counter
+    window: Sequence | None = None  # the real level: marks of the step's device start and end (`device_seconds`)
     phases_s: Sequence[float] | None = None  # the device time of each of DEVICE_PHASES (None: modelled)
     device_syncs: int = 0  # synchronizing CUDA operations caught in the step
     harness_s: float = math.nan  # the harness's own host time for it
@@ -79,3 +79,7 @@ class MeasuredBackend(Backend, Protocol):
         """The wall clock starts: read device timestamps on the host's clock from now on. Anchored at the start of
         the run and again at each wait the host blocks on: the GPU's timer and the host's clock drift apart by tens of
         microseconds a second (docs/hil.md, "The real level's device clock")."""
+
+    def device_seconds(self, marks: Sequence) -> tuple[float, ...]:
+        """A read-back step's device marks (`StepTiming.window`) in host seconds: what the device clock reads is the
+        harness's own work, which the real level does off the critical path."""

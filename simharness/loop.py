@@ -80,6 +80,9 @@ class Clock(Protocol):
     def finished(self, rids: Sequence[int]) -> None:
         """Requests `rids` completed now."""
 
+    def record(self, step: Step) -> None:
+        """Record the settled `step` (`Records.add_step`; its tokens reached the clients at its update_end)."""
+
 
 def record_measured(step: Step, timing: StepTiming) -> None:
     """What a measured backend's run of `step` measured, onto the step (a modelled step has none of it)."""
@@ -202,5 +205,5 @@ class EngineLoop:
             t = clock.ran(t, self.backend.propose(core.to_propose(step)))
             yield clock.reach(t)
             step.propose_end = t
-        core.records.add_step(step, step.update_end)  # its tokens reached the clients at update_end
+        clock.record(step)
         clock.finished(finished)

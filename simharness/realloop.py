@@ -18,7 +18,7 @@ from collections import deque
 
 import numpy as np
 
-from simharness.backend import MeasuredBackend
+from simharness.backend import MeasuredBackend, StepTiming
 from simharness.loop import EngineLoop, record_measured
 from simharness.modes import Mode
 from simharness.records import Records, Step
@@ -46,7 +46,10 @@ class RealLoop:
         self.ledger = backend.ledger
         self.last_gpu_end: float | None = None
         self.t0 = 0.0
-        self.own = self.ledger.mark()  # since the last modelled work (`work`)
+        # what the harness records off the critical path (`flush`): steps read back (with what their run measured)
+        # and steps settled, each in order
+        self.measured: list[tuple[Step, StepTiming]] = []
+        self.settled: list[Step] = []
         # clients: the next request of the closed loop, or the open loop's next arrival and, with capped
         # concurrency, when each free slot became free (FIFO, as SimPy's Resource grants them)
         self.next_id = 0
@@ -72,10 +75,9 @@ class RealLoop:
         hil leaves the harness's time out. It is still measured (`Step.harness_s`); docs/hil.md,
         "The real loop's own host time"."""
         if seconds > 0.0:
-            spun = max(seconds - max(self.ledger.outside(self.own), 0.0), 0.0)
+            spun = max(seconds - self.ledger.charge(), 0.0)
             spin(spun)
             self.ledger.engine(spun)
-            self.own = self.ledger.mark()
         return self.now()
 
     def reach(self, t: float) -> None:
@@ -107,16 +109,32 @@ class RealLoop:
         return self.now()
 
     def _read(self, step: Step) -> None:
-        """Wait for one step, read it back (its outcome and device timestamps), mark it read (`done`)."""
-        timing = self.backend.run(step)
-        record_measured(step, timing)
-        step.gpu_start, step.gpu_end = timing.window[0] - self.t0, timing.window[1] - self.t0
-        step.bubble_s = 0.0 if self.last_gpu_end is None else max(step.gpu_start - self.last_gpu_end, 0.0)
-        self.last_gpu_end = step.gpu_end
+        """Wait for one step, read it back (its outcome and device timestamps), mark it read (`done`); what it measured
+        goes onto the step off the critical path (`flush`)."""
+        self.measured.append((step, self.backend.run(step)))
         step.done = True
 
+    def record(self, step: Step) -> None:
+        self.settled.append(step)  # recorded off the critical path (`flush`)
+
     def launched(self, step: Step, t: float) -> None:
-        pass  # the backend's launch enqueued it on the device
+        """The backend's launch enqueued `step` on the device: while it runs, the harness records what it kept."""
+        self.flush()
+
+    def flush(self) -> None:
+        """The harness's records, kept from the critical path (from reading a step back to the next launch) as vLLM's
+        output processing runs beside its engine core: what each read-back step measured, in read order, then
+        each settled step, in settle order."""
+        for step, timing in self.measured:
+            record_measured(step, timing)
+            start, end = self.backend.device_seconds(timing.window)
+            step.gpu_start, step.gpu_end = start - self.t0, end - self.t0
+            step.bubble_s = 0.0 if self.last_gpu_end is None else max(step.gpu_start - self.last_gpu_end, 0.0)
+            self.last_gpu_end = step.gpu_end
+        self.measured.clear()
+        for step in self.settled:
+            self.core.records.add_step(step, step.update_end)  # its tokens reached the clients at update_end
+        self.settled.clear()
 
     # ---------------------------------------------------------------- clients
 
@@ -155,24 +173,26 @@ class RealLoop:
 
     def idle(self) -> None:
         """Nothing to run: wait for the open loop's next arrival."""
+        self.flush()
         self.scheduled()
         if self.next_id < self.n and not self.core.sched.has_waiting():
             wait = self.req.arrival_s[self.next_id] - self.now()
             if wait > 2e-3:
                 time.sleep(wait - 1e-3)  # then spin the rest, for the arrival's exact time
             spin(max(self.req.arrival_s[self.next_id] - self.now(), 0.0))
-        self.own = self.ledger.mark()  # waiting for an arrival is not the loop's work
+        self.ledger.charge()  # waiting for an arrival is not the loop's work: dropped
 
     # ---------------------------------------------------------------- run
 
     def run(self) -> tuple[Records, float]:
         self.t0 = time.perf_counter()
         self.backend.start_clock()
-        self.own = self.ledger.mark()
+        self.ledger.charge()
         if self.sc.workload.arrival == "closed":  # every user sends its first request at once
             for _ in range(min(self.sc.workload.concurrency, self.n)):
                 self.core.arrive(self.next_id, 0.0)
                 self.next_id += 1
         for _ in self.loop.run():  # the wall clock hands the loop nothing to wait on
             pass
+        self.flush()
         return self.loop.result()

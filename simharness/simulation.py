@@ -219,6 +219,9 @@ class Simulation:
         for rid in rids.tolist():
             self.done_events.pop(rid).succeed()
 
+    def record(self, step: Step) -> None:
+        self.core.records.add_step(step, step.update_end)  # its tokens reached the clients at update_end
+
     def launched(self, step: Step, t: float) -> None:
         """Hand `step` to the GPU at time `t`, its launch's end (the clock may be behind): the GPU does not start the
         step earlier, and only the engine reads the in-flight queue, so the host need not wake then.

@@ -151,27 +151,36 @@ class _Ledger(HostLedger):
 
 def test_modelled_host_work_absorbs_the_loops_own_time():
     """The loop's own host time since the last modelled work is charged against the next modelled work: it spins
-    only the rest; engine time in between (the backend's phases) is not the loop's and absorbs nothing."""
+    only the rest; engine time in between (the backend's phases) is not the loop's and absorbs nothing, and neither
+    does the loop's time before a wait on which the host blocked (it ran while the device worked)."""
     import time
 
     loop = RealLoop.__new__(RealLoop)
     loop.t0, ledger = time.perf_counter(), _Ledger()
     loop.ledger, spun = ledger, ledger.spun
-    loop.own = (time.perf_counter() - 0.2, ledger.engine_s)  # the loop's own work began 200 ms ago ...
+    ledger.charge_mark = (time.perf_counter() - 0.2, ledger.engine_s)  # the loop's own work began 200 ms ago ...
     ledger.engine(0.15)  # ... and 150 ms of it were the engine's: 50 ms are the loop's own
     spun.clear()
     loop.work(0.0, 0.1)
     assert 0.03 < spun[0] <= 0.05 + 1e-9
-    loop.own = (time.perf_counter() - 0.2, ledger.engine_s)  # 200 ms of the loop's own time: more than modelled
+    ledger.charge_mark = (time.perf_counter() - 0.2, ledger.engine_s)  # 200 ms of the loop's own: more than modelled
     loop.work(0.0, 0.1)
     assert spun[1] == 0.0
-    before = loop.own
+    before = ledger.charge_mark
     loop.work(0.0, 0.0)  # no modelled work: nothing spun, the loop's own time keeps counting
-    assert len(spun) == 2 and loop.own == before
-    loop.own = (time.perf_counter() - 0.05, ledger.engine_s)  # 50 ms of the loop's own time ...
+    assert len(spun) == 2 and ledger.charge_mark == before
+    ledger.charge_mark = (time.perf_counter() - 0.05, ledger.engine_s)  # 50 ms of the loop's own time ...
     loop.pause(0.02)  # ... which a modelled GC pause does not absorb: it is spun whole, as the engine's time
     loop.work(0.0, 0.1)  # the next modelled work still absorbs the 50 ms (the pause was engine time, not the loop's)
     assert spun[2] == 0.02 and 0.03 < spun[3] <= 0.05 + 1e-9
+    # 80 ms of the loop's own time, then a wait of 30 ms that blocked (engine time), then 10 ms more of its own: only
+    # those 10 ms are charged
+    ledger.charge_mark = (time.perf_counter() - 0.12, ledger.engine_s)
+    wait_began = (time.perf_counter() - 0.04, ledger.engine_s)
+    ledger.engine(0.03)
+    ledger.blocked(wait_began)
+    loop.work(0.0, 0.1)
+    assert 0.08 < spun[5] <= 0.09 + 1e-9
 
 
 def test_device_clock_anchors_follow_a_drifting_timer():
@@ -229,7 +238,7 @@ def test_device_clock_anchors_on_waits_the_host_blocked_on(monkeypatch):
     passed.done = True
     # blocked: woke 40 us after the device passed it (by its timer), 40 us later than the reference's wake-up
     assert clock.wait(late) == pytest.approx(40e-6, abs=1e-9)
-    assert clock.wait(passed) == 0.0  # the device had passed it: no anchor (and no host time read)
+    assert clock.wait(passed) is None  # the device had passed it: no anchor (and no host time read)
     assert clock.anchors.offset() == 0.0  # the reference's own wake-up is the tighter
     # the host woke 30 us before the timer says the device passed: the timer runs ahead; the tightest wake-up yet
     assert clock.wait(ahead) == 0.0

@@ -119,12 +119,12 @@ class DeviceClock:
         event.record()
         return event
 
-    def wait(self, mark) -> float:
+    def wait(self, mark) -> float | None:
         """Block until the device passes `mark`; when the host had to block, its wake-up anchors the clock anew.
-        Returns how much later than the tightest recent wake-up the host woke (0 when it did not block): the part
-        of a wake-up that varies from wait to wait (`seconds` puts the tightest at the device's own time)."""
+        Returns how much later than the tightest recent wake-up the host woke (None when it did not block): the
+        part of a wake-up that varies from wait to wait (`seconds` puts the tightest at the device's own time)."""
         if not self.cuda or mark.query():
-            return 0.0
+            return None
         mark.synchronize()
         host = time.perf_counter()
         device = self._timer(mark)

@@ -216,13 +216,16 @@ class TorchBackend:
 
     def run(self, step: Step) -> StepTiming:
         """Wait for the real step, read it back and fill in its outcome; returns its measured timing."""
-        t0 = time.perf_counter()
+        start = self.ledger.mark()
+        t0 = start[0]
         self.syncs.start_step(step.step)
         launch = self.launches.pop(step.step)
         with phase("readback"):
             # The wait is the GPU's time (gates included) and the host's wake-up, not its readback: it ends
             # before t_read.
             wake_s = launch.wait(self.loop, self.clock)
+            if wake_s is not None:
+                self.ledger.blocked(start)
             t_read = time.perf_counter()
             read = launch.read(self.loop)
             marks = launch.window
@@ -230,8 +233,6 @@ class TorchBackend:
             # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
             del launch
             readback_s = self._leave(t0) - (t_read - t0)
-        # the real level's device window: the harness's clock, not the engine's work
-        window = self.clock.seconds_of(marks) if marks else None
         # The host's mirror and the step's outcome are the harness's own work: one compiled pass over the batch
         # writes the outcome into its table (a few dozen small array operations would cost more than the step's
         # own host phases on a slow host).
@@ -248,8 +249,12 @@ class TorchBackend:
         self.read_mark = self.ledger.mark()
         # the device time of each enqueued part, in order (read where the launch returned its enqueue)
         parts_s = (*read.chunks_s, *(out.parts_s if out is not None else ()))
-        return StepTiming(read.prefill_s + sum(decode_s), readback_s, parts_s, window, (read.prefill_s, *decode_s),
-                          self.syncs.count(step.step), harness_s, wake_s)
+        return StepTiming(read.prefill_s + sum(decode_s), readback_s, parts_s, marks or None,
+                          (read.prefill_s, *decode_s), self.syncs.count(step.step), harness_s, wake_s or 0.0)
+
+    def device_seconds(self, marks: Sequence) -> tuple[float, ...]:
+        """The real level's marks of a read-back step in host seconds (`MeasuredBackend`)."""
+        return self.clock.seconds_of(marks)
 
     # ---------------------------------------------------------------- helpers
 
@@ -350,8 +355,9 @@ class Launch:
             timing.mark(self.events)  # after the first tokens' copy: what the readback waits for
         return step_s
 
-    def wait(self, loop: DecodeLoop, clock: DeviceClock) -> float:
-        """Block until the launch's device work is done; returns the host's wake-up (`DeviceClock.wait`)."""
+    def wait(self, loop: DecodeLoop, clock: DeviceClock) -> float | None:
+        """Block until the launch's device work is done; returns the host's wake-up (None: it did not block;
+        `DeviceClock.wait`)."""
         if self.window:
             last = self.window[-1]  # after everything the step enqueued
         elif self.events:
