@@ -350,6 +350,32 @@ def profile_cmd(
     out.print(f"profile: {result.path}")
 
 
+@app.command("derive-profile")
+def derive_profile_cmd(
+    source: Annotated[Path, typer.Argument(help="a profile measured on another part of the same chip design",
+                                           metavar="PROFILE")],
+    gpu: Annotated[str, typer.Option("--gpu", help="the GPU to derive it for, e.g. H200", metavar="GPU")],
+    out_path: Annotated[Path | None, typer.Option("--out", help="the profile YAML to write (default: simharness/"
+                                                  "data/profiles/<gpu>-<model>.yaml)", metavar="FILE")] = None,
+) -> None:
+    """Derive a GPU's cost profile from one measured on another part of its chip design (the H200 from the H100):
+    its datasheet's rates, every fitted efficiency, overlap and host cost kept. Exit 2 on bad input; an existing
+    file is never overwritten."""
+    import yaml
+
+    from simharness.profile import ProfileError, default_path, derive_profile
+
+    try:
+        data = derive_profile(source, gpu)
+    except ProfileError as e:
+        fail(str(e))
+    path = out_path if out_path is not None else default_path(data["gpu"], data["model"])
+    if path.exists():
+        fail(f"--out {path}: exists; remove it or name another file")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    out.print(f"profile: {path} ({data['note']})", highlight=False, soft_wrap=True)
+
+
 SUMMARY_ROWS = 40  # a terminal shows this many points of a sweep; the rest are in summary.csv and the report
 
 

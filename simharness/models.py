@@ -119,14 +119,15 @@ class GpuSpec:
     name: str
     mem_bandwidth_gbs: float  # HBM bandwidth, GB/s
     bf16_tflops: float  # dense bf16 tensor-core peak
+    architecture: str  # one chip design: a profile carries over between its parts (`profile.derive_profile`)
 
 
 # Public spec-sheet numbers (dense bf16, SXM parts where there is a choice).
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", 3350.0, 989.0),
-    "H200": GpuSpec("H200", 4800.0, 989.0),
-    "A100": GpuSpec("A100", 2039.0, 312.0),
-    "L40S": GpuSpec("L40S", 864.0, 362.0),
+    "H100": GpuSpec("H100", 3350.0, 989.0, "Hopper"),
+    "H200": GpuSpec("H200", 4800.0, 989.0, "Hopper"),
+    "A100": GpuSpec("A100", 2039.0, 312.0, "Ampere"),
+    "L40S": GpuSpec("L40S", 864.0, 362.0, "Ada"),
 }
 
 

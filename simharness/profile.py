@@ -275,6 +275,33 @@ def _load(path: str, mtime: int) -> Profile:
     return Profile(_display_name(Path(path)), device, gpu, model, tuple(coef), overlap, host, validation)
 
 
+def derive_profile(path: str | Path, gpu: str) -> dict:
+    """A profile for `gpu` from one measured on another part of the same chip design (the H200 from the H100): the
+    datasheet's bandwidth and peak of `gpu` replace the measured GPU's, and everything fitted stays — each term's
+    slowdown against the datasheet, the per-step and per-forward costs (the same SMs and clocks), the launch overlap
+    and the host costs (the host's, not the GPU's). docs/calibration.md, "A profile for another GPU". ProfileError
+    names the file and field of a profile that cannot carry over."""
+    source = load_profile(path)
+    try:
+        target, measured = gpu_spec(gpu), gpu_spec(source.gpu)
+    except ValueError as e:
+        raise ProfileError(f"{path}: field gpu: {e}") from None
+    if target.architecture != measured.architecture:
+        raise ProfileError(f"{path}: field gpu: measured on the {measured.name} ({measured.architecture}); a profile "
+                           f"carries over only to a part of the same chip design, not to the {target.name} "
+                           f"({target.architecture}): measure it there (`simharness profile`)")
+    data = yaml.safe_load(Path(path).read_text())
+    data["device_step"]["datasheet_s_per_byte"] = 1 / (target.mem_bandwidth_gbs * 1e9)
+    data["device_step"]["datasheet_s_per_flop"] = 1 / (target.bf16_tflops * 1e12)
+    data["note"] = (f"derived from {source.path} (measured on {source.device}) by the {target.name} datasheet "
+                    f"({target.mem_bandwidth_gbs:.0f} GB/s, {target.bf16_tflops:.0f} TFLOPs bf16): "
+                    "`simharness derive-profile`")
+    data["gpu"] = target.name
+    data["device"] = f"{source.device} (derived for the {target.name})"
+    data.pop("validation", None)  # the source's validation is not this profile's
+    return data
+
+
 def _display_name(path: Path) -> str:
     """A shipped profile by its package path (not by this machine's install path), any other as given."""
     full = path.resolve()

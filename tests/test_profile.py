@@ -327,6 +327,33 @@ def test_device_costs_the_scenario_sets_run_the_roofline_and_say_so(profiles, tm
     assert not (tmp_path / "b").exists()
 
 
+def test_a_profile_carries_over_to_a_part_of_its_chip_design(profiles, tmp_path):
+    """`derive-profile`: the H200's datasheet rates replace the H100's and every fitted term stays; the sim of an
+    H200 then runs on it by default, with shorter steps where they are bound by memory. It never overwrites a file
+    and refuses another chip design (exit 2, nothing written)."""
+    source = profiles / "h100-tiny.yaml"
+    r = CliRunner().invoke(app, ["derive-profile", str(source), "--gpu", "h200"])
+    assert r.exit_code == 0, r.output
+    derived = profiles / "h200-tiny.yaml"
+    h100, h200 = profile.load_profile(source), profile.load_profile(derived)
+    assert h200.gpu == "H200" and h200.validation is None and "derived for the H200" in h200.device
+    assert h200.coef[S_PER_BYTE] == pytest.approx(1 / 4800e9, rel=1e-12)
+    changed = [i for i in range(len(TERMS)) if h200.coef[i] != h100.coef[i]]
+    assert changed == [S_PER_BYTE]  # the H200's peak bf16 FLOPs equal the H100's in the datasheet
+    assert h200.overlap == h100.overlap and h200.host_costs == h100.host_costs
+    sc = scenario_from_dict(TINY, {"engine.gpu": "H200", "workload.concurrency": 1})
+    assert CostModel(sc.engine, optimistic_correction=True).profile.path == str(derived)
+    window = lambda r: float((r.steps["gpu_end"] - r.steps["gpu_start"]).median())  # noqa: E731
+    slow = run(scenario_from_dict(TINY, {"workload.concurrency": 1}), tmp_path / "h100")
+    assert window(run(sc, tmp_path / "h200")) < window(slow)
+    before = derived.read_bytes()
+    again = CliRunner().invoke(app, ["derive-profile", str(source), "--gpu", "H200"])
+    assert again.exit_code == 2 and "exists" in again.stderr and derived.read_bytes() == before
+    other = CliRunner().invoke(app, ["derive-profile", str(source), "--gpu", "A100", "--out", str(tmp_path / "a.yaml")])
+    assert other.exit_code == 2 and "same chip design" in " ".join(other.stderr.split())
+    assert "Traceback" not in other.output and not (tmp_path / "a.yaml").exists()
+
+
 @pytest.mark.parametrize(
     "content,message",
     [
