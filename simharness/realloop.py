@@ -124,7 +124,8 @@ class RealLoop:
     def flush(self) -> None:
         """The harness's records, kept from the critical path (from reading a step back to the next launch) as vLLM's
         output processing runs beside its engine core: what each read-back step measured, in read order, then
-        each settled step, in settle order."""
+        each settled step, in settle order. A decode-only step's window marks are the decode loop's ring events,
+        recorded again `depth + 1` launches later; every step read before a launch is flushed right after it."""
         for step, timing in self.measured:
             record_measured(step, timing)
             start, end = self.backend.device_seconds(timing.window)

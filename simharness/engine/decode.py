@@ -252,6 +252,11 @@ class DecodeLoop:
         """The event after the step and its copy to the host (None on the CPU, where the step ran when launched)."""
         return self._staging(result).events[-1] if self.cuda else None
 
+    def span_marks(self, result: StepResult) -> list:
+        """The events around the whole step (its inputs' copy, graph and output copy; CUDA), for a caller that times
+        its device window: they are recorded again when the ring entry is, `max_in_flight` steps later."""
+        return self._staging(result).events
+
     def readback(self, result: StepResult) -> StepOutput:
         """Copy a finished step's tokens and counts to the host and read its phase times; call `wait` first (the
         one sync of a step, which a caller times apart from the readback)."""

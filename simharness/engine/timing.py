@@ -109,13 +109,18 @@ class DeviceClock:
             self.reference_s = time.perf_counter()
             self.anchors = Anchors(self.reference_s, self.reference_s)
             self.free: list[torch.cuda.Event] = []  # marks read back (`seconds_of`), recorded again by `mark`
+            self.own: set[int] = set()  # ids of the events `mark` made (only those go back to `free`)
 
     def mark(self):
         """A mark at this point of the stream (an event recorded on it), or of the host on the CPU. Events are
         reused: creating one and destroying it are driver calls, host time vLLM's loop does not spend."""
         if not self.cuda:
             return time.perf_counter()
-        event = self.free.pop() if self.free else torch.cuda.Event(enable_timing=True)
+        if self.free:
+            event = self.free.pop()
+        else:
+            event = torch.cuda.Event(enable_timing=True)
+            self.own.add(id(event))  # kept alive by the pool from now on: its id stays its own
         event.record()
         return event
 
@@ -138,11 +143,11 @@ class DeviceClock:
         return self._timer(mark) + self.anchors.offset()
 
     def seconds_of(self, marks: list) -> tuple[float, ...]:
-        """`seconds` of each of `marks`, which go back to the clock for reuse."""
+        """`seconds` of each of `marks`; those the clock made go back to it for reuse."""
         if not self.cuda:
             return tuple(marks)
         offset = self.anchors.offset()  # the tightest anchor, found once for all of them
-        self.free.extend(marks)
+        self.free.extend(m for m in marks if id(m) in self.own)
         return tuple(self._timer(m) + offset for m in marks)
 
     def _timer(self, mark) -> float:
