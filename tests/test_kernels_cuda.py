@@ -152,7 +152,7 @@ def test_rejection_random_rows_preserve_the_target(impl, dtype: torch.dtype) -> 
 def test_rejection_random_rows_preserve_the_target_at_every_position() -> None:
     """200k rows of one target (hot tokens spread over several vocab tiles, the rest at -30): at every
     draft position the (accepted, token) joint given that the position is reached is q(y) p(y) / p(y) (1 - q(y)),
-    and the bonus position emits p. Power for the compiled kernels' noise (fast log2) at every position."""
+    and the bonus position emits p. Power for the compiled kernels' inverse-CDF sample at every position."""
     generator = torch.Generator().manual_seed(4)
     rows, vocab, temperature = 200_000, 10_000, 0.8
     hot = torch.tensor([3, 17, 2050, 4097, 4100, 6000, 8191, 9999])

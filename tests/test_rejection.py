@@ -166,16 +166,17 @@ def speculative_case(samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def position_pvalues(output: torch.Tensor, num_emitted: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> list[float]:
     """One p-value per position: the (accepted, token) joint at draft positions, the token at the bonus."""
+    k, vocab = q.shape
     pvalues = []
-    for i in range(K + 1):
+    for i in range(k + 1):
         reached = num_emitted > i
         tokens = output[reached, i]
-        if i < K:
+        if i < k:
             accepted = (num_emitted[reached] > i + 1).long()
-            cells = accepted * VOCAB + tokens
+            cells = accepted * vocab + tokens
             probabilities = torch.cat([p[i] * (1 - q[i]), p[i] * q[i]])
         else:
-            cells, probabilities = tokens, p[K]
+            cells, probabilities = tokens, p[k]
         observed = torch.bincount(cells, minlength=len(probabilities)).numpy()
         pvalues.append(chisquare_pvalue(observed, probabilities.numpy()))
     return pvalues
@@ -185,18 +186,23 @@ def wrong_sampler(
     logits: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor, *, seed: int, mistake: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A deliberately broken speculative sampler (every row random, every row with K drafts):
-    'sqrt' accepts x with probability p(x)**0.5; 'keep_draft' resamples from p without removing x."""
+    'sqrt' accepts x with probability p(x)**0.5; 'keep_draft' resamples from p without removing x;
+    'unweighted_tiles' resamples as if the tiles' sums were merged without weighing each by its max (bf16
+    tiles), i.e. from the residual divided by its tile's max."""
     generator = torch.Generator().manual_seed(seed)
     probs = torch.softmax(logits.float() / temperature[:, None, None], dim=-1)
-    batch = probs.shape[0]
+    batch, _, vocab = probs.shape
     p_draft = probs[:, :K].gather(-1, drafts[..., None]).squeeze(-1)
     accept_probability = p_draft.sqrt() if mistake == "sqrt" else p_draft
     accepted = torch.rand(batch, K, generator=generator) < accept_probability
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     residual = probs.clone()
-    if mistake == "sqrt":
+    if mistake != "keep_draft":
         residual[:, :K].scatter_(-1, drafts[..., None], 0.0)
-    final = torch.multinomial(residual.reshape(-1, VOCAB), 1, generator=generator).reshape(batch, K + 1)
+    if mistake == "unweighted_tiles":
+        tiles = torch.nn.functional.pad(residual, (0, -vocab % BF16_TILE)).unflatten(-1, (-1, BF16_TILE))
+        residual = (tiles / tiles.amax(dim=-1, keepdim=True)).flatten(-2)[..., :vocab]
+    final = torch.multinomial(residual.reshape(-1, vocab), 1, generator=generator).reshape(batch, K + 1)
     output = torch.cat([drafts, torch.full((batch, 1), -1)], dim=1)
     output = torch.where(torch.arange(K + 1) < num_accepted[:, None], output, -1)
     output.scatter_(1, num_accepted[:, None], final.gather(1, num_accepted[:, None]))
@@ -225,3 +231,41 @@ def test_the_distribution_test_rejects_a_wrong_sampler(mistake: str, samples: in
     output, num_emitted = wrong_sampler(logits, drafts, torch.full((samples,), TEMPERATURE), seed=99, mistake=mistake)
     pvalues = position_pvalues(output, num_emitted, p, q)
     assert pvalues[0] < 1e-6, pvalues
+
+
+# The same over several vocab tiles (bf16: 512 columns a tile in kernel 1): the hot columns, where the mass is,
+# lie in every tile, several in a tile with the draft; the walk kernel merges the tiles' sums and samples the
+# residual by its running sum across tiles, then across one tile's columns.
+BF16_TILE, TILED_VOCAB, TILED_SAMPLES = 512, 1300, 300
+HOT = [3, 200, 520, 600, 1023, 1100, 1200, 1299]  # the likely drafts (520, 600) come first in their tile
+
+
+def tiled_case(samples: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """speculative_case's over TILED_VOCAB bf16 columns (three tiles), the mass on HOT, the rest at -30."""
+    generator = torch.Generator().manual_seed(2025)
+    logits = torch.full((K + 1, TILED_VOCAB), -30.0)
+    logits[:, HOT] = torch.randn(K + 1, len(HOT), generator=generator) * 1.5
+    logits = logits.to(torch.bfloat16)
+    p = torch.softmax(logits.double() / TEMPERATURE, dim=-1)
+    q = torch.zeros(K, TILED_VOCAB, dtype=torch.float64)
+    q[:, HOT] = 0.2 / len(HOT)
+    q[torch.arange(K), p[:K].argmax(dim=-1)] += 0.8
+    drafts = torch.multinomial(q, samples, replacement=True, generator=generator).T
+    return logits.expand(samples, -1, -1), drafts, p, q
+
+
+def test_random_rows_preserve_the_target_across_vocab_tiles() -> None:
+    logits, drafts, p, q = tiled_case(TILED_SAMPLES)
+    temperature = torch.full((TILED_SAMPLES,), TEMPERATURE)
+    output, num_emitted = rejection_sample_triton(logits, drafts, torch.full((TILED_SAMPLES,), K), temperature, seed=5)
+    pvalues = position_pvalues(output, num_emitted, p, q)
+    assert min(pvalues) > 1e-4, pvalues
+
+
+@pytest.mark.parametrize("mistake", ["unweighted_tiles", "keep_draft"])
+def test_the_tiled_distribution_test_rejects_a_wrong_sampler(mistake: str) -> None:
+    logits, drafts, p, q = tiled_case(TILED_SAMPLES)
+    temperature = torch.full((TILED_SAMPLES,), TEMPERATURE)
+    output, num_emitted = wrong_sampler(logits, drafts, temperature, seed=5, mistake=mistake)
+    pvalues = position_pvalues(output, num_emitted, p, q)
+    assert min(pvalues) < 1e-6, pvalues

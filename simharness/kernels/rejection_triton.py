@@ -8,70 +8,46 @@ import triton.language as tl
 # --------------------------------------------------------------------------------------------------
 # Triton. Kernel 1, grid (row, vocab tile): a program reads its BLOCK columns of the row's logits for every
 # position <= num_drafts (all loads issued first, then one position after another; no padding of the k+1
-# positions to a power of two) and leaves, per (tile, position), the target token's key
-# and column: greedy rows the max logit and its lowest column; random rows the winner of a Gumbel race
-# over p with the draft removed, plus the max and sum of 2^x (x = logit * log2(e) / T) that normalise
-# p(draft) at draft positions. The race noise is drawn once per (row, column) and shared by the row's
-# positions: sound because only one position per row (the first rejection, or the bonus) is ever
-# emitted, and it cuts the Philox work by k+1. Kernel 2, grid (row,): merges the tiles, walks the accept
-# chain and writes the output. Randomness is counter-based (Philox keyed by the seed, counters from
-# (row, vocab column) and (row, position), under two keys), so the output is a function of the inputs and the seed, with
-# no generator state. The seed is read from device memory, not passed as a kernel argument, so that a captured
-# CUDA graph replays each step with its own seed (a graph bakes its arguments; `engine.decode` stages the seed).
+# positions to a power of two) and leaves, per (tile, position), only the tile's max logit and, for random
+# rows, the sum of 2^(x - max x) (x = logit * log2(e) / T) over the tile, with draft i left out of position
+# i's max and sum. Per element that is a max, or a max and an exponential sum: no column index is carried
+# through the reduction and no random number is drawn per element, which is what held an earlier
+# per-element Gumbel race under the bandwidth goal (results/kernels/sampler-variants/NOTES.md).
+# Kernel 2, grid (row,): merges the tiles, walks the accept chain, and finds the emitted tokens by reading
+# one tile again: greedy rows the first tile holding the max, at every position (the argmax is its lowest
+# column with the max, as torch.argmax); random rows, at the emitted position only, the tile where the
+# running sum of the tiles' masses passes u times the residual's total, then the column where the
+# running sum of that tile's terms passes the rest (an inverse-CDF sample). Randomness is per row, not per
+# element: one Philox call keyed by the seed, counted from (row, position), gives the accept uniform of
+# every position and the sample's uniform, so the output is a function of the inputs and the seed, with
+# no generator state, and a row's does not depend on the batch around it. The seed is read from device
+# memory, not passed as a kernel argument, so that a captured CUDA graph replays each step with its own seed
+# (a graph bakes its arguments; `engine.decode` stages the seed).
 # --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _open_uniform(word):
     """A uint32 word to a float32 in the open interval (0, 1): (m + 1/2) / 2^23 with m its top 23 bits, exact (24 bits
-    and a half step would round the top value to 1.0, whose log is 0)."""
+    and a half step would round the top value to 1.0)."""
     return tl.fma((word >> 9).to(tl.float32), 1.0 / 8388608.0, 1.0 / 16777216.0)
 
 
 @triton.jit
-def _log2(x, FAST: tl.constexpr):
-    """log2 of positive normal floats: the MUFU approximation (absolute error 2^-22 on [0.5, 2], 2 ulp elsewhere)
-    when FAST (compiled CUDA), else tl.log2 (an accurate software routine, and what Triton's interpreter runs)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return tl.log2(x)
-
-
-@triton.jit
-def _gumbel2(word, FAST: tl.constexpr):
-    """Base-2 Gumbel noise up to a constant, -log2(-log2 u) = -log2(E) + log2(ln 2) with E = -ln(u) ~ Exp(1), from
-    a uint32 word (the constant shifts every key of a race alike). -log2(u) is accurate where it is small (u near 1:
-    the columns most likely to win a race): a series in w = 1 - u there, log2(u) elsewhere."""
-    u = _open_uniform(word)
-    w = 1.0 - u  # exact: u is a multiple of 2^-24
-    # -log2(1 - w) = (w + w^2 / 2 + w^3 / 3 + ...) / ln 2, truncated: relative error < w^3 / 4
-    series = w * (1.4426950408889634 + w * (0.7213475204444817 + w * 0.48089834696298783))
-    return -_log2(tl.where(w < 0.0078125, series, -_log2(u, FAST)), FAST)
-
-
-@triton.jit
-def _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, sum_ptr, key_ptr, index_ptr,
-          K: tl.constexpr, EXCLUDE_DRAFTS: tl.constexpr):  # fmt: skip
-    """Random rows' per-position results for one tile (see _rejection_tile_kernel). EXCLUDE_DRAFTS removes draft i
-    from position i's race and sum; a tile that holds none of the row's drafts skips that per-element work."""
+def _tile_stats(xs, drafts, columns, scale, out, num_drafts, max_ptr, sum_ptr, K: tl.constexpr,
+                EXCLUDE_DRAFTS: tl.constexpr):  # fmt: skip
+    """Random rows' per-position max and sum of 2^(x - max x) over one tile (see _rejection_tile_kernel).
+    EXCLUDE_DRAFTS removes draft i from position i's; a tile that holds none of the row's drafts skips that
+    per-element work."""
     inf: tl.constexpr = float("inf")
     for i in tl.static_range(K + 1):
         xf = xs[i].to(tl.float32)
         if EXCLUDE_DRAFTS and i < K:
-            # The draft is excluded from the race and from this sum (the walk kernel adds its term back).
-            xf = tl.where(columns == drafts[i], -inf, xf)
-        best, index = tl.max(xf + noise, axis=0, return_indices=True, return_indices_tie_break_left=False)
-        tl.store(key_ptr + out + i, best, mask=num_drafts >= i)
-        tl.store(index_ptr + out + i, start + index, mask=num_drafts >= i)
-        if i < K:
-            # The sum of 2^x relative to the best key (base-2 units): a column's term is at most 2^-(its noise)
-            # <= 24 (-log2 u <= 24), so nothing overflows, and the best key's column keeps >= 2^-24.
-            reference = tl.where(best == -inf, 0.0, best * scale)
-            tl.store(max_ptr + out + i, reference, mask=num_drafts > i)
-            tl.store(sum_ptr + out + i, tl.sum(tl.exp2(tl.fma(xf, scale, -reference)), axis=0), mask=num_drafts > i)
+            xf = tl.where(columns == drafts[i], -inf, xf)  # the walk kernel adds the draft's term back
+        best = tl.max(xf, axis=0)
+        reference = tl.where(best == -inf, 0.0, best * scale)
+        tl.store(max_ptr + out + i, best, mask=num_drafts >= i)
+        tl.store(sum_ptr + out + i, tl.sum(tl.exp2(tl.fma(xf, scale, -reference)), axis=0), mask=num_drafts >= i)
 
 
 @triton.jit
@@ -84,14 +60,9 @@ def _rejection_tile_kernel(
     temperature_ptr,
     max_ptr,
     sum_ptr,
-    key_ptr,
-    index_ptr,
     vocab,
-    noise_per_row,
-    seed_ptr,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
-    FAST_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     tile = tl.program_id(1)
@@ -118,27 +89,55 @@ def _rejection_tile_kernel(
     # compiler can interleave their independent reductions.
     if temperature == 0:
         for i in tl.static_range(K + 1):
-            best, index = tl.max(xs[i].to(tl.float32), axis=0, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(key_ptr + out + i, best, mask=num_drafts >= i)
-            tl.store(index_ptr + out + i, start + index, mask=num_drafts >= i)
+            tl.store(max_ptr + out + i, tl.max(xs[i].to(tl.float32), axis=0), mask=num_drafts >= i)
     else:
         # Base-2 units: x = logit * log2(e) / T, so p_j = 2^(x_j - log2 sum_i 2^x_i).
         scale = 1.4426950408889634 / temperature
-        # One Philox call gives four words: column c takes word c % 4 of the row's counter c // 4 (so the noise
-        # does not depend on BLOCK).
-        counters = row * noise_per_row + start // 4 + tl.arange(0, BLOCK // 4)
-        w0, w1, w2, w3 = tl.randint4x(tl.load(seed_ptr), counters)
-        words = tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
-        # Gumbel race: argmax_j (x_j + g_j), g_j base-2 Gumbel noise, is a sample of p. Keys stay in logit units
-        # (logit + g / scale = logit + g T ln 2: the same order), one add per element.
-        noise = _gumbel2(words, FAST_LOG) * (temperature * 0.6931471805599453)
-        # At most K of a row's tiles hold a draft; the others run the race without the per-element exclusion.
+        # At most K of a row's tiles hold a draft; the others skip the per-element exclusion.
         if holds_draft:
-            _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, sum_ptr, key_ptr, index_ptr,
-                  K=K, EXCLUDE_DRAFTS=True)  # fmt: skip
+            _tile_stats(xs, drafts, columns, scale, out, num_drafts, max_ptr, sum_ptr, K=K, EXCLUDE_DRAFTS=True)
         else:
-            _race(xs, noise, drafts, columns, start, scale, out, num_drafts, max_ptr, sum_ptr, key_ptr, index_ptr,
-                  K=K, EXCLUDE_DRAFTS=False)  # fmt: skip
+            _tile_stats(xs, drafts, columns, scale, out, num_drafts, max_ptr, sum_ptr, K=K, EXCLUDE_DRAFTS=False)
+
+
+@triton.jit
+def _greedy_targets(row_logits, tile_max, tiles, live, vocab, TILE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Each position's argmax, the lowest column holding the max (torch.argmax's tie rule): it lies in the first
+    tile whose max is the position's, whose BLOCK columns are read again ([positions, BLOCK])."""
+    best = tl.max(tile_max, axis=1)
+    first = tl.min(tl.where(tile_max == best[:, None], tiles[None, :], TILE_BLOCK), axis=1)
+    columns = first[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(row_logits + columns, mask=(columns < vocab) & live[:, None], other=-float("inf"))
+    return tl.min(tl.where(x.to(tl.float32) == best[:, None], columns, vocab), axis=1)
+
+
+@triton.jit
+def _sample_residual(row_logits, tile_max, tile_sum, weight, tiles, emitted, excluded, scale, uniform, vocab,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """An inverse-CDF sample of the emitted position's residual (its draft excluded): the tile where the running
+    sum of the tiles' weights passes u times their total, then the column where the running sum of that tile's
+    terms, its BLOCK columns read again, passes the rest."""
+    # The emitted position's row of the [positions, tiles] partials.
+    weight = tl.sum(tl.where(emitted[:, None], weight, 0.0), axis=0)
+    tile_sum = tl.sum(tl.where(emitted[:, None], tile_sum, 0.0), axis=0)
+    tile_max = tl.max(tl.where(emitted[:, None], tile_max, -float("inf")), axis=0)
+    below = tl.cumsum(weight, axis=0)
+    target = uniform * tl.max(below, axis=0)
+    # The first tile whose running sum passes the target; should rounding leave none, the last with any mass.
+    last = tl.max(tl.where(weight > 0, tiles, 0), axis=0)
+    tile = tl.min(tl.where(below > target, tiles, last), axis=0)
+    here = tiles == tile
+    before = tl.max(tl.where(tiles < tile, below, 0.0), axis=0)
+    # The rest of the target in the units of kernel 1's sum for that tile (terms relative to the tile's max).
+    fraction = (target - before) / tl.sum(tl.where(here, weight, 0.0), axis=0)
+    rest = fraction * tl.sum(tl.where(here, tile_sum, 0.0), axis=0)
+    reference = tl.max(tl.where(here, tile_max, -float("inf")), axis=0) * scale
+    columns = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(row_logits + columns, mask=columns < vocab, other=-float("inf")).to(tl.float32)
+    terms = tl.exp2(tl.fma(tl.where(columns == excluded, -float("inf"), x), scale, -reference))
+    token = tl.min(tl.where(tl.cumsum(terms, axis=0) > rest, columns, vocab), axis=0)
+    # Should rounding leave the rest unpassed, the last column with any mass (never the excluded draft).
+    return tl.where(token == vocab, tl.max(tl.where(terms > 0, columns, 0), axis=0), token)
 
 
 @triton.jit
@@ -151,8 +150,6 @@ def _rejection_walk_kernel(
     temperature_ptr,
     max_ptr,
     sum_ptr,
-    key_ptr,
-    index_ptr,
     output_ptr,
     num_emitted_ptr,
     vocab,
@@ -161,58 +158,63 @@ def _rejection_walk_kernel(
     K: tl.constexpr,
     K_BLOCK: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     num_drafts = tl.load(num_drafts_ptr + row)
     temperature = tl.load(temperature_ptr + row)
     positions = tl.arange(0, K_BLOCK)
     is_draft = positions < num_drafts
+    live = positions <= num_drafts
     drafts = tl.load(drafts_ptr + row * K + positions, mask=is_draft, other=-1)
     has_token = is_draft & (drafts >= 0)
+    row_logits = logits_ptr + row.to(tl.int64) * logits_stride_b + positions.to(tl.int64) * logits_stride_k
 
-    # Merge the per-tile partials: [K_BLOCK, TILE_BLOCK] tiles. The target token of a position is
-    # the index of the best key (greedy: the max logit, whose lowest column wins ties, as torch.argmax).
+    # Kernel 1's partials: [K_BLOCK, TILE_BLOCK] tiles.
     tiles = tl.arange(0, TILE_BLOCK)
     partial = (row * n_tiles + tiles[None, :]) * (K + 1) + positions[:, None]
-    mask = (tiles < n_tiles)[None, :] & (positions <= num_drafts)[:, None]
-    tile_key = tl.load(key_ptr + partial, mask=mask, other=-float("inf"))
-    tile_index = tl.load(index_ptr + partial, mask=mask, other=0)
-    best_key = tl.max(tile_key, axis=1)
-    token = tl.min(tl.where(tile_key == best_key[:, None], tile_index, vocab), axis=1)
+    mask = (tiles < n_tiles)[None, :] & live[:, None]
+    tile_max = tl.load(max_ptr + partial, mask=mask, other=-float("inf"))
 
     if temperature == 0:
+        token = _greedy_targets(row_logits[:, None], tile_max, tiles, live, vocab, TILE_BLOCK=TILE_BLOCK, BLOCK=BLOCK)
         accept = has_token & (drafts == token)
+        num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
     else:
         # Accept x with probability p(x) = 2^(x_x - log2 sum_j 2^x_j), x = logit * log2(e) / T as in kernel 1.
         scale = 1.4426950408889634 / temperature
-        # Kernel 1 left, per tile and draft position, a reference and the sum of 2^(x - reference) over the
-        # tile's columns other than the draft; the draft's own term is added here.
-        draft_logit = tl.load(
-            logits_ptr + row.to(tl.int64) * logits_stride_b + positions.to(tl.int64) * logits_stride_k + drafts,
-            mask=has_token,
-            other=-float("inf"),
-        ).to(tl.float32)
-        draft_x = draft_logit * scale
-        stats_mask = mask & is_draft[:, None]
-        tile_ref = tl.load(max_ptr + partial, mask=stats_mask, other=-float("inf"))
-        tile_sum = tl.load(sum_ptr + partial, mask=stats_mask, other=0.0)
-        global_ref = tl.maximum(tl.max(tile_ref, axis=1), draft_x)
-        safe_ref = tl.where(global_ref == -float("inf"), 0.0, global_ref)
-        total = tl.sum(tile_sum * tl.exp2(tile_ref - safe_ref[:, None]), axis=1) + tl.exp2(draft_x - safe_ref)
-        p_draft = tl.exp2(draft_x - safe_ref - tl.log2(total))
-        # Keyed by the seed with bit 0 flipped: a stream apart from the race noise's, counted from the row alone.
-        word, _, _, _ = tl.randint4x(tl.load(seed_ptr) ^ 1, row * K_BLOCK + positions)
-        accept = has_token & (_open_uniform(word) < p_draft)
+        draft_x = tl.load(row_logits + drafts, mask=has_token, other=-float("inf")).to(tl.float32) * scale
+        # Kernel 1 left, per tile and position, the max and the sum of 2^(x - max x) over the tile's columns
+        # other than the draft: weighed here against one reference per position; the draft's own term is added.
+        tile_sum = tl.load(sum_ptr + partial, mask=mask, other=0.0)
+        tile_ref = tile_max * scale
+        reference = tl.maximum(tl.max(tile_ref, axis=1), draft_x)
+        reference = tl.where(reference == -float("inf"), 0.0, reference)
+        weight = tile_sum * tl.exp2(tile_ref - reference[:, None])
+        draft_weight = tl.exp2(draft_x - reference)
+        p_draft = draft_weight / (tl.sum(weight, axis=1) + draft_weight)
+        # Keyed by the seed with bit 0 flipped, counted from the row and position: word 0 is the position's
+        # accept uniform, word 1 at the emitted position the sample's.
+        word0, word1, _, _ = tl.randint4x(tl.load(seed_ptr) ^ 1, row * K_BLOCK + positions)
+        accept = has_token & (_open_uniform(word0) < p_draft)
+        num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
+        emitted = positions == num_accepted
+        uniform = tl.sum(tl.where(emitted, _open_uniform(word1), 0.0), axis=0)
+        excluded = tl.sum(tl.where(emitted, drafts, 0), axis=0)  # -1 (none) at the bonus and at a -1 draft
+        emitted_logits = logits_ptr + row.to(tl.int64) * logits_stride_b + num_accepted.to(tl.int64) * logits_stride_k
+        sampled = _sample_residual(emitted_logits, tile_max, tile_sum, weight, tiles, emitted, excluded, scale,
+                                   uniform, vocab, BLOCK=BLOCK)  # fmt: skip
+        token = tl.where(emitted, sampled, 0)
 
-    num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
     output = tl.where(positions < num_accepted, drafts, tl.where(positions == num_accepted, token, -1))
     tl.store(output_ptr + row * (K + 1) + positions, output.to(tl.int64), mask=positions <= K)
     tl.store(num_emitted_ptr + row, num_accepted + 1)
 
 
 # Kernel 1's (vocab columns per program, warps, register cap) by logits element size: the best at B=256, k=4,
-# V=128256 in a sweep on an H100. One-warp programs reduce with shuffles alone (no shared-memory round trips); a
-# register cap that spills nothing raises the resident warps per SM.
+# V=128256 in a sweep on an H100 (of an earlier kernel 1 that also ran a per-element race). One-warp programs
+# reduce with shuffles alone (no shared-memory round trips); a register cap that spills nothing raises the
+# resident warps per SM.
 _CONFIGS = {4: (2048, 4, 128), 2: (512, 1, 128)}
 
 
@@ -224,8 +226,9 @@ def rejection_sample_triton(
     *,
     seed: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Triton version (CUDA, or CPU tensors under TRITON_INTERPRET=1): reads the logits once. `seed` is an int
-    or a one-element int64 tensor on the logits' device (what a CUDA graph replays with a new value each step)."""
+    """Fused Triton version (CUDA, or CPU tensors under TRITON_INTERPRET=1): reads the logits once, and one tile
+    of them again per position. `seed` is an int or a one-element int64 tensor on the logits' device (what a CUDA
+    graph replays with a new value each step)."""
     batch, k_plus_1, vocab = target_logits.shape
     k = k_plus_1 - 1
     device = target_logits.device
@@ -243,28 +246,25 @@ def rejection_sample_triton(
     max_block, num_warps, maxnreg = _CONFIGS[target_logits.element_size()]
     block = max(16, min(max_block, triton.next_power_of_2(vocab)))
     n_tiles = triton.cdiv(vocab, block)
-    partials = torch.empty((4, batch, n_tiles, k_plus_1), dtype=torch.float32, device=device)
-    tile_max, tile_sum, best_key = partials[0], partials[1], partials[2]
-    best_index = partials[3].view(torch.int32)
-    # Philox counters from the row and column (the race noise) or position (the accept uniforms, another key): a
-    # row's randomness does not depend on the batch around it, so a batch padded to a graph's bucket samples the
-    # same tokens.
-    noise_per_row = triton.cdiv(vocab, 4)
+    partials = torch.empty((2, batch, n_tiles, k_plus_1), dtype=torch.float32, device=device)
+    # Philox counters from the row and position: a row's randomness does not depend on the batch around it, so a
+    # batch padded to a graph's bucket samples the same tokens.
     k_block = triton.next_power_of_2(k_plus_1)
-    if batch * max(noise_per_row, k_block) >= 2**31:
-        raise ValueError(f"batch {batch} x vocab {vocab} exceeds the 31-bit Philox counter space")
+    if batch * k_block >= 2**31:
+        raise ValueError(f"batch {batch} x positions {k_block} exceeds the 31-bit Philox counter space")
     if isinstance(seed, int):  # fill_ takes the scalar as a kernel argument: no host-to-device copy, no sync
         seed = torch.empty(1, dtype=torch.int64, device=device).fill_(seed % 2**63)
 
     _rejection_tile_kernel[(batch, n_tiles)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        tile_max, tile_sum, best_key, best_index, vocab, noise_per_row, seed,
-        K=k, BLOCK=block, FAST_LOG=device.type == "cuda", num_warps=num_warps, maxnreg=maxnreg,
+        partials[0], partials[1], vocab, K=k, BLOCK=block, num_warps=num_warps, maxnreg=maxnreg,
     )  # fmt: skip
     tile_block = triton.next_power_of_2(n_tiles)
+    # About 32 elements a thread in the walk's largest block ([positions, tiles] or [positions, BLOCK] columns).
+    walk_warps = min(8, max(1, k_block * max(tile_block, block) // 1024))
     _rejection_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        tile_max, tile_sum, best_key, best_index, output, num_emitted, vocab, n_tiles, seed,
-        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, num_warps=min(8, max(1, tile_block // 128)),
+        partials[0], partials[1], output, num_emitted, vocab, n_tiles, seed,
+        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, BLOCK=block, num_warps=walk_warps,
     )  # fmt: skip
     return output, num_emitted
