@@ -293,13 +293,32 @@ def derive_profile(path: str | Path, gpu: str) -> dict:
     data = yaml.safe_load(Path(path).read_text())
     data["device_step"]["datasheet_s_per_byte"] = 1 / (target.mem_bandwidth_gbs * 1e9)
     data["device_step"]["datasheet_s_per_flop"] = 1 / (target.bf16_tflops * 1e12)
+    # A depth's tail is the device's work left after the launch ends: it shrinks as the step's work does.
+    ratio = work_ratio(np.array(source.coef), np.array(load_coef(data)), model_config(source.model))
+    for overlap in data["overlap"].values():
+        overlap["tail_us"] *= ratio
     data["note"] = (f"derived from {source.path} (measured on {source.device}) by the {target.name} datasheet "
-                    f"({target.mem_bandwidth_gbs:.0f} GB/s, {target.bf16_tflops:.0f} TFLOPs bf16): "
-                    "`simharness derive-profile`")
+                    f"({target.mem_bandwidth_gbs:.0f} GB/s, {target.bf16_tflops:.0f} TFLOPs bf16), launch tails "
+                    f"times the decode steps' work ratio {ratio:.3f}: `simharness derive-profile`")
     data["gpu"] = target.name
     data["device"] = f"{source.device} (derived for the {target.name})"
     data.pop("validation", None)  # the source's validation is not this profile's
     return data
+
+
+def load_coef(data: dict) -> list[float]:
+    """A profile mapping's device coefficients (`TERMS`), in seconds."""
+    return [float(data["device_step"][name]) * unit for name, unit in zip(TERMS, UNITS, strict=True)]
+
+
+def work_ratio(measured: np.ndarray, derived: np.ndarray, shape: ModelConfig) -> float:
+    """The median, over decode steps spanning a profile grid's (1-256 rows, 512 and 2,048 tokens of context, k = 0, 4
+    and 8), of a step's device work with coefficients `derived` over its work with `measured`."""
+    sizes = shape_sizes(shape)
+    ratios = [profile_seconds(derived, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0)
+              / profile_seconds(measured, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0)
+              for rows in (1, 4, 16, 64, 256) for context in (512, 2048) for k in (0, 4, 8)]
+    return float(np.median(ratios))
 
 
 def _display_name(path: Path) -> str:

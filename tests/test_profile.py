@@ -340,7 +340,17 @@ def test_a_profile_carries_over_to_a_part_of_its_chip_design(profiles, tmp_path)
     assert h200.coef[S_PER_BYTE] == pytest.approx(1 / 4800e9, rel=1e-12)
     changed = [i for i in range(len(TERMS)) if h200.coef[i] != h100.coef[i]]
     assert changed == [S_PER_BYTE]  # the H200's peak bf16 FLOPs equal the H100's in the datasheet
-    assert h200.overlap == h100.overlap and h200.host_costs == h100.host_costs
+    assert h200.host_costs == h100.host_costs
+    # each depth's launch tail (device work left after the launch) shrinks by the decode steps' work ratio: more
+    # than nothing, less than the bandwidth ratio (part of a step is not memory-bound)
+    ratio = profile.work_ratio(np.array(h100.coef), np.array(h200.coef), model_config("tiny"))
+    assert 3350 / 4800 < ratio < 1
+    one_step = profile.profile_seconds(np.array(h200.coef), shape_sizes(model_config("tiny")), 16, 80, 16 * 512,
+                                       0, 0, 0, 0, 0)
+    assert one_step < profile.profile_seconds(np.array(h100.coef), shape_sizes(model_config("tiny")), 16, 80,
+                                              16 * 512, 0, 0, 0, 0, 0)
+    for depth, (lead, tail) in h100.overlap.items():
+        assert h200.overlap[depth] == (lead, pytest.approx(tail * ratio, rel=1e-9))
     sc = scenario_from_dict(TINY, {"engine.gpu": "H200", "workload.concurrency": 1})
     assert CostModel(sc.engine, optimistic_correction=True).profile.path == str(derived)
     window = lambda r: float((r.steps["gpu_end"] - r.steps["gpu_start"]).median())  # noqa: E731
