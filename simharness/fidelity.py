@@ -206,18 +206,20 @@ def prefill_enqueue(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def period_split(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Per depth-1 point and level, where a decode-only step's period goes (µs): each of PERIOD_PARTS, the gap from
-    the settle's end to the next schedule, the period (schedule start to the next) and the harness's own host time;
-    medians over each run's decode-only steps, then over the point's runs. At depth 1 the parts follow one another,
-    so a level's part that differs from the real level's says where its time differs (docs/hil.md)."""
+    """Per point and level, where a decode-only step's time goes (µs): each of PERIOD_PARTS, the gap from the settle's
+    end to the next schedule, the period (schedule start to the next) and the harness's own host time; medians over
+    each run's decode-only steps, then over the point's runs. At depth 1 the parts follow one another, so a level's
+    part that differs from the real level's says where its time differs; deeper, the host's phases overlap the device
+    and the period is the host's cycle, where a long device end → settle says the host came back late (host-bound;
+    docs/hil.md)."""
     parts = [*PERIOD_PARTS, "gap", "period", "harness"]
-    columns = ["config", "level", *parts]
-    runs = summary[summary["effective_depth"] == 1] if "effective_depth" in summary else summary.iloc[:0]
+    columns = ["config", "level", "depth", *parts]
+    runs = summary if "effective_depth" in summary else summary.iloc[:0]
     if not len(steps) or not len(runs):
         return pd.DataFrame(columns=columns)
     by_point = dict(tuple(steps.groupby("point", sort=False)))
     rows = []
-    for point, config, level in runs[["point", "config", "level"]].itertuples(index=False):
+    for point, config, level, depth in runs[["point", "config", "level", "effective_depth"]].itertuples(index=False):
         s = by_point.get(point)
         if s is None:
             continue
@@ -227,9 +229,10 @@ def period_split(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         times |= {"gap": following - s["propose_end"], "period": following - s["schedule_start"],
                   "harness": s["harness_s"]}
         decode = s["n_prefill_reqs"] == 0
-        rows.append({"config": config, "level": level, **{name: float(t[decode].median()) * 1e6
-                                                          for name, t in times.items()}})
-    table = pd.DataFrame(rows, columns=columns).groupby(["config", "level"], sort=False)[parts].median().reset_index()
+        rows.append({"config": config, "level": level, "depth": int(depth),
+                     **{name: float(t[decode].median()) * 1e6 for name, t in times.items()}})
+    table = pd.DataFrame(rows, columns=columns)
+    table = table.groupby(["config", "level", "depth"], sort=False)[parts].median().reset_index()
     # in the sweep's order of points, and the levels in LEVELS' order within each
     rank = {**{c: i for i, c in enumerate(dict.fromkeys(summary["config"]))}, **{lv: i for i, lv in enumerate(LEVELS)}}
     return table.sort_values(["config", "level"], key=lambda c: c.map(rank), kind="stable", ignore_index=True)

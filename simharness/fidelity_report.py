@@ -47,7 +47,7 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
         _spread_table(facts["real_spread"]),
         "## Agreement and overhead\n",
         _agreement_table(facts["agreement"], facts["real_overhead"]),
-        "## Where a decode step's period goes (depth 1)\n",
+        "## Where a decode step's time goes\n",
         _period_table(facts["period"]),
         "## Prefill enqueue on the host\n",
         _enqueue_table(facts["prefill_enqueue"]),
@@ -114,17 +114,19 @@ def _agreement_table(agreement: list[dict], overhead: list[dict]) -> str:
 
 
 def _period_table(period: list[dict]) -> str:
-    """The parts of a depth-1 decode step's period per point and level (`fidelity.period_split`)."""
+    """The parts of a decode step's time per point and level (`fidelity.period_split`)."""
     if not period:
-        return "No depth-1 point with step records.\n"
+        return "No point with step records.\n"
     parts = [k for k in period[0] if k not in ("config", "level")]
     rows = [[r["config"], r["level"], *(_cell(r[p], "{:.0f}") for p in parts)] for r in period]
     note = ("Medians over each run's decode-only steps, then over the point's runs, µs: the modelled scheduler, prep "
             "and the launch, the device after the launch returned, the device's end to the settle (the host's "
             "wake-up and readback), the settle (output processing, the CPU proposer), the gap to the next schedule, "
-            "the period, and the harness's own host time (`harness_s`: none at the sim level). The real loop charges "
-            "its own host time against the modelled work that follows it (docs/hil.md), so where that time is "
-            "longer than the modelled work, the real level's settle, gap and period grow.\n\n")
+            "the period, and the harness's own host time (`harness_s`: none at the sim level). At depth 1 the parts "
+            "follow one another; deeper they overlap the device, the period is the host's cycle, and a long device "
+            "end → settle says the host came back late (host-bound). The real loop charges its own host time against "
+            "the modelled work that follows it (docs/hil.md), so where that time is longer than the modelled work, "
+            "the real level's settle, gap and period grow.\n\n")
     return note + _markdown_table(["point", "level", *(p.replace("_", " ") for p in parts)], rows)
 
 

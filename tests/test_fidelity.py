@@ -87,9 +87,9 @@ def step_rows(point: str, starts: list[float], parts_us: list[int], prefills: li
 
 
 def test_period_split_by_hand():
-    """Per depth-1 point and level: each part's median over decode-only steps, the gap to the next schedule, the
-    period, the harness time; medians over runs; a deeper point and the last step (no next schedule) add nothing
-    of their own, a step with prefills is left out."""
+    """Per point and level: each part's median over decode-only steps, the gap to the next schedule, the period, the
+    harness time; medians over runs; a deeper point has its own row, the last step (no next schedule) adds nothing
+    of its own, a step with prefills is left out."""
     summary = pd.DataFrame({"point": ["h0", "h1", "r0", "d"], "config": ["a", "a", "a", "b"],
                             "level": ["hil", "hil", "real", "real"], "effective_depth": [1, 1, 1, 2]})
     parts = [10, 20, 30, 1000, 40, 50]  # 1150 µs of host cycle and device
@@ -99,7 +99,8 @@ def test_period_split_by_hand():
         *step_rows("r0", [0.0, 0.0012], [5, 20, 30, 1000, 90, 50], [0, 0]),
         *step_rows("d", [0.0, 0.001], parts, [0, 0])])  # fmt: skip
     table = period_split(summary, steps)
-    assert table[["config", "level"]].values.tolist() == [["a", "hil"], ["a", "real"]]
+    assert table[["config", "level", "depth"]].values.tolist() == [["a", "hil", 1], ["a", "real", 1], ["b", "real", 2]]
+    assert table.iloc[2]["period"] == pytest.approx(1000) and table.iloc[2]["launch"] == pytest.approx(30)
     hil, real = table.iloc[0], table.iloc[1]
     assert hil[["schedule", "prep", "launch", "device_after_launch", "end_to_settle", "settle", "harness"]].tolist() \
         == pytest.approx([10, 20, 30, 1000, 40, 50, 7])
@@ -154,12 +155,13 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
         assert enqueue[level]["prefill_steps"] == len(prefills) > 0
         assert enqueue[level]["median_ms"] > 0 and 0 <= enqueue[level]["over_80ms"] <= enqueue[level]["over_20ms"]
     period = pd.DataFrame(facts["period"])
-    depth1 = result.summary.loc[result.summary["effective_depth"] == 1, "config"].unique()
-    assert len(depth1) and set(period["config"]) == set(depth1)
-    assert period.groupby("config")["level"].apply(list).to_dict() == {c: ["sim", "hil", "real"] for c in depth1}
+    configs = result.summary["config"].unique()
+    assert len(configs) and set(period["config"]) == set(configs)
+    assert period.groupby("config")["level"].apply(list).to_dict() == {c: ["sim", "hil", "real"] for c in configs}
+    assert set(period["depth"]) == set(result.summary["effective_depth"]) and len(set(period["depth"])) > 1
     assert (period.set_index("level").loc[["hil", "real"], ["period", "harness"]] > 0).all().all()
     report = result.report.read_text()
-    assert "## Where a decode step's period goes (depth 1)" in report
+    assert "## Where a decode step's time goes" in report
     assert "## Error per level and metric" in report and "hil" in report
     assert "## Prefill enqueue on the host" in report and "| real | " in report
     # resume: nothing left to run, the same errors
