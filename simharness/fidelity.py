@@ -160,7 +160,8 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"config": counts.index, "identical": (counts == 1).all(axis=1).to_numpy()})
 
 
-# the parts of a decode step's period at depth 1, in the order the engine loop runs them: (start, end) columns
+# the parts of a decode step's time, in the order the engine loop runs them (one after another at depth 1): (start,
+# end) columns
 PERIOD_PARTS = {"schedule": ("schedule_start", "schedule_end"), "prep": ("prep_start", "prep_end"),
                 "launch": ("prep_end", "launch_end"), "device_after_launch": ("launch_end", "gpu_end"),
                 "end_to_settle": ("gpu_end", "update_start"), "settle": ("update_start", "propose_end")}

@@ -290,11 +290,13 @@ def derive_profile(path: str | Path, gpu: str) -> dict:
         raise ProfileError(f"{path}: field gpu: measured on the {measured.name} ({measured.architecture}); a profile "
                            f"carries over only to a part of the same chip design, not to the {target.name} "
                            f"({target.architecture}): measure it there (`simharness profile`)")
+    coef = np.array(source.coef)
+    coef[S_PER_BYTE], coef[S_PER_FLOP] = 1 / (target.mem_bandwidth_gbs * 1e9), 1 / (target.bf16_tflops * 1e12)
     data = yaml.safe_load(Path(path).read_text())
-    data["device_step"]["datasheet_s_per_byte"] = 1 / (target.mem_bandwidth_gbs * 1e9)
-    data["device_step"]["datasheet_s_per_flop"] = 1 / (target.bf16_tflops * 1e12)
+    data["device_step"]["datasheet_s_per_byte"] = float(coef[S_PER_BYTE])  # seconds: its unit is 1
+    data["device_step"]["datasheet_s_per_flop"] = float(coef[S_PER_FLOP])
     # A depth's tail is the device's work left after the launch ends: it shrinks as the step's work does.
-    ratio = work_ratio(np.array(source.coef), np.array(load_coef(data)), model_config(source.model))
+    ratio = work_ratio(np.array(source.coef), coef, model_config(source.model))
     for overlap in data["overlap"].values():
         overlap["tail_us"] *= ratio
     data["note"] = (f"derived from {source.path} (measured on {source.device}) by the {target.name} datasheet "
@@ -304,11 +306,6 @@ def derive_profile(path: str | Path, gpu: str) -> dict:
     data["device"] = f"{source.device} (derived for the {target.name})"
     data.pop("validation", None)  # the source's validation is not this profile's
     return data
-
-
-def load_coef(data: dict) -> list[float]:
-    """A profile mapping's device coefficients (`TERMS`), in seconds."""
-    return [float(data["device_step"][name]) * unit for name, unit in zip(TERMS, UNITS, strict=True)]
 
 
 def work_ratio(measured: np.ndarray, derived: np.ndarray, shape: ModelConfig) -> float:
