@@ -75,12 +75,12 @@ class RealLoop:
 
     def work(self, t: float, seconds: float) -> float:
         """Modelled engine work on the host: spun, and counted as the engine's time. The loop's own host work since
-        the last modelled work (reading outcomes back, settling requests, records) is charged against it, not
-        added to it: a real engine's scheduler and output processor, which the model costs, do that work, and
-        hil leaves the harness's time out. It is still measured (`Step.harness_s`); docs/hil.md,
-        "The real loop's own host time"."""
+        the last modelled work (reading outcomes back, settling requests), and what an earlier work could not
+        absorb, is charged against it, not added to it: a real engine's scheduler and output processor, which the
+        model costs, do that work, and hil leaves the harness's time out. It is still measured (`Step.harness_s`);
+        docs/hil.md, "The real loop's own host time"."""
         if seconds > 0.0:
-            spun = max(seconds - self.ledger.charge(), 0.0)
+            spun = seconds - self.ledger.charge(seconds)
             spin(spun)
             self.ledger.engine(spun)
         return self.now()
@@ -203,14 +203,14 @@ class RealLoop:
             if wait > 2e-3:
                 time.sleep(wait - 1e-3)  # then spin the rest, for the arrival's exact time
             spin(max(arrival - self.now(), 0.0))
-        self.ledger.charge()  # waiting for an arrival is not the loop's work: dropped
+        self.ledger.drop()  # waiting for an arrival is not the loop's work
 
     # ---------------------------------------------------------------- run
 
     def run(self) -> tuple[Records, float]:
         self.t0 = time.perf_counter()
         self.backend.start_clock()
-        self.ledger.charge()
+        self.ledger.drop()
         if self.sc.workload.arrival == "closed":  # every user sends its first request at once
             for _ in range(min(self.sc.workload.concurrency, self.n)):
                 self.core.arrive(self.next_id, 0.0)

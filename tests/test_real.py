@@ -184,36 +184,45 @@ class _Ledger(HostLedger):
 
 def test_modelled_host_work_absorbs_the_loops_own_time():
     """The loop's own host time since the last modelled work is charged against the next modelled work: it spins
-    only the rest; engine time in between (the backend's phases) is not the loop's and absorbs nothing, and neither
-    does the loop's time before a wait on which the host blocked (it ran while the device worked)."""
+    only the rest, and what it cannot absorb is owed by the work after it; engine time in between (the backend's
+    phases) is not the loop's and absorbs nothing, and neither does the loop's time before a wait on which the host
+    blocked (it ran while the device worked), nor what was owed then."""
     import time
 
     loop = RealLoop.__new__(RealLoop)
     loop.t0, ledger = time.perf_counter(), _Ledger()
     loop.ledger, spun = ledger, ledger.spun
-    ledger.charge_mark = (time.perf_counter() - 0.2, ledger.engine_s)  # the loop's own work began 200 ms ago ...
+
+    def own(seconds: float) -> None:  # the loop's own work began `seconds` ago (nothing owed before it)
+        ledger.charge_mark, ledger.owed_s = (time.perf_counter() - seconds, ledger.engine_s), 0.0
+
+    own(0.2)  # the loop's own work began 200 ms ago ...
     ledger.engine(0.15)  # ... and 150 ms of it were the engine's: 50 ms are the loop's own
     spun.clear()
     loop.work(0.0, 0.1)
     assert 0.03 < spun[0] <= 0.05 + 1e-9
-    ledger.charge_mark = (time.perf_counter() - 0.2, ledger.engine_s)  # 200 ms of the loop's own: more than modelled
+    own(0.25)  # 250 ms of the loop's own against 100 ms modelled: none spun, 150 ms owed by the next work ...
     loop.work(0.0, 0.1)
     assert spun[1] == 0.0
     before = ledger.charge_mark
-    loop.work(0.0, 0.0)  # no modelled work: nothing spun, the loop's own time keeps counting
+    loop.work(0.0, 0.0)  # (no modelled work: nothing spun, nothing charged)
     assert len(spun) == 2 and ledger.charge_mark == before
-    ledger.charge_mark = (time.perf_counter() - 0.05, ledger.engine_s)  # 50 ms of the loop's own time ...
+    loop.work(0.0, 0.1)  # ... which absorbs 100 ms of it, and the next the last 50 ms and the loop's time since
+    loop.work(0.0, 0.2)
+    assert spun[2] == 0.0 and 0.12 < spun[3] <= 0.15 + 1e-9
+    own(0.05)  # 50 ms of the loop's own time ...
     loop.pause(0.02)  # ... which a modelled GC pause does not absorb: it is spun whole, as the engine's time
     loop.work(0.0, 0.1)  # the next modelled work still absorbs the 50 ms (the pause was engine time, not the loop's)
-    assert spun[2] == 0.02 and 0.03 < spun[3] <= 0.05 + 1e-9
-    # 80 ms of the loop's own time, then a wait of 30 ms that blocked (engine time), then 10 ms more of its own: only
-    # those 10 ms are charged
-    ledger.charge_mark = (time.perf_counter() - 0.12, ledger.engine_s)
+    assert spun[4] == 0.02 and 0.03 < spun[5] <= 0.05 + 1e-9
+    # 80 ms of the loop's own time (with 300 ms owed), then a wait of 30 ms that blocked (engine time), then 10 ms
+    # more of its own: only those 10 ms are charged
+    own(0.12)
+    ledger.owed_s = 0.3
     wait_began = (time.perf_counter() - 0.04, ledger.engine_s)
     ledger.engine(0.03)
     ledger.blocked(wait_began)
     loop.work(0.0, 0.1)
-    assert 0.08 < spun[5] <= 0.09 + 1e-9
+    assert 0.08 < spun[7] <= 0.09 + 1e-9
 
 
 def test_device_clock_anchors_follow_a_drifting_timer():
