@@ -20,7 +20,7 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    yield from interpreted_kernels(rejection_triton, ("_rejection_tile_kernel", "_rejection_walk_kernel"))
+    yield from interpreted_kernels(rejection_triton, ("_rejection_kernel",))
 
 
 def random_batch(
