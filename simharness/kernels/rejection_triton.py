@@ -233,7 +233,7 @@ def _rejection_kernel(
 # to 8 warps). One-warp programs reduce with shuffles alone (no shared-memory round trips); a register cap that
 # spills nothing in the streaming part raises the resident warps per SM. The walk now runs with the same warps
 # and cap in each row's last program ([positions, tiles] and [positions, BLOCK] blocks: it may spill there).
-# BLOCK sets the tiles, so a different BLOCK samples other tokens for random rows (the same distribution).
+# BLOCK sets the tiles, so with another BLOCK random rows may sample other tokens where rounding differs.
 _CONFIGS = {4: (2048, 4, 128), 2: (512, 1, 128)}
 
 # The per-row completion counters, one int32 buffer per device, zeroed once when allocated: every call leaves
