@@ -91,7 +91,11 @@ def compare(old: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, tor
     """'same tokens', or what differs (loudly where it must not), and any malformed output of the new kernel."""
     same = torch.equal(old[0], new[0]) and torch.equal(old[1], new[1])
     same_greedy = torch.equal(old[0][greedy], new[0][greedy]) and torch.equal(old[1][greedy], new[1][greedy])
-    verdict = "same tokens" if same else "RANDOM ROWS DIFFER" if same_greedy else "GREEDY MISMATCH"
+    rows = int(((old[0] != new[0]).any(dim=1) | (old[1] != new[1])).sum())
+    differ = f"{rows} of {len(greedy)} rows differ"
+    verdict = (
+        "same tokens" if same else f"MISMATCH, RANDOM ROWS: {differ}" if same_greedy else f"GREEDY MISMATCH: {differ}"
+    )
     last = (new[1] - 1).long()
     final = new[0].gather(1, last[:, None]).squeeze(1)
     draft = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1).gather(1, last[:, None]).squeeze(1)

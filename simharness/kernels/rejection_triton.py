@@ -229,11 +229,12 @@ def _rejection_kernel(
 
 # The kernel's (vocab columns per program, warps, register cap) by logits element size, the one place to change
 # them (benchmarks/sampler_ab.py --configs patches this dict to compare choices): the streaming part's best at
-# B=256, k=4, V=128256 in a sweep on an H100 of the two-kernel version (whose walk ran as a second kernel with up
-# to 8 warps). One-warp programs reduce with shuffles alone (no shared-memory round trips); a register cap that
-# spills nothing in the streaming part raises the resident warps per SM. The walk now runs with the same warps
-# and cap in each row's last program ([positions, tiles] and [positions, BLOCK] blocks: it may spill there).
-# BLOCK sets the tiles, so with another BLOCK random rows may sample other tokens where rounding differs.
+# B=256, k=4, V=128256 in a sweep on an H100 of the two-kernel version, whose walk ran as a second kernel with 4
+# (bf16) or 8 (fp32) warps. One-warp programs reduce with shuffles alone (no shared-memory round trips); a register
+# cap that spills nothing in the streaming part raises the resident warps per SM. The walk now runs in each row's
+# last program with the same warps and cap; its [positions, tiles] and [positions, BLOCK] blocks spill at one
+# warp. Its sums and running sums are ordered by the layout Triton gives those warps, and the tiles by BLOCK: with
+# other warps or BLOCK, random rows may sample other tokens where rounding decides (rarely; the same distribution).
 _CONFIGS = {4: (2048, 4, 128), 2: (512, 1, 128)}
 
 # The per-row completion counters, one int32 buffer per device, zeroed once when allocated: every call leaves
