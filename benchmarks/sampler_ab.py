@@ -52,8 +52,8 @@ def configured(size: int, config: tuple[int, int, int | None], *args, **kwargs) 
 
 def compiled_kernels() -> set:
     """This tree's compiled kernels so far (Triton's per-device caches: kernel cache first)."""
-    caches = rejection_triton._rejection_kernel.device_caches.values()
-    return {kernel for cache in caches for kernel in cache[0].values()}
+    kernels = (rejection_triton._rejection_tile_kernel, rejection_triton._rejection_walk_kernel)
+    return {compiled for kernel in kernels for cache in kernel.device_caches.values() for compiled in cache[0].values()}
 
 
 def registers(before: set) -> str:

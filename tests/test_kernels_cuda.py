@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import chisquare_pvalue
 
-from simharness.kernels import rejection_triton
 from simharness.kernels.gate import Gate
 from simharness.kernels.ngram import propose_ngram_reference, propose_ngram_torch
 from simharness.kernels.ngram_triton import propose_ngram_triton
@@ -179,45 +178,6 @@ def test_rejection_random_rows_preserve_the_target_at_every_position() -> None:
             cells, probabilities = tokens, p[K]
         observed = torch.bincount(cells, minlength=len(probabilities)).numpy()
         assert chisquare_pvalue(observed, probabilities.numpy()) > 1e-4, f"position {i}"
-
-
-def test_rejection_sampler_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Captured in a CUDA graph after a warm-up call (as the decode step's graphs are), the sampler gives the eager
-    call's tokens at every replay with new logits and seed: every call leaves its row counters at zero. A larger
-    eager batch then replaces the counters' buffer; the graph's, kept alive, still works."""
-    monkeypatch.setattr(rejection_triton, "_counters", {})
-    monkeypatch.setattr(rejection_triton, "_retired", [])
-    generator = torch.Generator(device="cuda").manual_seed(6)
-    logits = torch.empty(BATCH, K + 1, VOCAB, dtype=torch.bfloat16, device="cuda")
-    drafts = torch.randint(0, VOCAB, (BATCH, K), generator=generator, device="cuda")
-    num_drafts = torch.randint(0, K + 1, (BATCH,), generator=generator, device="cuda")
-    temperature = torch.where(torch.arange(BATCH, device="cuda") % 2 == 0, 0.0, 1.0)
-    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
-
-    def sample() -> tuple[torch.Tensor, torch.Tensor]:
-        return rejection_sample_triton(logits, drafts, num_drafts, temperature, seed=seed)
-
-    logits.normal_(generator=generator)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sample()  # the warm-up: compiles, allocates the counters
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = sample()
-    for step in range(4):
-        if step == 2:
-            wide = torch.randn(4 * BATCH, K + 1, 1000, device="cuda")
-            rejection_sample_triton(wide, drafts.repeat(4, 1) % 1000, num_drafts.repeat(4), temperature.repeat(4),
-                                    seed=step)  # fmt: skip
-            assert len(rejection_triton._retired) == 1  # the graph's buffer, replaced
-        logits.normal_(generator=generator)
-        seed.fill_(step)
-        graph.replay()
-        expected = sample()
-        assert torch.equal(captured[0], expected[0]) and torch.equal(captured[1], expected[1]), f"step {step}"
-    assert not any(counters.any() for counters in [*rejection_triton._counters.values(), *rejection_triton._retired])
 
 
 def test_closed_gate_holds_the_stream_until_opened():

@@ -2,7 +2,6 @@
 the target distribution (chi-squared), and the same test catches deliberately wrong samplers."""
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ Sampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreted_kernels() -> Iterator[None]:
-    yield from interpreted_kernels(rejection_triton, ("_rejection_kernel",))
+    yield from interpreted_kernels(rejection_triton, ("_rejection_tile_kernel", "_rejection_walk_kernel"))
 
 
 def random_batch(
@@ -135,53 +134,6 @@ def test_deterministic_for_a_seed(impl: Sampler) -> None:
     other = impl(logits, drafts, num_drafts, temperature, seed=12)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     assert not torch.equal(first[0], other[0])
-
-
-@contextmanager
-def shuffled_programs(seed: int) -> Iterator[None]:
-    """The interpreter runs each launch's programs in a random order instead of the grid's (one after another
-    still): rows interleave, and a row's last program to count itself done may be any of its tiles."""
-    from triton.runtime.interpreter import interpreter_builder
-
-    generator = torch.Generator().manual_seed(seed)
-    run_program = interpreter_builder.set_grid_idx
-    order: list[int] = []
-
-    def set_grid_idx(x: int, y: int, z: int) -> None:
-        if x == y == z == 0:  # a new launch
-            order[:] = torch.randperm(interpreter_builder.grid_dim[0], generator=generator).tolist()
-        run_program(order[x], y, z)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter_builder, "set_grid_idx", set_grid_idx)
-        yield
-
-
-@pytest.mark.parametrize(
-    "batch, vocab, dtype",
-    [(1, 1000, torch.bfloat16), (2, 1300, torch.bfloat16), (3, 700, torch.bfloat16), (17, 2100, torch.bfloat16),
-     (3, 5000, torch.float32)],
-)  # fmt: skip
-def test_rows_finish_in_any_program_order(batch: int, vocab: int, dtype: torch.dtype) -> None:
-    """Each row is walked by whichever of its programs counts itself done last, after all its tiles (vocab
-    not a multiple of the tile): programs run in a shuffled order give the greedy rows of the reference and the
-    in-order run's tokens; every call leaves the row counters at zero, so a later call reusing them is right."""
-    first = random_batch(batch, 4, vocab, dtype, seed=batch + vocab)
-    second = random_batch(batch, 4, vocab, dtype, seed=batch + vocab + 1)
-    counters = []
-    with shuffled_programs(seed=batch):
-        shuffled = rejection_sample_triton(*first, seed=3)
-        counters.append(rejection_triton._counters[torch.device("cpu")].clone())
-        reused = rejection_sample_triton(*second, seed=3)
-    in_order = rejection_sample_triton(*first, seed=3)
-    counters.append(rejection_triton._counters[torch.device("cpu")].clone())
-    for got, inputs in ((shuffled, first), (reused, second), (in_order, first)):
-        expected = rejection_sample_reference(*inputs, seed=3)
-        greedy = inputs[3] == 0
-        assert torch.equal(got[0][greedy], expected[0][greedy]) and torch.equal(got[1][greedy], expected[1][greedy])
-        assert_well_formed(*got, inputs[1], inputs[2], vocab)
-    assert torch.equal(shuffled[0], in_order[0]) and torch.equal(shuffled[1], in_order[1])
-    assert all(len(c) >= batch and not c.any() for c in counters)
 
 
 def test_dispatch_on_cpu_uses_the_reference() -> None:

@@ -1,33 +1,28 @@
-"""The fused Triton rejection sampler, one kernel launch a call (the semantics are `kernels.rejection`'s): imported
-only where it runs, on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+"""The fused Triton rejection sampler (the semantics are `kernels.rejection`'s): imported only where it runs, on
+CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
 
 import torch
 import triton
 import triton.language as tl
 
 # --------------------------------------------------------------------------------------------------
-# Triton, one kernel over a 1-D grid of (row, vocab tile) programs, a row's tiles consecutive (so rows complete
-# one after another, each row's walk overlapping later rows' streaming, and neighbouring programs read
-# neighbouring memory). A program reads its BLOCK columns of the row's logits for every position <= num_drafts
-# (all loads issued first, then one position after another; no padding of the k+1 positions to a power of two)
-# and leaves, per (tile, position), only the tile's max logit and, for random rows, the sum of 2^(x - max x)
-# (x = logit * log2(e) / T) over the tile, with draft i left out of position i's max and sum. Per element that is
-# a max, or a max and an exponential sum: no column index is carried through the reduction and no random
-# number is drawn per element, which is what held an earlier per-element Gumbel race under the bandwidth goal
-# (results/kernels/sampler-variants/NOTES.md).
-# Then it counts itself done on its row's counter (an atomic with acquire-release semantics at GPU scope,
-# after a barrier, so the whole program's partials are released with it), and the row's last program to
-# finish, whichever tile, acquires every tile's partials and walks the row: merges the tiles, walks the accept
-# chain, and finds the emitted tokens by reading one tile again: greedy rows the first tile holding the max, at
-# every position (the argmax is its lowest column with the max, as torch.argmax); random rows, at the emitted
-# position only, the tile where the running sum of the tiles' masses passes u times the residual's total, then
-# the column where the running sum of that tile's terms passes the rest (an inverse-CDF sample). It resets the
-# counter to 0 for the next call. Randomness is per row, not per element: one Philox call keyed by the seed,
-# counted from (row, position), gives the accept uniform of every position and the sample's uniform, so the
-# output is a function of the inputs and the seed, with no generator state, and a row's does not depend on the
-# batch around it or on which of its programs finished last. The seed is read from device memory, not passed as
-# a kernel argument, so that a captured CUDA graph replays each step with its own seed (a graph bakes its
-# arguments; `engine.decode` stages the seed).
+# Triton. Kernel 1, grid (row, vocab tile): a program reads its BLOCK columns of the row's logits for every
+# position <= num_drafts (all loads issued first, then one position after another; no padding of the k+1
+# positions to a power of two) and leaves, per (tile, position), only the tile's max logit and, for random
+# rows, the sum of 2^(x - max x) (x = logit * log2(e) / T) over the tile, with draft i left out of position
+# i's max and sum. Per element that is a max, or a max and an exponential sum: no column index is carried
+# through the reduction and no random number is drawn per element, which is what held an earlier
+# per-element Gumbel race under the bandwidth goal (results/kernels/sampler-variants/NOTES.md).
+# Kernel 2, grid (row,): merges the tiles, walks the accept chain, and finds the emitted tokens by reading
+# one tile again: greedy rows the first tile holding the max, at every position (the argmax is its lowest
+# column with the max, as torch.argmax); random rows, at the emitted position only, the tile where the
+# running sum of the tiles' masses passes u times the residual's total, then the column where the
+# running sum of that tile's terms passes the rest (an inverse-CDF sample). Randomness is per row, not per
+# element: one Philox call keyed by the seed, counted from (row, position), gives the accept uniform of
+# every position and the sample's uniform, so the output is a function of the inputs and the seed, with
+# no generator state, and a row's does not depend on the batch around it. The seed is read from device
+# memory, not passed as a kernel argument, so that a captured CUDA graph replays each step with its own seed
+# (a graph bakes its arguments; `engine.decode` stages the seed).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -41,14 +36,14 @@ def _open_uniform(word):
 @triton.jit
 def _tile_stats(xs, drafts, columns, scale, out, num_drafts, max_ptr, sum_ptr, K: tl.constexpr,
                 EXCLUDE_DRAFTS: tl.constexpr):  # fmt: skip
-    """Random rows' per-position max and sum of 2^(x - max x) over one tile (see _tile_partials).
+    """Random rows' per-position max and sum of 2^(x - max x) over one tile (see _rejection_tile_kernel).
     EXCLUDE_DRAFTS removes draft i from position i's; a tile that holds none of the row's drafts skips that
     per-element work."""
     inf: tl.constexpr = float("inf")
     for i in tl.static_range(K + 1):
         xf = xs[i].to(tl.float32)
         if EXCLUDE_DRAFTS and i < K:
-            xf = tl.where(columns == drafts[i], -inf, xf)  # the walk adds the draft's term back
+            xf = tl.where(columns == drafts[i], -inf, xf)  # the walk kernel adds the draft's term back
         best = tl.max(xf, axis=0)
         reference = tl.where(best == -inf, 0.0, best * scale)
         tl.store(max_ptr + out + i, best, mask=num_drafts >= i)
@@ -56,15 +51,27 @@ def _tile_stats(xs, drafts, columns, scale, out, num_drafts, max_ptr, sum_ptr, K
 
 
 @triton.jit
-def _tile_partials(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_drafts_ptr, temperature_ptr, max_ptr,
-                   sum_ptr, vocab, row, tile, n_tiles, K: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """One program's share of its row: the tile's per-position max (and for random rows sum) into the partials."""
+def _rejection_tile_kernel(
+    logits_ptr,
+    logits_stride_b,
+    logits_stride_k,
+    drafts_ptr,
+    num_drafts_ptr,
+    temperature_ptr,
+    max_ptr,
+    sum_ptr,
+    vocab,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
     num_drafts = tl.load(num_drafts_ptr + row)
     temperature = tl.load(temperature_ptr + row)
     start = tile * BLOCK
     columns = start + tl.arange(0, BLOCK)
     ptrs = logits_ptr + row.to(tl.int64) * logits_stride_b + columns
-    out = (row * n_tiles + tile) * (K + 1)
+    out = (row * tl.num_programs(1) + tile) * (K + 1)
     # Every position's load is issued up front (the bytes in flight hide the memory latency). Positions
     # after the bonus position (num_drafts) are never emitted: their logits are not read (a limit, not
     # `in_vocab & live`: Triton's interpreter rejects a scalar & block mask).
@@ -121,7 +128,7 @@ def _sample_residual(row_logits, tile_max, tile_sum, weight, tiles, emitted, exc
     tile = tl.min(tl.where(below > target, tiles, last), axis=0)
     here = tiles == tile
     before = tl.max(tl.where(tiles < tile, below, 0.0), axis=0)
-    # The rest of the target in the units of _tile_partials' sum for that tile (terms relative to the tile's max).
+    # The rest of the target in the units of kernel 1's sum for that tile (terms relative to the tile's max).
     fraction = (target - before) / tl.sum(tl.where(here, weight, 0.0), axis=0)
     rest = fraction * tl.sum(tl.where(here, tile_sum, 0.0), axis=0)
     reference = tl.max(tl.where(here, tile_max, -float("inf")), axis=0) * scale
@@ -134,11 +141,26 @@ def _sample_residual(row_logits, tile_max, tile_sum, weight, tiles, emitted, exc
 
 
 @triton.jit
-def _walk_row(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_drafts_ptr, temperature_ptr, max_ptr,
-              sum_ptr, output_ptr, num_emitted_ptr, vocab, row, n_tiles, seed_ptr, K: tl.constexpr,
-              K_BLOCK: tl.constexpr, TILE_BLOCK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """A row's outputs from all its tiles' partials: the accept chain, then the emitted token (one tile read
-    again)."""
+def _rejection_walk_kernel(
+    logits_ptr,
+    logits_stride_b,
+    logits_stride_k,
+    drafts_ptr,
+    num_drafts_ptr,
+    temperature_ptr,
+    max_ptr,
+    sum_ptr,
+    output_ptr,
+    num_emitted_ptr,
+    vocab,
+    n_tiles,
+    seed_ptr,
+    K: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    TILE_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
     num_drafts = tl.load(num_drafts_ptr + row)
     temperature = tl.load(temperature_ptr + row)
     positions = tl.arange(0, K_BLOCK)
@@ -148,7 +170,7 @@ def _walk_row(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_draf
     has_token = is_draft & (drafts >= 0)
     row_logits = logits_ptr + row.to(tl.int64) * logits_stride_b + positions.to(tl.int64) * logits_stride_k
 
-    # The tiles' partials: [K_BLOCK, TILE_BLOCK].
+    # Kernel 1's partials: [K_BLOCK, TILE_BLOCK] tiles.
     tiles = tl.arange(0, TILE_BLOCK)
     partial = (row * n_tiles + tiles[None, :]) * (K + 1) + positions[:, None]
     mask = (tiles < n_tiles)[None, :] & live[:, None]
@@ -159,10 +181,10 @@ def _walk_row(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_draf
         accept = has_token & (drafts == token)
         num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
     else:
-        # Accept x with probability p(x) = 2^(x_x - log2 sum_j 2^x_j), x = logit * log2(e) / T as in _tile_partials.
+        # Accept x with probability p(x) = 2^(x_x - log2 sum_j 2^x_j), x = logit * log2(e) / T as in kernel 1.
         scale = 1.4426950408889634 / temperature
         draft_x = tl.load(row_logits + drafts, mask=has_token, other=-float("inf")).to(tl.float32) * scale
-        # _tile_partials left, per tile and position, the max and the sum of 2^(x - max x) over the tile's columns
+        # Kernel 1 left, per tile and position, the max and the sum of 2^(x - max x) over the tile's columns
         # other than the draft: weighed here against one reference per position; the draft's own term is added.
         tile_sum = tl.load(sum_ptr + partial, mask=mask, other=0.0)
         tile_ref = tile_max * scale
@@ -189,79 +211,11 @@ def _walk_row(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_draf
     tl.store(num_emitted_ptr + row, num_accepted + 1)
 
 
-@triton.jit
-def _rejection_kernel(
-    logits_ptr,
-    logits_stride_b,
-    logits_stride_k,
-    drafts_ptr,
-    num_drafts_ptr,
-    temperature_ptr,
-    max_ptr,
-    sum_ptr,
-    counters_ptr,
-    output_ptr,
-    num_emitted_ptr,
-    vocab,
-    n_tiles,
-    seed_ptr,
-    K: tl.constexpr,
-    K_BLOCK: tl.constexpr,
-    TILE_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    program = tl.program_id(0)
-    row = program // n_tiles
-    tile = program % n_tiles
-    _tile_partials(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_drafts_ptr, temperature_ptr,
-                   max_ptr, sum_ptr, vocab, row, tile, n_tiles, K=K, BLOCK=BLOCK)  # fmt: skip
-    # The barrier orders every thread's partials before the count, which one thread adds with release semantics;
-    # the program that acquires the row's last count (its other threads after the atomic's own barrier) sees
-    # every tile's partials (the pattern of a CTA-wide release: stores, barrier, one thread's release).
-    tl.debug_barrier()
-    done = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if done == n_tiles - 1:
-        tl.store(counters_ptr + row, 0)  # every program of the row has counted: zero again for the next call
-        _walk_row(logits_ptr, logits_stride_b, logits_stride_k, drafts_ptr, num_drafts_ptr, temperature_ptr, max_ptr,
-                  sum_ptr, output_ptr, num_emitted_ptr, vocab, row, n_tiles, seed_ptr, K=K, K_BLOCK=K_BLOCK,
-                  TILE_BLOCK=TILE_BLOCK, BLOCK=BLOCK)  # fmt: skip
-
-
-# The kernel's (vocab columns per program, warps, register cap) by logits element size, the one place to change
-# them (benchmarks/sampler_ab.py --configs patches this dict to compare choices): the streaming part's best at
-# B=256, k=4, V=128256 in a sweep on an H100 of the two-kernel version, whose walk ran as a second kernel with 4
-# (bf16) or 8 (fp32) warps. One-warp programs reduce with shuffles alone (no shared-memory round trips); a register
-# cap that spills nothing in the streaming part raises the resident warps per SM. The walk now runs in each row's
-# last program with the same warps and cap; its [positions, tiles] and [positions, BLOCK] blocks spill at one
-# warp. Its sums and running sums are ordered by the layout Triton gives those warps, and the tiles by BLOCK: with
-# other warps or BLOCK, random rows may sample other tokens where rounding decides (rarely; the same distribution).
+# Kernel 1's (vocab columns per program, warps, register cap) by logits element size: the best at B=256, k=4,
+# V=128256 in a sweep on an H100 (of an earlier kernel 1 that also ran a per-element race). One-warp programs
+# reduce with shuffles alone (no shared-memory round trips); a register cap that spills nothing raises the
+# resident warps per SM.
 _CONFIGS = {4: (2048, 4, 128), 2: (512, 1, 128)}
-
-# The per-row completion counters, one int32 buffer per device, zeroed once when allocated: every call leaves
-# them at zero (each row's last program resets its counter), so no call launches a memset. The decode step is
-# captured in a CUDA graph after a warm-up call of the same batch, which allocated the buffer; the graph bakes its
-# address, so a buffer replaced by a larger one is kept alive (in _retired), never freed under a graph. A buffer
-# cannot be allocated while capturing (the zeroing would be captured, not run). The rows' counters are shared by
-# every call on the device: calls must not overlap, i.e. all sampler calls on a device go through one stream
-# (the decode loop's; a capture's warm-up stream is joined before the capture).
-_counters: dict[torch.device, torch.Tensor] = {}
-_retired: list[torch.Tensor] = []
-
-
-def _row_counters(device: torch.device, batch: int) -> torch.Tensor:
-    """At least `batch` zeroed counters on `device` (the cached buffer, grown to a power of two when too small)."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < batch:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"rejection sampler: no counters for batch {batch} on {device} while capturing a CUDA graph; "
-                "call the sampler with this batch once before the capture (the capture's warm-up)"
-            )
-        if counters is not None:
-            _retired.append(counters)
-        counters = torch.zeros(triton.next_power_of_2(batch), dtype=torch.int32, device=device)
-        _counters[device] = counters
-    return counters
 
 
 def rejection_sample_triton(
@@ -272,10 +226,9 @@ def rejection_sample_triton(
     *,
     seed: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Triton version, one kernel launch (CUDA, or CPU tensors under TRITON_INTERPRET=1): reads the logits
-    once, and one tile of them again per position. `seed` is an int or a one-element int64 tensor on the logits'
-    device (what a CUDA graph replays with a new value each step). Calls on one device must not overlap (one stream:
-    see _counters)."""
+    """Fused Triton version (CUDA, or CPU tensors under TRITON_INTERPRET=1): reads the logits once, and one tile
+    of them again per position. `seed` is an int or a one-element int64 tensor on the logits' device (what a CUDA
+    graph replays with a new value each step)."""
     batch, k_plus_1, vocab = target_logits.shape
     k = k_plus_1 - 1
     device = target_logits.device
@@ -302,11 +255,16 @@ def rejection_sample_triton(
     if isinstance(seed, int):  # fill_ takes the scalar as a kernel argument: no host-to-device copy, no sync
         seed = torch.empty(1, dtype=torch.int64, device=device).fill_(seed % 2**63)
 
-    tile_block = triton.next_power_of_2(n_tiles)
-    # One program per (row, tile), a row's tiles consecutive.
-    _rejection_kernel[(batch * n_tiles,)](
+    _rejection_tile_kernel[(batch, n_tiles)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        partials[0], partials[1], _row_counters(device, batch), output, num_emitted, vocab, n_tiles, seed,
-        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, BLOCK=block, num_warps=num_warps, maxnreg=maxnreg,
+        partials[0], partials[1], vocab, K=k, BLOCK=block, num_warps=num_warps, maxnreg=maxnreg,
+    )  # fmt: skip
+    tile_block = triton.next_power_of_2(n_tiles)
+    # About 32 elements a thread in the walk's largest block ([positions, tiles] or [positions, BLOCK] columns).
+    walk_warps = min(8, max(1, k_block * max(tile_block, block) // 1024))
+    _rejection_walk_kernel[(batch,)](
+        target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
+        partials[0], partials[1], output, num_emitted, vocab, n_tiles, seed,
+        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, BLOCK=block, num_warps=walk_warps,
     )  # fmt: skip
     return output, num_emitted
