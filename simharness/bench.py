@@ -274,7 +274,7 @@ def write_tables(
         f"random tokens from a {NGRAM_VOCAB}-token vocabulary; the pure-Python n-gram reference runs only for "
         f"B*L <= {REFERENCE_NGRAM_MAX_TOKENS} (too slow above); Triton rows need CUDA",
         "- rejection: every row has k drafts (all k+1 positions are read); logits_gb_per_s = logits bytes / "
-        "device_ms (the Triton sampler's one kernel, its seed in device memory as the decode step gives it); "
+        "device_ms (the Triton sampler's two kernels, its seed in device memory as the decode step gives it); "
         "pct_of_copy_bw compares it with the measured copy bandwidth",
         f"- verify: one model verify step, B rows x (k+1) tokens after {VERIFY_CONTEXT} cached tokens per row, "
         "random weights, CUDA-graph replay on CUDA; device_ms = median of CUDA events around 50 back-to-back steps "
