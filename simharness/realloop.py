@@ -25,10 +25,6 @@ from simharness.records import Records, Step
 from simharness.scenario import Scenario
 from simharness.workload import Requests
 
-# At most this many settled steps wait for their records (`record_settled`); past it each launch records two, so
-# that a long run's memory stays bounded without one long pause.
-PENDING_RECORDS = 4096
-
 
 def spin(seconds: float) -> None:
     """Keep the host thread busy for `seconds` (a sleep would hand the core back and wake late)."""
@@ -50,11 +46,10 @@ class RealLoop:
         self.ledger = backend.ledger
         self.last_gpu_end: float | None = None
         self.t0 = 0.0
-        # what the harness records off the critical path: steps read back (with what their run measured), whose
-        # device windows are read at the next launch (`windows`), and steps settled, recorded when the loop idles,
-        # at the run's end or past PENDING_RECORDS (`record_settled`); each in order
+        # what the harness records off the critical path (`flush`): steps read back (with what their run measured)
+        # and steps settled, each in order
         self.measured: list[tuple[Step, StepTiming]] = []
-        self.settled: deque[Step] = deque()
+        self.settled: list[Step] = []
         # clients: the next request of the closed loop, or the open loop's next arrival and, with capped
         # concurrency, when each free slot became free (FIFO, as SimPy's Resource grants them)
         self.next_id = 0
@@ -75,10 +70,10 @@ class RealLoop:
 
     def work(self, t: float, seconds: float) -> float:
         """Modelled engine work on the host: spun, and counted as the engine's time. The loop's own host work since
-        the last modelled work (reading outcomes back, settling requests), and what an earlier work could not
-        absorb, is charged against it, not added to it: a real engine's scheduler and output processor, which the
-        model costs, do that work, and hil leaves the harness's time out. It is still measured (`Step.harness_s`);
-        docs/hil.md, "The real loop's own host time"."""
+        the last modelled work (reading outcomes back, settling requests, records), and what an earlier work could
+        not absorb, is charged against it, not added to it: a real engine's scheduler and output processor, which
+        the model costs, do that work, and hil leaves the harness's time out. It is still measured
+        (`Step.harness_s`); docs/hil.md, "The real loop's own host time"."""
         if seconds > 0.0:
             spun = seconds - self.ledger.charge(seconds)
             spin(spun)
@@ -115,29 +110,22 @@ class RealLoop:
 
     def _read(self, step: Step) -> None:
         """Wait for one step, read it back (its outcome and device timestamps), mark it read (`done`); what it measured
-        goes onto the step off the critical path (`windows`)."""
+        goes onto the step off the critical path (`flush`)."""
         self.measured.append((step, self.backend.run(step)))
         step.done = True
 
     def record(self, step: Step) -> None:
-        self.settled.append(step)  # recorded off the critical path (`record_settled`)
+        self.settled.append(step)  # recorded off the critical path (`flush`)
 
     def launched(self, step: Step, t: float) -> None:
-        """The backend's launch enqueued `step` on the device: while it runs, the harness reads the device windows
-        of the steps read back since the last launch (their ring events are recorded again `depth + 1` launches
-        later), and records settled steps only past PENDING_RECORDS."""
-        self.windows()
-        if len(self.settled) > PENDING_RECORDS:
-            self.record_settled(2)
+        """The backend's launch enqueued `step` on the device: while it runs, the harness records what it kept."""
+        self.flush()
 
     def flush(self) -> None:
-        """Every record the harness holds back: the device windows, then each settled step's row."""
-        self.windows()
-        self.record_settled(len(self.settled))
-
-    def windows(self) -> None:
-        """What each read-back step measured and its device window, in read order. A decode-only step's window marks
-        are the decode loop's ring events, so they are read before the next launch records the ring entry again."""
+        """The harness's records, kept from the critical path (from reading a step back to the next launch) as vLLM's
+        output processing runs beside its engine core: what each read-back step measured, in read order, then
+        each settled step, in settle order. A decode-only step's window marks are the decode loop's ring events,
+        recorded again `depth + 1` launches later; every step read before a launch is flushed right after it."""
         for step, timing in self.measured:
             record_measured(step, timing)
             start, end = self.backend.device_seconds(timing.window)
@@ -145,15 +133,9 @@ class RealLoop:
             step.bubble_s = 0.0 if self.last_gpu_end is None else max(step.gpu_start - self.last_gpu_end, 0.0)
             self.last_gpu_end = step.gpu_end
         self.measured.clear()
-
-    def record_settled(self, n: int) -> None:
-        """The oldest `n` settled steps' rows, in settle order (after their windows). Kept from the loop until it idles
-        or ends: a step's records are the harness's own work, which at depth >= 2, where the host is the loop's
-        bottleneck, would lengthen every cycle (docs/hil.md, "The real loop's own host time"); vLLM's engine core
-        has no such work."""
-        for _ in range(min(n, len(self.settled))):
-            step = self.settled.popleft()
+        for step in self.settled:
             self.core.records.add_step(step, step.update_end)  # its tokens reached the clients at update_end
+        self.settled.clear()
 
     # ---------------------------------------------------------------- clients
 
@@ -191,18 +173,14 @@ class RealLoop:
         self.freeing.clear()
 
     def idle(self) -> None:
-        """Nothing to run: wait for the open loop's next arrival, recording settled steps until a millisecond before
-        it (the wait then ends on time)."""
-        self.windows()
+        """Nothing to run: wait for the open loop's next arrival."""
+        self.flush()
         self.scheduled()
         if self.next_id < self.n and not self.core.sched.has_waiting():
-            arrival = self.req.arrival_s[self.next_id]
-            while self.settled and self.now() < arrival - 1e-3:
-                self.record_settled(1)
-            wait = arrival - self.now()
+            wait = self.req.arrival_s[self.next_id] - self.now()
             if wait > 2e-3:
                 time.sleep(wait - 1e-3)  # then spin the rest, for the arrival's exact time
-            spin(max(arrival - self.now(), 0.0))
+            spin(max(self.req.arrival_s[self.next_id] - self.now(), 0.0))
         self.ledger.drop()  # waiting for an arrival is not the loop's work
 
     # ---------------------------------------------------------------- run

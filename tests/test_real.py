@@ -103,39 +103,6 @@ def test_open_loop_arrivals_are_honoured_in_wall_clock_time(requests, model):  #
     assert (records.requests["first_token_s"].to_numpy() > got).all() and duration > 0.62
 
 
-def test_records_held_back_are_all_written_in_order_however_drained(requests, model, monkeypatch):  # noqa: F811
-    """Settled steps' records wait for the loop to idle or end (`RealLoop.record_settled`): an open loop that idles
-    between arrivals with steps held back, with the default bound and with none (each launch then records two),
-    writes every step once, in settle order, with its measured device window, and the same request table."""
-    from simharness import realloop
-
-    held, after_launch = [], []
-    monkeypatch.setattr(RealLoop, "idle", lambda self, idle=RealLoop.idle: held.append(len(self.settled)) or idle(self))
-    monkeypatch.setattr(RealLoop, "launched", lambda self, step, t, launched=RealLoop.launched:
-                        launched(self, step, t) or after_launch.append(len(self.settled)))  # fmt: skip
-    sc = hil_scenario(2, "wait", "ngram_gpu", "trim").model_copy(deep=True)
-    sc.engine.level = "real"
-    sc.workload.arrival, sc.workload.cap_concurrency = "poisson", True  # as many in flight as the model has slots
-    timed = dataclasses.replace(requests, arrival_s=np.array([0.0, 0.4, 0.41, 0.8, 1.2])[:N_REQUESTS])
-    columns = ["output_tokens", "draft_tokens", "accepted_tokens"]
-    tables = []
-    for bound in (realloop.PENDING_RECORDS, 0):
-        monkeypatch.setattr(realloop, "PENDING_RECORDS", bound)
-        held.clear()
-        after_launch.clear()
-        _, records, _ = run_real(sc, timed, model)
-        assert max(held) > 0  # the loop idled with records held back
-        # no record made in a launch up to the bound; past it, the held-back steps drain two a launch
-        assert max(after_launch) > 2 if bound else max(after_launch) <= 2
-        steps = records.steps_frame()
-        assert steps["step"].tolist() == sorted(steps["step"]) and steps["step"].is_unique
-        assert (steps["update_end"].diff().dropna() >= 0).all()  # settle order
-        assert steps["gpu_start"].notna().all() and (steps["gpu_end"] >= steps["gpu_start"]).all()
-        assert steps["emitted"].sum() == timed.output_len.sum()
-        tables.append(records.requests[columns].to_numpy())
-    np.testing.assert_array_equal(tables[0], tables[1])
-
-
 def test_a_capped_open_loop_takes_in_freed_slots_as_hil_does(requests, model):  # noqa: F811
     """Every request arrives at once into fewer slots than requests: at both levels a slot freed by a completion
     takes its next request after the engine's next scheduling decision, so the batches match step by step (the
