@@ -6,7 +6,9 @@ import triton
 import triton.language as tl
 
 # --------------------------------------------------------------------------------------------------
-# Triton. Kernel 1, grid (row, vocab tile): a program reads its BLOCK columns of the row's logits for every
+# Triton. Kernel 1, a 1-D grid of (row, vocab tile) programs, a row's tiles consecutive (neighbouring programs read
+# neighbouring memory: 2-3 points of copy bandwidth over a (row, tile) grid that ran rows fastest, H100,
+# results/kernels/sampler-variants/NOTES.md): a program reads its BLOCK columns of the row's logits for every
 # position <= num_drafts (all loads issued first, then one position after another; no padding of the k+1
 # positions to a power of two) and leaves, per (tile, position), only the tile's max logit and, for random
 # rows, the sum of 2^(x - max x) (x = logit * log2(e) / T) over the tile, with draft i left out of position
@@ -61,17 +63,19 @@ def _rejection_tile_kernel(
     max_ptr,
     sum_ptr,
     vocab,
+    n_tiles,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    tile = tl.program_id(1)
+    program = tl.program_id(0)
+    row = program // n_tiles
+    tile = program % n_tiles
     num_drafts = tl.load(num_drafts_ptr + row)
     temperature = tl.load(temperature_ptr + row)
     start = tile * BLOCK
     columns = start + tl.arange(0, BLOCK)
     ptrs = logits_ptr + row.to(tl.int64) * logits_stride_b + columns
-    out = (row * tl.num_programs(1) + tile) * (K + 1)
+    out = (row * n_tiles + tile) * (K + 1)
     # Every position's load is issued up front (the bytes in flight hide the memory latency). Positions
     # after the bonus position (num_drafts) are never emitted: their logits are not read (a limit, not
     # `in_vocab & live`: Triton's interpreter rejects a scalar & block mask).
@@ -211,11 +215,11 @@ def _rejection_walk_kernel(
     tl.store(num_emitted_ptr + row, num_accepted + 1)
 
 
-# Kernel 1's (vocab columns per program, warps, register cap) by logits element size: the best at B=256, k=4,
-# V=128256 in a sweep on an H100 (of an earlier kernel 1 that also ran a per-element race). One-warp programs
-# reduce with shuffles alone (no shared-memory round trips); a register cap that spills nothing raises the
-# resident warps per SM.
-_CONFIGS = {4: (2048, 4, 128), 2: (512, 1, 128)}
+# Kernel 1's (vocab columns per program, warps, register cap or None) by logits element size: the best at B=256,
+# k=4, V=128256 in sweeps on an H100 (NOTES.md above; fp32's from an earlier kernel 1). One-warp programs reduce
+# with shuffles alone (no shared-memory round trips). Another BLOCK moves the tiles, and so the order of the random
+# rows' sums: their tokens may then differ where rounding decides.
+_CONFIGS = {4: (2048, 4, 128), 2: (512, 1, None)}
 
 
 def rejection_sample_triton(
@@ -255,9 +259,9 @@ def rejection_sample_triton(
     if isinstance(seed, int):  # fill_ takes the scalar as a kernel argument: no host-to-device copy, no sync
         seed = torch.empty(1, dtype=torch.int64, device=device).fill_(seed % 2**63)
 
-    _rejection_tile_kernel[(batch, n_tiles)](
+    _rejection_tile_kernel[(batch * n_tiles,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        partials[0], partials[1], vocab, K=k, BLOCK=block, num_warps=num_warps, maxnreg=maxnreg,
+        partials[0], partials[1], vocab, n_tiles, K=k, BLOCK=block, num_warps=num_warps, maxnreg=maxnreg,
     )  # fmt: skip
     tile_block = triton.next_power_of_2(n_tiles)
     # About 32 elements a thread in the walk's largest block ([positions, tiles] or [positions, BLOCK] columns).
