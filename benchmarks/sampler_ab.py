@@ -30,7 +30,7 @@ from simharness.kernels.rejection_triton import rejection_sample_triton as new_s
 K, VOCAB, ROUNDS, REPEATS = 4, 128256, 3, 25
 # (BLOCK, num_warps, maxnreg) choices for --configs by logits element size; the first of each is the committed one.
 CONFIGS = {
-    2: [(512, 1, 128), (512, 1, None), (512, 2, 128), (512, 2, None), (512, 4, 128), (1024, 1, 128), (1024, 2, 128),
+    2: [(512, 1, None), (512, 1, 128), (512, 2, 128), (512, 2, None), (512, 4, 128), (1024, 1, 128), (1024, 2, 128),
         (1024, 4, 128), (2048, 4, 128), (256, 1, 128)],
     4: [(2048, 4, 128), (2048, 4, None), (2048, 8, 128), (1024, 4, 128), (1024, 2, 128), (4096, 8, 128)],
 }  # fmt: skip
