@@ -11,7 +11,6 @@ piece's longer.
 
 from __future__ import annotations
 
-import math
 import time
 
 Mark = tuple[float, float]  # the wall clock and the engine's time then
@@ -38,7 +37,7 @@ class HostLedger:
         """Wall time since `mark` outside the engine's work."""
         return (time.perf_counter() - mark[0]) - (self.engine_s - mark[1])
 
-    def charge(self, budget: float = math.inf) -> float:
+    def charge(self, budget: float) -> float:
         """What a modelled work of `budget` seconds absorbs of the harness time not yet absorbed (owed, then since the
         last charge); the rest is owed by the next."""
         owed = self.owed_s + max(self.outside(self.charge_mark), 0.0)
