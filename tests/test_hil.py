@@ -393,6 +393,45 @@ def test_prefill_buckets_cover_every_chunk_with_bounded_padding():
         assert prefill_sizes(size) == prefill_sizes(n)  # the bucket of n is the largest captured for n
 
 
+def test_a_prefill_chunk_starts_on_the_device_when_its_graph_launch_returned():
+    """A prefill chunk's part begins on hil's device timeline when its prefill graph's launch returned, after the host
+    staged the chunk (the device cannot run the graph before), not when its call began; a chunk run without a graph
+    begins with its call."""
+    import time
+    from types import SimpleNamespace
+
+    from simharness.engine.torch_backend import Launch
+
+    class Loop:
+        def __init__(self, graphed: bool):
+            self.graphed, self.calls, self.launches = graphed, [], []
+
+        def prefill_chunk(self, slot, ids, start):
+            self.calls.append(time.perf_counter())
+            time.sleep(0.003)  # staging the chunk's inputs
+            self.launches.append(time.perf_counter() if self.graphed else None)
+            time.sleep(0.001)
+
+        def prefill_launched(self):
+            return self.launches[-1]
+
+    timing = SimpleNamespace(host_s=0.0, before=lambda events: None, after=lambda seconds: None,
+                             mark=lambda events: None)  # fmt: skip
+    ids = torch.arange(16)
+    for graphed in (True, False):
+        loop = Loop(graphed)
+        launch = Launch(decode_rids=np.array([], dtype=np.int64), k=2,
+                        prefills=[(0, 0, False, ids), (0, 16, False, ids)])
+        t0 = time.perf_counter()
+        launch.enqueue_prefills(loop, np.array([0]), None, timing, t0)
+        assert len(launch.enqueue) == 2
+        for (begin, end), call, launched in zip(launch.enqueue, loop.calls, loop.launches, strict=True):
+            if graphed:
+                assert begin == pytest.approx(launched - t0, abs=1e-9) and end >= begin + 0.0009
+            else:
+                assert begin <= call - t0 and end >= begin + 0.004
+
+
 def test_a_graphed_forward_starts_on_the_device_when_its_launch_returned():
     """The decode step's parts are enqueued between the host's marks; with the verify's CUDA graph the forward's
     part begins when the graph's launch returned (the device cannot run a graph before), which delays the step's

@@ -237,6 +237,11 @@ class DecodeLoop:
         graphs every part's enqueue ends when the graph's launch returned)."""
         return self._staging(result).times
 
+    def prefill_launched(self) -> float | None:
+        """With CUDA graphs, the host's perf_counter when the last prefill chunk's graph launch returned (in
+        `prefill_chunk` or `add_request`): the chunk's device work runs from then, not from its call. Else None."""
+        return self.model.prefill_launched
+
     def graph_launched(self, result: StepResult) -> float | None:
         """With CUDA graphs, the host's perf_counter when the graph's launch returned: the verify graph's (within
         the forward's part, after its inputs' copies) or the step graph's (every part). The graph runs once

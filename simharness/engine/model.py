@@ -17,6 +17,7 @@ CUDA graph stays close to the weight-read floor; elsewhere the same ops run as p
 import dataclasses
 import gc
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -278,6 +279,8 @@ class Transformer(nn.Module):
         self.batch_buckets = batch_buckets(max_slots)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._prefill_graphs: dict[tuple[int, bool], _Graph] = {}  # by token bucket, and fresh or a later chunk
+        # the host's perf_counter when the last prefill's graph launch returned (None: it ran without a graph)
+        self.prefill_launched: float | None = None
         # Shared by every graph of the model and of its decode loop's step graphs.
         self._graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.load_stats: dict[str, float | str] | None = None  # a checkpoint's loading time and memory
@@ -340,6 +343,7 @@ class Transformer(nn.Module):
         already cached); returns the chunk's last position's logits [V]."""
         if not 0 < tokens.shape[0] <= self.max_len - start:
             raise ValueError(f"prompt chunk of {tokens.shape[0]} tokens at {start} does not fit max_len {self.max_len}")
+        self.prefill_launched = None
         if self.cuda_graphs:
             return self._replay_prefill(slot, tokens, start)
         slots = self.slot_ids[slot : slot + 1]
@@ -363,6 +367,7 @@ class Transformer(nn.Module):
         g.start_pos.fill_(start)
         g.last.fill_(n - 1)
         g.graph.replay()
+        self.prefill_launched = time.perf_counter()
         return g.logits.clone()  # the buffer is the next prefill's
 
     def capture_prefill_graphs(self, longest: int) -> None:

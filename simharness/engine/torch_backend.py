@@ -335,8 +335,11 @@ class Launch:
                 self.prefill_s += enqueue  # on the CPU the work ran inside the call
             else:
                 timing.after(enqueue)
-                begin = t - t0 - timing.host_s
-                self.enqueue.append((begin, begin + enqueue))
+                # A chunk through its prefill graph starts on the device when the graph's launch returned, after
+                # the host staged its inputs (as the decode step's graph: `decode_enqueue`).
+                launched = loop.prefill_launched()
+                begin = (t if launched is None else launched) - t0 - timing.host_s
+                self.enqueue.append((begin, t + enqueue - t0 - timing.host_s))
                 timing.mark(self.events)  # the chunk's end on the device
         if firsts:
             self.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
