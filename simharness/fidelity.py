@@ -122,6 +122,7 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
                  "real_overhead": overhead(summary, steps).to_dict(orient="records"),
                  "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records"),
                  "period": period_split(summary, steps).to_dict(orient="records"),
+                 "step_kinds": step_kinds(summary, steps).to_dict(orient="records"),
                  "host": host_speed(summary).to_dict(orient="records")}  # fmt: skip
         (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
         from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
@@ -165,9 +166,9 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
 PERIOD_PARTS = {"schedule": ("schedule_start", "schedule_end"), "prep": ("prep_start", "prep_end"),
                 "launch": ("prep_end", "launch_end"), "device_after_launch": ("launch_end", "gpu_end"),
                 "end_to_settle": ("gpu_end", "update_start"), "settle": ("update_start", "propose_end")}
-# the step columns `overhead`, `prefill_enqueue` and `period_split` read
+# the step columns `overhead`, `prefill_enqueue`, `period_split` and `step_kinds` read
 STEP_COLUMNS = ["point", "step", "n_prefill_reqs", "schedule_start", "schedule_end", "prep_start", "prep_end",
-                "launch_end", "gpu_start", "gpu_end", "update_start", "propose_end", "harness_s"]
+                "launch_end", "gpu_start", "gpu_end", "update_start", "propose_end", "harness_s", "gpu_prefill_s"]
 # 20 ms: the bound over which hil flags a part as one that may have outlasted its gate (engine/timing.STARVED_S);
 # 80 ms: a gate's life on the H100 (docs/hil.md).
 ENQUEUE_BOUNDS_MS = (20, 40, 80)
@@ -233,8 +234,40 @@ def period_split(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         rows.append({"config": config, "level": level, "depth": int(depth),
                      **{name: float(t[decode].median()) * 1e6 for name, t in times.items()}})
     table = pd.DataFrame(rows, columns=columns)
-    table = table.groupby(["config", "level", "depth"], sort=False)[parts].median().reset_index()
-    # in the sweep's order of points, and the levels in LEVELS' order within each
+    return _sweep_order(table.groupby(["config", "level", "depth"], sort=False)[parts].median().reset_index(), summary)
+
+
+def step_kinds(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per point and level, decode-only steps against steps with a prefill chunk: how many a run has, their mean device
+    period (one step's device start to the next's, ms), the share of the run's device time in steps with a chunk,
+    and the chunks' device time (median `gpu_prefill_s`, ms); medians over the point's runs. A level whose mean TPOT
+    differs from the real level's differs in one kind or both (docs/hil.md: hil's bias at depth >= 2 sat in the
+    steps with a chunk)."""
+    parts = ["decode_steps", "decode_period_ms", "prefill_steps", "prefill_period_ms", "prefill_share", "chunk_ms"]
+    columns = ["config", "level", *parts]
+    if not len(steps) or not len(summary):
+        return pd.DataFrame(columns=columns)
+    by_point = dict(tuple(steps.groupby("point", sort=False)))
+    rows = []
+    for point, config, level in summary[["point", "config", "level"]].itertuples(index=False):
+        s = by_point.get(point)
+        if s is None:
+            continue
+        s = s.sort_values("step")
+        period = (s["gpu_start"].shift(-1) - s["gpu_start"]) * 1e3
+        chunk = s["n_prefill_reqs"] > 0
+        total = period.sum()
+        rows.append({"config": config, "level": level, "decode_steps": int((~chunk).sum()),
+                     "decode_period_ms": float(period[~chunk].mean()), "prefill_steps": int(chunk.sum()),
+                     "prefill_period_ms": float(period[chunk].mean()),
+                     "prefill_share": float(period[chunk].sum() / total) if total else np.nan,
+                     "chunk_ms": float(s.loc[chunk, "gpu_prefill_s"].median() * 1e3)})  # fmt: skip
+    table = pd.DataFrame(rows, columns=columns)
+    return _sweep_order(table.groupby(["config", "level"], sort=False)[parts].median().reset_index(), summary)
+
+
+def _sweep_order(table: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
+    """`table`'s rows in the sweep's order of points, and the levels in LEVELS' order within each."""
     rank = {**{c: i for i, c in enumerate(dict.fromkeys(summary["config"]))}, **{lv: i for i, lv in enumerate(LEVELS)}}
     return table.sort_values(["config", "level"], key=lambda c: c.map(rank), kind="stable", ignore_index=True)
 

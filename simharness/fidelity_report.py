@@ -49,6 +49,8 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
         _agreement_table(facts["agreement"], facts["real_overhead"]),
         "## Where a decode step's time goes\n",
         _period_table(facts["period"]),
+        "## Decode-only steps and steps with a prefill chunk\n",
+        _kinds_table(facts["step_kinds"]),
         "## Prefill enqueue on the host\n",
         _enqueue_table(facts["prefill_enqueue"]),
         "## The host during the runs\n",
@@ -128,6 +130,21 @@ def _period_table(period: list[dict]) -> str:
             "the modelled work that follows it (docs/hil.md), so where that time is longer than the modelled work, "
             "the real level's settle, gap and period grow.\n\n")
     return note + _markdown_table(["point", "level", *(p.replace("_", " ") for p in parts)], rows)
+
+
+def _kinds_table(kinds: list[dict]) -> str:
+    """Decode-only steps against steps with a prefill chunk per point and level (`fidelity.step_kinds`)."""
+    if not kinds:
+        return "No point with step records.\n"
+    rows = [[r["config"], r["level"], _cell(r["decode_steps"], "{:.0f}"), _cell(r["decode_period_ms"], "{:.3f}"),
+             _cell(r["prefill_steps"], "{:.0f}"), _cell(r["prefill_period_ms"], "{:.3f}"),
+             _cell(r["prefill_share"] * 100, "{:.0f}%"), _cell(r["chunk_ms"], "{:.3f}")] for r in kinds]
+    note = ("Per run (medians over the point's runs): the steps of each kind, their mean device period (a step's "
+            "device start to the next's), the share of the run's device time in steps with a chunk, and the chunks' "
+            "device time (median). A level whose TPOT differs from the real level's differs in one kind or both.\n\n")
+    headers = ["point", "level", "decode-only steps", "period ms", "steps with a chunk", "period ms", "their share",
+               "chunk ms"]
+    return note + _markdown_table(headers, rows)
 
 
 def _enqueue_table(enqueue: list[dict]) -> str:

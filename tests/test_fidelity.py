@@ -17,6 +17,7 @@ from simharness.fidelity import (
     prefill_enqueue,
     run_fidelity,
     spread,
+    step_kinds,
 )
 from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
@@ -112,6 +113,33 @@ def test_period_split_by_hand():
     assert period_split(summary.drop(columns="effective_depth"), steps).empty
 
 
+def test_step_kinds_by_hand():
+    """Per point and level: decode-only steps against steps with a prefill chunk, their mean device period (to the
+    next step's device start; the last step has none), the chunk steps' share of the device time, the chunks' median
+    device time; medians over runs."""
+    summary = pd.DataFrame({"point": ["h0", "h1", "r0"], "config": ["a", "a", "a"], "level": ["hil", "hil", "real"]})
+
+    def run(point, periods_ms, prefills, chunk_ms):
+        starts = np.concatenate([[0.0], np.cumsum(periods_ms)]) * 1e-3
+        return [{"point": point, "step": i, "n_prefill_reqs": n, "gpu_start": t, "gpu_prefill_s": c * 1e-3}
+                for i, (t, n, c) in enumerate(zip(starts, prefills, chunk_ms, strict=True))]
+
+    steps = pd.DataFrame([*run("h0", [2, 6, 2], [0, 1, 0, 0], [np.nan, 4.0, np.nan, np.nan]),
+                          *run("h1", [2, 8, 2], [0, 1, 0, 1], [np.nan, 5.0, np.nan, 7.0]),
+                          *run("r0", [2, 9, 3], [0, 1, 0, 0], [np.nan, 5.5, np.nan, np.nan])])  # fmt: skip
+    table = step_kinds(summary, steps)
+    assert table[["config", "level"]].values.tolist() == [["a", "hil"], ["a", "real"]]
+    hil, real = table.iloc[0], table.iloc[1]
+    # h0: decode periods 2, 2 (the last step has none), one chunk step of 6 (6 / 10 of the time); h1: 2, 2 and 8
+    # (the last, a chunk step, has no period): 8 / 12; chunks 4 and 6 ms (the median of 5 and 7)
+    assert hil[["decode_steps", "decode_period_ms", "prefill_steps", "prefill_period_ms"]].tolist() \
+        == pytest.approx([2.5, 2.0, 1.5, 7.0])
+    assert hil["prefill_share"] == pytest.approx((0.6 + 8 / 12) / 2) and hil["chunk_ms"] == pytest.approx(5.0)
+    assert real[["decode_period_ms", "prefill_period_ms", "prefill_share", "chunk_ms"]].tolist() \
+        == pytest.approx([2.5, 9.0, 9 / 14, 5.5])
+    assert step_kinds(summary, steps.iloc[:0]).empty
+
+
 def test_host_speed_by_hand():
     summary = pd.DataFrame({"level": ["sim", "hil", "hil", "real", "real", "real"],
                             "host_slowdown": [float("nan"), 1.0, 1.5, 1.1, 1.3, 1.0],
@@ -160,8 +188,16 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     assert period.groupby("config")["level"].apply(list).to_dict() == {c: ["sim", "hil", "real"] for c in configs}
     assert set(period["depth"]) == set(result.summary["effective_depth"]) and len(set(period["depth"])) > 1
     assert (period.set_index("level").loc[["hil", "real"], ["period", "harness"]] > 0).all().all()
+    kinds = pd.DataFrame(facts["step_kinds"])
+    assert kinds.groupby("config")["level"].apply(list).to_dict() == {c: ["sim", "hil", "real"] for c in configs}
+    assert (kinds["decode_steps"] > 0).all() and (kinds["prefill_steps"] > 0).all()
+    assert ((kinds["prefill_share"] > 0) & (kinds["prefill_share"] < 1)).all()
+    # the chunks' device time is measured at hil and real, modelled (none recorded) at the sim level
+    measured = kinds.set_index("level").loc[["hil", "real"]]
+    assert (measured["chunk_ms"] > 0).all() and (measured["prefill_period_ms"] > 0).all()
     report = result.report.read_text()
     assert "## Where a decode step's time goes" in report
+    assert "## Decode-only steps and steps with a prefill chunk" in report
     assert "## Error per level and metric" in report and "hil" in report
     assert "## Prefill enqueue on the host" in report and "| real | " in report
     # resume: nothing left to run, the same errors
