@@ -237,7 +237,11 @@ def combine(run_dir: Path) -> pd.DataFrame:
 
 def combine_summary(run_dir: Path) -> pd.DataFrame:
     """Rebuild summary.csv/json (a row per point by index; a `failed` column, only when a point failed, gives
-    the reason) from the points; returns it."""
+    the reason) from the points; returns it. A run kept as its tables only (no `points/`, as `results/` keeps
+    measured runs) is refused before anything is rewritten: rebuilding from nothing would empty its summary."""
+    if not (run_dir / "points").is_dir():
+        raise ScenarioError(f"{run_dir}: no points/ to rebuild the run's tables and report from (a run kept as its "
+                            "tables only); nothing was changed")
     rows = finished_rows(run_dir)
     failed = failed_points(run_dir)
     columns = list(dict.fromkeys(k for row in [*rows.values(), *failed.values()] for k in row if k != "failed"))

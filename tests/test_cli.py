@@ -233,6 +233,20 @@ def test_resume_mismatch_names_the_fields(tmp_path):
         r.stderr.split())
 
 
+def test_report_of_a_run_kept_without_its_points_exits_2_and_changes_nothing(tmp_path):
+    """A run kept as its tables only (no points/, as results/ keeps measured runs): `report` cannot rebuild it, says
+    so, and leaves its summary and report as they were (rebuilding from no points emptied the summary)."""
+    r = invoke("run", "scenarios/quickstart.yaml", "--out", tmp_path, "--set", "workload.num_requests=3",
+               "--set", "sweep.scheduler.depth=[1]", "--set", "sweep.workload.concurrency=[1]")  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    run_dir = next(p.parent for p in tmp_path.rglob("summary.csv"))
+    shutil.rmtree(run_dir / "points")
+    kept = {name: (run_dir / name).read_bytes() for name in ("summary.csv", "summary.json", "report.md")}
+    r = invoke("report", run_dir)
+    assert r.exit_code == 2 and "no points/" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert {name: (run_dir / name).read_bytes() for name in kept} == kept
+
+
 def test_report_of_a_broken_run_directory_exits_2(tmp_path):
     (tmp_path / "scenario.yaml").write_bytes(b"\xff\xfe")
     r = invoke("report", tmp_path)
