@@ -118,6 +118,7 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
         errors.to_csv(run_dir / "fidelity.csv", index=False)
         facts = {"levels": levels, "stats": stats.to_dict(orient="records"), "violations": violations,
                  "real_spread": spread(summary, REFERENCE).to_dict(orient="records"),
+                 "worst_runs": worst_runs(summary, stats).to_dict(orient="records"),
                  "agreement": agreement(summary).to_dict(orient="records"),
                  "real_overhead": overhead(summary, steps).to_dict(orient="records"),
                  "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records"),
@@ -152,6 +153,22 @@ def spread(summary: pd.DataFrame, level: str) -> pd.DataFrame:
     out = (runs.max() - runs.min()) / runs.median()
     out.insert(0, "runs", runs.size())
     return out.reset_index()
+
+
+def worst_runs(summary: pd.DataFrame, stats: pd.DataFrame, metric: str = "mean_tpot_ms") -> pd.DataFrame:
+    """Per level, its worst point on `metric` and the runs behind that error: the level's values and the real
+    level's, and whether their ranges overlap (then the error is within the runs' own scatter, which a host of two
+    speeds makes wide: docs/hil.md)."""
+    columns = ["level", "config", "error", "level_runs", "real_runs", "overlap"]
+    rows = []
+    for r in stats[(stats["metric"] == metric) & stats["worst_point"].notna()].itertuples():
+        point = summary[summary["config"] == r.worst_point]
+        own = point.loc[point["level"] == r.level, metric].tolist()
+        real = point.loc[point["level"] == REFERENCE, metric].tolist()
+        overlap = bool(own and real and min(own) <= max(real) and min(real) <= max(own))
+        rows.append({"level": r.level, "config": r.worst_point, "error": r.worst_abs_error, "level_runs": own,
+                     "real_runs": real, "overlap": overlap})
+    return pd.DataFrame(rows, columns=columns)
 
 
 def agreement(summary: pd.DataFrame) -> pd.DataFrame:

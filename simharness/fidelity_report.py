@@ -40,6 +40,7 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
         verdict + "\n",
         "## Error per level and metric\n",
         _stats_table(stats),
+        _worst_runs_note(facts["worst_runs"]),
         "## Per point: mean and P99 TPOT\n",
         _points_table(summary, errors, configs),
         "## The real level's own spread\n",
@@ -62,6 +63,20 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
     path = run_dir / "report.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _worst_runs_note(worst: list[dict]) -> str:
+    """Each level's worst mean-TPOT point with its runs and the real level's (`fidelity.worst_runs`)."""
+    if not worst:
+        return ""
+    lines = ["Each level's worst point in mean TPOT, with its runs (ms) and the real level's; where their ranges "
+             "overlap, that error is within the runs' own scatter:\n"]
+    for r in worst:
+        runs = ", ".join(f"{v:.3f}" for v in r["level_runs"])
+        real = ", ".join(f"{v:.3f}" for v in r["real_runs"])
+        overlap = " (the ranges overlap)" if r["overlap"] else ""
+        lines.append(f"- {r['level']}, {r['config']}: {r['error'] * 100:.1f}%; runs {runs}; real {real}{overlap}")
+    return "\n".join(lines) + "\n"
 
 
 def _stats_table(stats: pd.DataFrame) -> str:

@@ -18,6 +18,7 @@ from simharness.fidelity import (
     run_fidelity,
     spread,
     step_kinds,
+    worst_runs,
 )
 from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
@@ -113,6 +114,19 @@ def test_period_split_by_hand():
     assert period_split(summary.drop(columns="effective_depth"), steps).empty
 
 
+def test_worst_runs_by_hand():
+    """Each level's worst mean-TPOT point with its runs and the real level's, and whether their ranges overlap."""
+    runs = {("a", "real"): [2.0, 2.2, 1.8], ("a", "hil"): [2.1, 2.3], ("a", "sim"): [1.0],
+            ("b", "real"): [4.0, 4.0], ("b", "hil"): [3.0, 5.0], ("b", "sim"): [5.0]}  # fmt: skip
+    summary = pd.DataFrame([row for (config, level), t in runs.items() for row in summary_rows(config, level, t)])
+    table = worst_runs(summary, error_stats(error_table(summary))).set_index("level")
+    # hil: a (+10%), its runs 2.1-2.3 against real 1.8-2.2: they overlap; sim: a (-50%), 1.0 against 1.8-2.2
+    assert table.loc["hil", "config"] == "a" and table.loc["hil", "error"] == pytest.approx(0.1)
+    assert table.loc["hil", "level_runs"] == [2.1, 2.3] and table.loc["hil", "real_runs"] == [2.0, 2.2, 1.8]
+    assert table.loc["hil", "overlap"] and not table.loc["sim", "overlap"]
+    assert table.loc["sim", "error"] == pytest.approx(0.5)
+
+
 def test_step_kinds_by_hand():
     """Per point and level: decode-only steps against steps with a prefill chunk, their mean device period (to the
     next step's device start; the last step has none), the chunk steps' share of the device time, the chunks' median
@@ -198,6 +212,8 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     report = result.report.read_text()
     assert "## Where a decode step's time goes" in report
     assert "## Decode-only steps and steps with a prefill chunk" in report
+    assert {r["level"] for r in facts["worst_runs"]} == {"sim", "hil"}
+    assert "Each level's worst point in mean TPOT" in report
     assert "## Error per level and metric" in report and "hil" in report
     assert "## Prefill enqueue on the host" in report and "| real | " in report
     # resume: nothing left to run, the same errors
