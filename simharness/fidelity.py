@@ -236,13 +236,8 @@ def period_split(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     runs = summary if "effective_depth" in summary else summary.iloc[:0]
     if not len(steps) or not len(runs):
         return pd.DataFrame(columns=columns)
-    by_point = dict(tuple(steps.groupby("point", sort=False)))
     rows = []
-    for point, config, level, depth in runs[["point", "config", "level", "effective_depth"]].itertuples(index=False):
-        s = by_point.get(point)
-        if s is None:
-            continue
-        s = s.sort_values("step")
+    for (config, level, depth), s in _point_steps(runs, steps, ["config", "level", "effective_depth"]):
         times = {name: s[end] - s[start] for name, (start, end) in PERIOD_PARTS.items()}
         following = s["schedule_start"].shift(-1)  # the next step's schedule
         times |= {"gap": following - s["propose_end"], "period": following - s["schedule_start"],
@@ -264,13 +259,8 @@ def step_kinds(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     columns = ["config", "level", *parts]
     if not len(steps) or not len(summary):
         return pd.DataFrame(columns=columns)
-    by_point = dict(tuple(steps.groupby("point", sort=False)))
     rows = []
-    for point, config, level in summary[["point", "config", "level"]].itertuples(index=False):
-        s = by_point.get(point)
-        if s is None:
-            continue
-        s = s.sort_values("step")
+    for (config, level), s in _point_steps(summary, steps, ["config", "level"]):
         period = (s["gpu_start"].shift(-1) - s["gpu_start"]) * 1e3
         chunk = s["n_prefill_reqs"] > 0
         total = period.sum()
@@ -281,6 +271,15 @@ def step_kinds(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
                      "chunk_ms": float(s.loc[chunk, "gpu_prefill_s"].median() * 1e3)})  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     return _sweep_order(table.groupby(["config", "level"], sort=False)[parts].median().reset_index(), summary)
+
+
+def _point_steps(runs: pd.DataFrame, steps: pd.DataFrame, fields: list[str]):
+    """Each run of `runs` that has step records: its `fields` and its steps in order."""
+    by_point = dict(tuple(steps.groupby("point", sort=False)))
+    for point, *values in runs[["point", *fields]].itertuples(index=False):
+        s = by_point.get(point)
+        if s is not None:
+            yield values, s.sort_values("step")
 
 
 def _sweep_order(table: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
