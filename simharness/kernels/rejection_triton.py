@@ -1,6 +1,8 @@
 """The fused Triton rejection sampler (the semantics are `kernels.rejection`'s): imported only where it runs, on
 CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,11 @@ import triton.language as tl
 # no generator state, and a row's does not depend on the batch around it. The seed is read from device
 # memory, not passed as a kernel argument, so that a captured CUDA graph replays each step with its own seed
 # (a graph bakes its arguments; `engine.decode` stages the seed).
+# On Hopper and later the walk is a programmatic dependent launch (PDL): kernel 1's programs let it be scheduled
+# as soon as all of them have started, and it loads what kernel 1 does not write (the row's scalars, drafts, the
+# drafts' logits, its random words) before it waits for kernel 1's stores. That hides its launch and prologue
+# under kernel 1's last wave: 1.4-4.1 us a call at every batch size and dtype (H100,
+# results/kernels/sampler-variants/NOTES.md).
 # --------------------------------------------------------------------------------------------------
 
 
@@ -66,7 +73,10 @@ def _rejection_tile_kernel(
     n_tiles,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    if GDC:  # the walk may be scheduled once every program here has started: it waits for the stores itself
+        tl.extra.cuda.gdc_launch_dependents()
     program = tl.program_id(0)
     row = program // n_tiles
     tile = program % n_tiles
@@ -163,6 +173,7 @@ def _rejection_walk_kernel(
     K_BLOCK: tl.constexpr,
     TILE_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     row = tl.program_id(0)
     num_drafts = tl.load(num_drafts_ptr + row)
@@ -178,9 +189,11 @@ def _rejection_walk_kernel(
     tiles = tl.arange(0, TILE_BLOCK)
     partial = (row * n_tiles + tiles[None, :]) * (K + 1) + positions[:, None]
     mask = (tiles < n_tiles)[None, :] & live[:, None]
-    tile_max = tl.load(max_ptr + partial, mask=mask, other=-float("inf"))
 
     if temperature == 0:
+        if GDC:  # what follows reads kernel 1's partials
+            tl.extra.cuda.gdc_wait()
+        tile_max = tl.load(max_ptr + partial, mask=mask, other=-float("inf"))
         token = _greedy_targets(row_logits[:, None], tile_max, tiles, live, vocab, TILE_BLOCK=TILE_BLOCK, BLOCK=BLOCK)
         accept = has_token & (drafts == token)
         num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
@@ -188,6 +201,12 @@ def _rejection_walk_kernel(
         # Accept x with probability p(x) = 2^(x_x - log2 sum_j 2^x_j), x = logit * log2(e) / T as in kernel 1.
         scale = 1.4426950408889634 / temperature
         draft_x = tl.load(row_logits + drafts, mask=has_token, other=-float("inf")).to(tl.float32) * scale
+        # Keyed by the seed with bit 0 flipped, counted from the row and position: word 0 is the position's
+        # accept uniform, word 1 at the emitted position the sample's.
+        word0, word1, _, _ = tl.randint4x(tl.load(seed_ptr) ^ 1, row * K_BLOCK + positions)
+        if GDC:  # what follows reads kernel 1's partials
+            tl.extra.cuda.gdc_wait()
+        tile_max = tl.load(max_ptr + partial, mask=mask, other=-float("inf"))
         # Kernel 1 left, per tile and position, the max and the sum of 2^(x - max x) over the tile's columns
         # other than the draft: weighed here against one reference per position; the draft's own term is added.
         tile_sum = tl.load(sum_ptr + partial, mask=mask, other=0.0)
@@ -197,9 +216,6 @@ def _rejection_walk_kernel(
         weight = tile_sum * tl.exp2(tile_ref - reference[:, None])
         draft_weight = tl.exp2(draft_x - reference)
         p_draft = draft_weight / (tl.sum(weight, axis=1) + draft_weight)
-        # Keyed by the seed with bit 0 flipped, counted from the row and position: word 0 is the position's
-        # accept uniform, word 1 at the emitted position the sample's.
-        word0, word1, _, _ = tl.randint4x(tl.load(seed_ptr) ^ 1, row * K_BLOCK + positions)
         accept = has_token & (_open_uniform(word0) < p_draft)
         num_accepted = tl.min(tl.where(is_draft & ~accept, positions, num_drafts), axis=0)
         emitted = positions == num_accepted
@@ -220,6 +236,13 @@ def _rejection_walk_kernel(
 # with shuffles alone (no shared-memory round trips). Another BLOCK moves the tiles, and so the order of the random
 # rows' sums: their tokens may then differ where rounding decides.
 _CONFIGS = {4: (2048, 4, 128), 2: (512, 1, None)}
+
+
+@functools.cache
+def _dependent_launch(device: torch.device) -> bool:
+    """Whether the walk runs as a programmatic dependent launch: CUDA devices of compute capability 9.0 or later
+    (not the interpreter's CPU tensors)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def rejection_sample_triton(
@@ -259,9 +282,11 @@ def rejection_sample_triton(
     if isinstance(seed, int):  # fill_ takes the scalar as a kernel argument: no host-to-device copy, no sync
         seed = torch.empty(1, dtype=torch.int64, device=device).fill_(seed % 2**63)
 
+    pdl = _dependent_launch(device)
+    launch = {"launch_pdl": True} if pdl else {}
     _rejection_tile_kernel[(batch * n_tiles,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
-        partials[0], partials[1], vocab, n_tiles, K=k, BLOCK=block, num_warps=num_warps, maxnreg=maxnreg,
+        partials[0], partials[1], vocab, n_tiles, K=k, BLOCK=block, GDC=pdl, num_warps=num_warps, maxnreg=maxnreg,
     )  # fmt: skip
     tile_block = triton.next_power_of_2(n_tiles)
     # About 32 elements a thread in the walk's largest block ([positions, tiles] or [positions, BLOCK] columns).
@@ -269,6 +294,6 @@ def rejection_sample_triton(
     _rejection_walk_kernel[(batch,)](
         target_logits, target_logits.stride(0), target_logits.stride(1), draft_tokens, num_drafts, temperature,
         partials[0], partials[1], output, num_emitted, vocab, n_tiles, seed,
-        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, BLOCK=block, num_warps=walk_warps,
+        K=k, K_BLOCK=k_block, TILE_BLOCK=tile_block, BLOCK=block, GDC=pdl, num_warps=walk_warps, **launch,
     )  # fmt: skip
     return output, num_emitted
