@@ -32,7 +32,10 @@ Row = dict[str, object]
 MIN_N, MAX_N, K = 2, 5, 4
 NGRAM_VOCAB = 1024  # small enough that 2- to 5-gram matches occur in random histories
 REFERENCE_NGRAM_MAX_TOKENS = 16 * 2048  # B * L above this: the pure-Python reference is skipped
-L2_FLUSH_BYTES = 256 * 2**20  # written before every timed CUDA repeat, so inputs come from HBM
+# Read before every timed CUDA repeat, so inputs come from HBM. A read, not a write: a written buffer leaves L2 full
+# of dirty lines whose write-back the timed call then pays (6-8 us a call on an H100: a copy of 82 MB took 58.4 us
+# after a write flush and 52.4 us after a read; results/kernels/sampler-variants/NOTES.md).
+L2_FLUSH_BYTES = 256 * 2**20
 HOST_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host queues the whole call before it starts
 MATMUL_SIZE = 8192  # square bf16 matrix product that measures the peak dense FLOP rate
 # The verify step and the whole decode step: (preset, batch sizes) per run, the 8B shape only in a full CUDA run;
@@ -71,8 +74,8 @@ def run_kernel_bench(device: str, out_dir: Path, quick: bool = False,
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
     """(median device time, median wall time) of fn in ms. On CUDA the device time is taken with events
-    after an L2 flush while the host is ahead (so launch gaps are excluded); the wall time is one call
-    plus a synchronize from an idle GPU (launch overhead included). On CPU both are wall times."""
+    after an L2 flush (a read of L2_FLUSH_BYTES) while the host is ahead (so launch gaps are excluded); the wall
+    time is one call plus a synchronize from an idle GPU (launch overhead included). On CPU both are wall times."""
     for _ in range(3):
         fn()  # warm-up: Triton compilation, allocator
     _sync(device)
@@ -84,10 +87,10 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> t
         wall.append((time.perf_counter() - start) * 1e3)
     if device.type != "cuda":
         return statistics.median(wall), statistics.median(wall)
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    flush = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     gpu = []
     for _ in range(repeats):
-        flush.zero_()
+        flush.sum()
         torch.cuda._sleep(HOST_AHEAD_CYCLES)
         start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start_event.record()
@@ -254,7 +257,8 @@ def write_tables(
     out_dir.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out_dir / "kernels.csv", index=False)
     timing = (
-        "CUDA events around each call after a 256 MiB L2 flush, with the host queued ahead (device_ms); "
+        "CUDA events around each call after a 256 MiB L2 flush (a read: no dirty lines left to write back), with the "
+        "host queued ahead (device_ms); "
         "one call + synchronize from an idle GPU (wall_ms, includes launch overhead)"
         if device.type == "cuda"
         else "time.perf_counter around each call (device_ms = wall_ms)"
