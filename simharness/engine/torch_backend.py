@@ -183,10 +183,11 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         if timing is not None:
             timing.start_launch()
-        # The real level's device window: the clock's own marks around a step with prefills; a decode-only step's
-        # are the decode loop's events around it (`DecodeLoop.span_marks`): recording an event costs the host
-        # 10-13 µs on the H100 machines, which the launch would carry.
-        own_window = not self.hil and (bool(launch.prefills) or not self.cuda)
+        # The real level's device window: on CUDA, events the step records anyway (a step with prefills: its first
+        # chunk's start and its end, `Launch.events`; a decode-only step: the decode loop's events around it,
+        # `DecodeLoop.span_marks`), since recording an event costs the host 12-38 µs on the H100 machines, which the
+        # real loop's timeline would carry (results/host/real-loop/CONTENTS.md); on the CPU, the clock's own marks.
+        own_window = not self.hil and not self.cuda
         if own_window:
             launch.window = [self._mark()]  # before the step's first kernel
         with phase("launch"):
@@ -233,8 +234,11 @@ class TorchBackend:
             t_read = time.perf_counter()
             read = launch.read(self.loop)
             marks = launch.window
-            if not marks and not self.hil and launch.result is not None:
-                marks = self.loop.span_marks(launch.result)
+            if not marks and not self.hil:
+                if launch.events:  # a step with prefills: its first chunk's start, its end (the readback's wait)
+                    marks = [launch.events[0], launch.events[-1]]
+                elif launch.result is not None:
+                    marks = self.loop.span_marks(launch.result)
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
             # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
             del launch
@@ -309,7 +313,7 @@ class Launch:
     first_host: torch.Tensor | None = None
     events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
     enqueue: list[tuple[float, float]] = field(default_factory=list)  # CUDA: see `backend.Enqueue`
-    window: list = field(default_factory=list)  # the real level: device clock marks before and after its work
+    window: list = field(default_factory=list)  # the real level on the CPU: clock marks before and after its work
     prefill_s: float = 0.0  # CPU: measured on the host
 
     def enqueue_prefills(self, loop: DecodeLoop, slot_of: np.ndarray, references: Sequence | None,
