@@ -97,7 +97,8 @@ class DeviceClock:
     """Device timestamps on the host's clock (`time.perf_counter` seconds): CUDA events timed from a reference event
     recorded, on an idle device, when the clock started, shifted by the offset of the latest waits the host blocked
     on (`Anchors`); on the CPU, where the work runs inside the host's calls, the host's own clock. The real level
-    marks each step's device window with it; both measured levels read the host's wake-up at each blocking wait."""
+    reads each step's device window with it (on CUDA the step's own events); both measured levels read the host's
+    wake-up at each blocking wait."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -108,19 +109,12 @@ class DeviceClock:
             self.reference.synchronize()
             self.reference_s = time.perf_counter()
             self.anchors = Anchors(self.reference_s, self.reference_s)
-            self.free: list[torch.cuda.Event] = []  # marks read back (`seconds_of`), recorded again by `mark`
-            self.own: set[int] = set()  # ids of the events `mark` made (only those go back to `free`)
 
     def mark(self):
-        """A mark at this point of the stream (an event recorded on it), or of the host on the CPU. Events are
-        reused: creating one and destroying it are driver calls, host time vLLM's loop does not spend."""
+        """A mark at this point of the stream (an event recorded on it), or of the host on the CPU."""
         if not self.cuda:
             return time.perf_counter()
-        if self.free:
-            event = self.free.pop()
-        else:
-            event = torch.cuda.Event(enable_timing=True)
-            self.own.add(id(event))  # kept alive by the pool from now on: its id stays its own
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -143,11 +137,10 @@ class DeviceClock:
         return self._timer(mark) + self.anchors.offset()
 
     def seconds_of(self, marks: list) -> tuple[float, ...]:
-        """`seconds` of each of `marks`; those the clock made go back to it for reuse."""
+        """`seconds` of each of `marks` (events on the stream: the step's own, or the clock's)."""
         if not self.cuda:
             return tuple(marks)
         offset = self.anchors.offset()  # the tightest anchor, found once for all of them
-        self.free.extend(m for m in marks if id(m) in self.own)
         return tuple(self._timer(m) + offset for m in marks)
 
     def _timer(self, mark) -> float:

@@ -189,13 +189,13 @@ class TorchBackend:
         # real loop's timeline would carry (results/host/real-loop/CONTENTS.md); on the CPU, the clock's own marks.
         own_window = not self.hil and not self.cuda
         if own_window:
-            launch.window = [self._mark()]  # before the step's first kernel
+            launch.window = [self.clock.mark()]  # before the step's first kernel
         with phase("launch"):
             with phase("gpu_prefill"):
                 launch.enqueue_prefills(self.loop, self.slots.of, self.references, timing, t0)
             step_s = launch.enqueue_decode(self.loop, timing, t0)
             if own_window:
-                launch.window.append(self._mark())  # after its last
+                launch.window.append(self.clock.mark())  # after its last
         self.n_launched += 1
         wall = time.perf_counter() - t0
         if timing is None:  # the CPU: the device work ran synchronously inside the launch
@@ -267,15 +267,6 @@ class TorchBackend:
         return self.clock.seconds_of(marks)
 
     # ---------------------------------------------------------------- helpers
-
-    def _mark(self):
-        """A mark of the real level's device clock. Its host time is the harness's, as hil's gate events are: left
-        out of the measured launch, so the real loop's next modelled work absorbs it (`realloop.RealLoop.work`)."""
-        t = time.perf_counter()
-        mark = self.clock.mark()
-        if self.timing is not None:
-            self.timing.host_s += time.perf_counter() - t
-        return mark
 
     def _leave(self, t0: float) -> float:
         """Seconds since `t0`, counted as time inside the backend."""
