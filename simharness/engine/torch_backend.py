@@ -183,11 +183,7 @@ class TorchBackend:
         self.syncs.start_step(step.step)
         if timing is not None:
             timing.start_launch()
-        # The real level's device window: on CUDA, events the step records anyway (a step with prefills: its first
-        # chunk's start and its end, `Launch.events`; a decode-only step: the decode loop's events around it,
-        # `DecodeLoop.span_marks`), since recording an event costs the host 12-38 µs on the H100 machines, which the
-        # real loop's timeline would carry (results/host/real-loop/CONTENTS.md); on the CPU, the clock's own marks.
-        own_window = not self.hil and not self.cuda
+        own_window = not self.hil and not self.cuda  # the CPU's window marks (`Launch.device_window`)
         if own_window:
             launch.window = [self.clock.mark()]  # before the step's first kernel
         with phase("launch"):
@@ -233,12 +229,7 @@ class TorchBackend:
                 self.ledger.blocked(start)
             t_read = time.perf_counter()
             read = launch.read(self.loop)
-            marks = launch.window
-            if not marks and not self.hil:
-                if launch.events:  # a step with prefills: its first chunk's start, its end (the readback's wait)
-                    marks = [launch.events[0], launch.events[-1]]
-                elif launch.result is not None:
-                    marks = self.loop.span_marks(launch.result)
+            marks = launch.device_window(self.loop) if not self.hil else []
             # The step's tensors and events are the decode loop's: they are freed here, in its readback, not
             # wherever Python drops the last reference (frees are driver calls, slow on some hosts).
             del launch
@@ -358,6 +349,18 @@ class Launch:
         if self.events:
             timing.mark(self.events)  # after the first tokens' copy: what the readback waits for
         return step_s
+
+    def device_window(self, loop: DecodeLoop) -> list:
+        """The real level's marks around the step's device work. On CUDA, events the step records anyway, since
+        recording one costs the host 12-38 µs on the H100 machines, which the real loop's timeline would carry
+        (results/host/real-loop/CONTENTS.md): a step with prefills, its first chunk's start and its end (what the
+        readback waits for); a decode-only step, the decode loop's events around it (`DecodeLoop.span_marks`). On the
+        CPU, the clock's own marks (`window`)."""
+        if self.window:
+            return self.window
+        if self.events:
+            return [self.events[0], self.events[-1]]
+        return loop.span_marks(self.result) if self.result is not None else []
 
     def wait(self, loop: DecodeLoop, clock: DeviceClock) -> float | None:
         """Block until the launch's device work is done; returns the host's wake-up (None: it did not block;
