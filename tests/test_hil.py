@@ -205,7 +205,8 @@ def test_part_timing_gates_each_part_until_enqueued(monkeypatch):
     """The gate in front of a part of a launch (CUDA only, so faked here): closed before the part's start event,
     opened once the part is enqueued; from the third part of a launch on, the host first waits for the end of the
     part two back, so that it cannot fill the stream's launch queue. An enqueue too long for the gate's polls
-    marks the launch starved. Without a gate (the real level) only the event is recorded."""
+    marks the launch starved. Without a gate (the real level) only the first part's start and the launch's end are
+    recorded."""
     from simharness.engine import timing as timing_module
 
     calls = []
@@ -244,16 +245,23 @@ def test_part_timing_gates_each_part_until_enqueued(monkeypatch):
     timing.start_launch()
     assert timing.host_s == 0 and not timing.starved
     calls.clear()
+    # the real level marks only the launch's first part's start, and its end (no part ends: its window is timed)
     plain = timing_module.PartTiming(gate=False)
+    events = []
     plain.before(events)
     plain.after(10.0)
-    assert calls == ["record"] and not plain.starved
+    plain.part_end(events)
+    plain.before(events)
+    plain.part_end(events)
+    assert calls == ["record"] and len(events) == 1 and not plain.starved
+    plain.mark(events)
+    assert calls == ["record", "record"] and len(events) == 2
 
 
 def test_cuda_launch_gates_each_prefill_chunk_and_the_decode_step(requests, model, plain_greedy, monkeypatch):
     """The CUDA path of launch and readback, run on the CPU with the spin kernel and the timing events faked:
     every prefill chunk gets its own gate and a start and end event, the decode step one gate and no event of
-    the backend's, a step with prefills one last event that the readback waits for; the prefill phase is the
+    the backend's, a step of prefills only one last event that the readback waits for; the prefill phase is the
     sum of its chunks' event intervals, the gates count as harness time, and the tokens are still right."""
     import time
 
@@ -326,7 +334,9 @@ def test_cuda_launch_gates_each_prefill_chunk_and_the_decode_step(requests, mode
     with_prefill = int((steps["n_prefill_reqs"] > 0).sum())
     assert chunks > N_REQUESTS  # some prompt took more than one chunk
     assert calls.count("gate") == calls.count("open") == chunks + decodes
-    assert calls.count("record") == 2 * chunks + with_prefill
+    prefills_only = int(((steps["n_prefill_reqs"] > 0) & (steps["decode_tokens"] == 0)).sum())
+    assert 0 < prefills_only < with_prefill  # a step with prefills and decodes waits for its decode step's end
+    assert calls.count("record") == 2 * chunks + prefills_only
     # every step is waited for at its readback, and from its third prefill chunk on each chunk waits for the end
     # of the chunk two back
     assert calls.count("wait") == len(steps) + int((steps["n_prefill_reqs"] - 2).clip(lower=0).sum())
@@ -416,7 +426,7 @@ def test_a_prefill_chunk_starts_on_the_device_when_its_graph_launch_returned():
             return self.launches[-1]
 
     timing = SimpleNamespace(host_s=0.0, before=lambda events: None, after=lambda seconds: None,
-                             mark=lambda events: None)  # fmt: skip
+                             part_end=lambda events: None)  # fmt: skip
     ids = torch.arange(16)
     for graphed in (True, False):
         loop = Loop(graphed)

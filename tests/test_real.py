@@ -85,6 +85,78 @@ def test_real_timeline_is_wall_clock_and_ordered(requests, model):  # noqa: F811
     assert set(syncs["name"]) == {"output_readback", "accepted_counts", "valid_draft_counts"}
 
 
+def test_cuda_launch_at_real_records_one_event_a_step_with_prefills(requests, model, plain_greedy, monkeypatch):  # noqa: F811
+    """The real level's CUDA launch, run on the CPU with the timing events faked: each event recorded costs the host
+    12-38 µs that the real loop's timeline carries, so a step with prefills records one, its first chunk's start,
+    and the decode step's own events (faked here) end its chunks and its window; a step of prefills only records its
+    end too. The prefill phase is the first chunk's start to the decode step's start, and the tokens are right."""
+    from simharness.engine import timing as timing_module
+    from simharness.engine import torch_backend
+
+    clock, records_made = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing: bool = True):
+            self.ms = None
+
+        def record(self):
+            clock[0] += 2.0  # each event 2 ms after the previous one
+            self.ms = clock[0]
+            records_made.append(self)
+
+        def elapsed_time(self, end) -> float:
+            return end.ms - self.ms
+
+        def synchronize(self):
+            pass
+
+    class Clock:  # the device clock, on the fake events' milliseconds
+        def wait(self, mark):
+            return None
+
+        def seconds_of(self, marks):
+            return tuple(m.ms / 1e3 for m in marks)
+
+    empty = torch_backend.torch.empty
+    monkeypatch.setattr(torch_backend.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(timing_module.torch.cuda, "Event", Event)
+    sc = hil_scenario(2, "optimistic", "ngram_gpu", "trim", budget=32).model_copy(deep=True)
+    sc.engine.level = "real"
+    mode = resolve_mode(sc)
+    backend = TorchBackend(sc, requests, model, mode, gate=False)
+    backend.cuda, backend.timing = True, timing_module.PartTiming(gate=False)
+    backend.clock, backend.start_clock = Clock(), lambda: None
+    spans = {}  # the decode loop's events around each step (CUDA only, so faked: 2 ms, then 2 ms more)
+    step_ = backend.loop.step
+
+    def step(*a, **k):
+        result = step_(*a, **k)
+        spans[result.step_id] = [Event(), Event()]
+        for event in spans[result.step_id]:
+            clock[0] += 2.0
+            event.ms = clock[0]
+        return result
+
+    backend.loop.step = step
+    backend.loop.span_marks = lambda result: spans[result.step_id]
+    backend.loop.done_mark = lambda result: spans[result.step_id][-1]
+    records, _ = RealLoop(sc, requests, mode, backend).run()
+    for rid, expected in enumerate(plain_greedy):
+        np.testing.assert_array_equal(emitted(backend, rid), expected, err_msg=f"request {rid}")
+    steps = records.steps_frame()
+    with_prefill = steps["n_prefill_reqs"] > 0
+    prefills_only = with_prefill & (steps["decode_tokens"] == 0)
+    assert (steps["n_prefill_reqs"] > 1).any() and prefills_only.any() and (with_prefill & ~prefills_only).any()
+    assert len(records_made) == with_prefill.sum() + prefills_only.sum()
+    # each step with prefills: its start event, then (2 ms on) the decode step's start or the launch's end
+    np.testing.assert_allclose(steps.loc[with_prefill, "gpu_prefill_s"], 2e-3)
+    np.testing.assert_allclose(steps.loc[~with_prefill, "gpu_prefill_s"], 0.0)
+    window = steps["gpu_end"] - steps["gpu_start"]
+    np.testing.assert_allclose(window[with_prefill & ~prefills_only], 4e-3)  # its start to the decode step's end
+    np.testing.assert_allclose(window[prefills_only], 2e-3)
+    np.testing.assert_allclose(window[~with_prefill], 2e-3)
+
+
 def test_open_loop_arrivals_are_honoured_in_wall_clock_time(requests, model):  # noqa: F811
     sc = hil_scenario(2, "optimistic", "ngram_gpu", "fill").model_copy(deep=True)
     sc.engine.level = "real"

@@ -275,7 +275,7 @@ class Readback(NamedTuple):
     out: StepOutput | None
     first: np.ndarray | None  # [2, n]: first tokens, their valid drafts
     first_rids: list[int]
-    chunks_s: list[float]  # CUDA: each prefill chunk's device time
+    chunks_s: list[float]  # CUDA: each prefill chunk's device time (hil); the real level's, one for all its chunks
     prefill_s: float
 
 
@@ -291,9 +291,10 @@ class Launch:
     prefills: list[tuple[int, int, bool, torch.Tensor]] = field(default_factory=list)  # rid, start, last chunk, ids
     result: StepResult | None = None
     first_rids: list[int] = field(default_factory=list)
-    first_device: torch.Tensor | None = None  # [2, n]: first tokens, their valid drafts
     first_host: torch.Tensor | None = None
-    events: list = field(default_factory=list)  # CUDA, steps with prefills: each chunk's start and end, then the end
+    # CUDA, steps with prefills: each chunk's start and end at hil, the first chunk's start at real; then, with no
+    # decode step, the launch's end
+    events: list = field(default_factory=list)
     enqueue: list[tuple[float, float]] = field(default_factory=list)  # CUDA: see `backend.Enqueue`
     window: list = field(default_factory=list)  # the real level on the CPU: clock marks before and after its work
     prefill_s: float = 0.0  # CPU: measured on the host
@@ -301,8 +302,8 @@ class Launch:
     def enqueue_prefills(self, loop: DecodeLoop, slot_of: np.ndarray, references: Sequence | None,
                          timing: PartTiming | None, t0: float) -> None:
         """Enqueue each prefill chunk (a last chunk also emits the first token and drafts, steered by its reference
-        where given); on CUDA each is timed by its own start and end events, and its enqueue noted relative to the
-        launch's start `t0`."""
+        where given), then the first tokens' copy to the host; on CUDA each chunk is timed (`PartTiming`) and its
+        enqueue noted relative to the launch's start `t0`."""
         firsts, valid = [], []
         for rid, start, last, ids in self.prefills:
             if timing is not None:
@@ -326,13 +327,15 @@ class Launch:
                 launched = loop.prefill_launched()
                 begin = (t if launched is None else launched) - t0 - timing.host_s
                 self.enqueue.append((begin, t + enqueue - t0 - timing.host_s))
-                timing.mark(self.events)  # the chunk's end on the device
+                timing.part_end(self.events)  # the chunk's end on the device (hil)
         if firsts:
-            self.first_device = torch.stack([torch.cat(firsts), torch.cat(valid)])
+            # copied before the decode step, whose end event then covers the copy too
+            first = torch.stack([torch.cat(firsts), torch.cat(valid)])
+            host = torch.empty(first.shape, dtype=torch.int64, pin_memory=loop.cuda)
+            self.first_host = host.copy_(first, non_blocking=loop.cuda)
 
     def enqueue_decode(self, loop: DecodeLoop, timing: PartTiming | None, t0: float) -> float:
-        """Enqueue the decode step, if any, then the first tokens' copy to the host; returns the step's enqueue
-        time."""
+        """Enqueue the decode step, if any; returns its enqueue time."""
         step_s = 0.0
         if len(self.decode_rids):
             if timing is not None:
@@ -343,11 +346,8 @@ class Launch:
             if timing is not None:
                 timing.after(step_s)
                 self.enqueue += decode_enqueue(loop, self.result, t0 + timing.host_s)
-        if self.first_device is not None:
-            host = torch.empty(self.first_device.shape, dtype=torch.int64, pin_memory=loop.cuda)
-            self.first_host = host.copy_(self.first_device, non_blocking=loop.cuda)
-        if self.events:
-            timing.mark(self.events)  # after the first tokens' copy: what the readback waits for
+        if self.events and self.result is None:
+            timing.mark(self.events)  # prefills only: their end, after the first tokens' copy (what readback waits for)
         return step_s
 
     def device_window(self, loop: DecodeLoop) -> list:
@@ -359,25 +359,28 @@ class Launch:
         if self.window:
             return self.window
         if self.events:
-            return [self.events[0], self.events[-1]]
+            return [self.events[0], self._end(loop)]
         return loop.span_marks(self.result) if self.result is not None else []
+
+    def _end(self, loop: DecodeLoop):
+        """The event after everything the launch enqueued on CUDA: the decode step's last, else the launch's own."""
+        if self.result is not None:
+            return loop.done_mark(self.result)
+        return self.events[-1] if self.events else None  # None: the CPU, where the work ran inside the launch
 
     def wait(self, loop: DecodeLoop, clock: DeviceClock) -> float | None:
         """Block until the launch's device work is done; returns the host's wake-up (None: it did not block;
         `DeviceClock.wait`)."""
-        if self.window:
-            last = self.window[-1]  # after everything the step enqueued
-        elif self.events:
-            last = self.events[-1]  # the step, its readback copy and the first tokens' copy
-        else:
-            last = loop.done_mark(self.result)
+        last = self.window[-1] if self.window else self._end(loop)  # after everything the step enqueued
         return clock.wait(last)  # on the CPU, nothing to wait for: the work ran inside the launch
 
     def read(self, loop: DecodeLoop) -> Readback:
         """Read back what the launch computed (after `wait`)."""
         out = loop.readback(self.result) if self.result is not None else None
         first = self.first_host.numpy().copy() if self.first_host is not None else None
-        marks = self.events  # CUDA: each prefill chunk's start and end, then the step's end
+        marks = self.events  # pairs: each chunk's start and end (hil), or the first's start and the launch's end (real)
+        if len(marks) == 1 and self.result is not None:  # the real level's chunks end where the decode step begins
+            marks = [marks[0], loop.span_marks(self.result)[0]]
         chunks_s = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(0, len(marks) - 1, 2)]
         return Readback(out, first, self.first_rids, chunks_s, self.prefill_s + sum(chunks_s))
 
