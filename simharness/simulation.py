@@ -64,10 +64,6 @@ class Simulation:
         self.loop = EngineLoop(sc, requests, mode, backend, self)
         self.core = self.loop.core
         self.backend = backend
-        self.sync_s = self.loop.cost.sync()  # hil: a modelled sync's own host time, once its GPU event fired
-        # the sim charges each step's modelled readback once, where the real loop reads it (`synced`, `read`); hil
-        # keeps its measured readback at the settle, where it measured it
-        self.reads_at_syncs = not backend.measured
         self.env = simpy.Environment()
         self.stream: deque[Step] = deque()  # launched steps the GPU has not started
         self.gpu_idle: Wake | None = None  # set while the GPU waits for a launch
@@ -179,25 +175,28 @@ class Simulation:
 
     def synced(self, t: float, target: Step | None, op_s: float | None) -> float:
         """The host's time runs ahead of the clock: the sync starts at `t` or when its step ended on the GPU, whichever
-        is later (the loop waited for the newest step it may wait for). The sim's sync that waits for data reads back
-        every launched step up to it not read yet, in launch order, as the real loop does (`realloop.RealLoop.synced`;
-        the grid shows no cost of its own beyond them, docs/calibration.md); one with a device operation
-        (`modes.DEVICE_OP_SYNCS`, `op_s`) costs the operation after the wait, at every level; hil's other syncs cost
-        a sync's own host time. Only the engine launches, so what a sync waits for cannot change meanwhile."""
-        if op_s is None and self.reads_at_syncs:
+        is later (the loop waited for the newest step it may wait for). A sync that waits for data reads back every
+        launched step up to it not read yet, in launch order, as the real loop does (`realloop.RealLoop.synced`; the
+        grid shows no cost of its own beyond them, docs/calibration.md): each step's readback (modelled, or hil's
+        measured one and, where the host blocked on it, its wake-up), once, and not again at its settle. One with a
+        device operation (`modes.DEVICE_OP_SYNCS`, `op_s`) costs the operation after the wait, at every level. Only
+        the engine launches, so what a sync waits for cannot change meanwhile."""
+        if op_s is None:
             if target is not None:
                 for step in self.core.through(target):
                     if step.read_back is None:
-                        t = step.read_back = max(t, step.gpu_end) + step.readback_s
+                        blocked = step.gpu_end > t
+                        t = max(t, step.gpu_end) + step.readback_s + (step.wake_s if blocked else 0.0)
+                        step.read_back = t
             return t
         if target is not None and target.gpu_end > t:
             t = target.gpu_end
-        return t + (self.sync_s if op_s is None else op_s)
+        return t + op_s
 
     def read(self, step: Step, t: float) -> float:
-        """The settle's readback, unless a sync read the step already (the sim's steps only). A host that reached the
-        settle before the step ended blocked on it, and hil adds the wake-up it measured at the real wait (the sim's
-        readback cost, fitted on the real level's steps, holds its wake-ups already)."""
+        """The settle's readback, unless a sync read the step already. A host that reached the settle before the step
+        ended blocked on it, and hil adds the wake-up it measured at the real wait (the sim's readback cost, fitted on
+        the real level's steps, holds its wake-ups already)."""
         blocked = step.gpu_end > t
         t = max(t, self.env.now)
         if step.read_back is not None:

@@ -197,6 +197,21 @@ def test_a_sync_that_reads_two_steps_charges_two_reads_and_their_settles_none():
     assert sim.synced(3.5, steps[1], 4e-6) == 3.5 + 4e-6  # the backend's own operation (hil's what-ifs)
 
 
+def test_a_sync_adds_a_measured_steps_wake_up_only_where_it_blocked():
+    """hil reads at a sync as the real loop does: a measured step's readback, plus the wake-up its real wait
+    measured where the host reached the sync before the step's end, none where the step had ended; its settle then
+    costs nothing more."""
+    sc = scenario(depth=3)
+    reqs = make_requests(1, 8, 4)
+    sim = Simulation(sc, reqs, resolve_mode(sc), model_backend(sc, reqs, resolve_mode(sc)))
+    steps = [Step(0, None, gpu_end=1.0, readback_s=20e-6, wake_s=5e-6),
+             Step(1, None, gpu_end=2.0, readback_s=30e-6, wake_s=7e-6)]
+    sim.core.in_flight.extend(steps)
+    assert sim.synced(0.5, steps[0], None) == pytest.approx(1.0 + 20e-6 + 5e-6)
+    assert sim.synced(2.5, steps[1], None) == pytest.approx(2.5 + 30e-6)
+    assert sim.read(steps[0], 3.0) == 3.0 and sim.read(steps[1], 3.0) == 3.0
+
+
 def test_a_settle_pays_the_hosts_wake_up_only_where_it_blocked_on_the_step():
     """hil's wake-up measured at the real wait (`StepTiming.wake_s`) is host time after the step's end: a settle
     reached before the step ended blocked on it and pays the wake-up after its readback; one reached after the
