@@ -124,6 +124,7 @@ def write_fidelity(run_dir: Path, levels: list[str] | None = None) -> FidelityRe
                  "prefill_enqueue": prefill_enqueue(summary, steps).to_dict(orient="records"),
                  "period": period_split(summary, steps).to_dict(orient="records"),
                  "step_kinds": step_kinds(summary, steps).to_dict(orient="records"),
+                 "gaps": timeline_gaps(summary, steps).to_dict(orient="records"),
                  "host": host_speed(summary).to_dict(orient="records")}  # fmt: skip
         (run_dir / "fidelity.json").write_text(json.dumps(facts, indent=1, default=float))
         from simharness.fidelity_report import write_fidelity_report  # matplotlib: only when a report is drawn
@@ -183,9 +184,14 @@ def agreement(summary: pd.DataFrame) -> pd.DataFrame:
 PERIOD_PARTS = {"schedule": ("schedule_start", "schedule_end"), "prep": ("prep_start", "prep_end"),
                 "launch": ("prep_end", "launch_end"), "device_after_launch": ("launch_end", "gpu_end"),
                 "end_to_settle": ("gpu_end", "update_start"), "settle": ("update_start", "propose_end")}
-# the step columns `overhead`, `prefill_enqueue`, `period_split` and `step_kinds` read
-STEP_COLUMNS = ["point", "step", "n_prefill_reqs", "schedule_start", "schedule_end", "prep_start", "prep_end",
-                "launch_end", "gpu_start", "gpu_end", "update_start", "propose_end", "harness_s", "gpu_prefill_s"]
+# a step's timestamps in the order a step passes them (`timeline_gaps` breaks ties between steps by it); not the
+# device's start, which the levels place differently within the launch (hil where the graph's launch returned, the
+# real level at its first event, before the staging: docs/hil.md)
+TIMELINE = ["schedule_start", "schedule_end", "prep_start", "prep_end", "launch_end", "gpu_end", "update_start",
+            "update_end"]
+# the step columns `overhead`, `prefill_enqueue`, `period_split`, `step_kinds` and `timeline_gaps` read
+STEP_COLUMNS = ["point", "step", "n_prefill_reqs", *TIMELINE, "gpu_start", "propose_end", "harness_s",
+                "gpu_prefill_s"]
 # 20 ms: the bound over which hil flags a part as one that may have outlasted its gate (engine/timing.STARVED_S);
 # 80 ms: a gate's life on the H100 (docs/hil.md).
 ENQUEUE_BOUNDS_MS = (20, 40, 80)
@@ -271,6 +277,33 @@ def step_kinds(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
                      "chunk_ms": float(s.loc[chunk, "gpu_prefill_s"].median() * 1e3)})  # fmt: skip
     table = pd.DataFrame(rows, columns=columns)
     return _sweep_order(table.groupby(["config", "level"], sort=False)[parts].median().reset_index(), summary)
+
+
+def timeline_gaps(summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per point, level and pair of events: every step's timestamps (TIMELINE) merged in time order, and the median
+    gap from an event to the next one, by the pair they form (`gpu_end → prep_start`: a step's device end to the next
+    step's prep), over the gaps between two decode-only steps' events; medians over the point's runs, µs. Where a
+    measured level's TPOT differs from the real level's, a gap on the host's critical path differs: stop 49 found
+    hil's bias this way (docs/hil.md, "Where hil read back"). `share` is the pair's gaps per decode-only step."""
+    columns = ["config", "level", "pair", "gap_us", "share"]
+    if not len(steps) or not len(summary):
+        return pd.DataFrame(columns=columns)
+    rank = {e: i for i, e in enumerate(TIMELINE)}
+    rows = []
+    for (config, level), s in _point_steps(summary, steps, ["config", "level"]):
+        events = s.melt(id_vars=["step", "n_prefill_reqs"], value_vars=TIMELINE, var_name="event", value_name="t")
+        events = events.assign(rank=events["event"].map(rank)).sort_values(["t", "rank"], kind="stable")
+        decode, nxt = events["n_prefill_reqs"].to_numpy() == 0, events.shift(-1)
+        keep = decode & (nxt["n_prefill_reqs"].to_numpy() == 0)  # the last event's next is NaN: dropped too
+        gaps = pd.DataFrame({"pair": (events["event"] + " → " + nxt["event"])[keep],
+                             "gap": (nxt["t"] - events["t"])[keep] * 1e6})
+        n_decode = max(int((s["n_prefill_reqs"] == 0).sum()), 1)
+        for pair, g in gaps.groupby("pair", sort=False):
+            rows.append({"config": config, "level": level, "pair": pair, "gap_us": float(g["gap"].median()),
+                         "share": len(g) / n_decode})
+    table = pd.DataFrame(rows, columns=columns)
+    table = table.groupby(["config", "level", "pair"], sort=False)[["gap_us", "share"]].median().reset_index()
+    return _sweep_order(table, summary)
 
 
 def _point_steps(runs: pd.DataFrame, steps: pd.DataFrame, fields: list[str]):

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 
 from simharness.report import _cell, _header, _markdown_table
 from simharness.scenario import Scenario
+from simharness.stats import REFERENCE
 
 MARKERS = {"sim": "s", "hil": "o"}
 SCATTER = [("mean_tpot_ms", "mean TPOT (ms)"), ("p99_tpot_ms", "P99 TPOT (ms)"), ("mean_ttft_ms", "mean TTFT (ms)"),
@@ -52,6 +53,8 @@ def write_fidelity_report(run_dir: Path, sc: Scenario, summary: pd.DataFrame, er
         _period_table(facts["period"]),
         "## Decode-only steps and steps with a prefill chunk\n",
         _kinds_table(facts["step_kinds"]),
+        "## Where the timelines part\n",
+        _gaps_table(facts["gaps"]),
         "## Prefill enqueue on the host\n",
         _enqueue_table(facts["prefill_enqueue"]),
         "## The host during the runs\n",
@@ -160,6 +163,34 @@ def _kinds_table(kinds: list[dict]) -> str:
     headers = ["point", "level", "decode-only steps", "period ms", "steps with a chunk", "period ms", "their share",
                "chunk ms"]
     return note + _markdown_table(headers, rows)
+
+
+# the pairs of events a point lists per level: those that differ most from the real level's, among those that
+# come at least once every other decode-only step at both levels
+TOP_GAPS, MIN_SHARE = 3, 0.5
+
+
+def _gaps_table(gaps: list[dict]) -> str:
+    """Per point and level, the pairs of consecutive events whose median gap differs most from the real level's
+    (`fidelity.timeline_gaps`)."""
+    table = pd.DataFrame(gaps)
+    if not len(table) or REFERENCE not in set(table["level"]):
+        return "No point with the real level's step records.\n"
+    common = table[table["share"] >= MIN_SHARE]
+    real = common[common["level"] == REFERENCE].set_index(["config", "pair"])["gap_us"]
+    pairs = common[common["level"] != REFERENCE].join(real.rename("real_us"), on=["config", "pair"], how="inner")
+    order = pairs.groupby(["config", "level"], sort=False).ngroup()  # the sweep's order of points and levels
+    pairs = pairs.assign(diff=pairs["gap_us"] - pairs["real_us"], order=order)
+    pairs = pairs.assign(size=-pairs["diff"].abs()).sort_values(["order", "size"], kind="stable")
+    top = pairs.groupby("order", sort=False).head(TOP_GAPS)
+    rows = [[r.config, r.level, r.pair, f"{r.gap_us:.0f}", f"{r.real_us:.0f}", f"{r.diff:+.0f}", f"{r.share:.2f}"]
+            for r in top.itertuples()]
+    note = ("Every step's timestamps merged in time order; the median gap from an event to the next, by the pair they "
+            "form, between decode-only steps' events, µs (medians over the point's runs). Per point and level, the "
+            f"{TOP_GAPS} pairs that differ most from the real level's, among those seen at least every other step: "
+            "where a level's TPOT differs from the real level's, a gap on the host's critical path does (docs/hil.md, "
+            "\"Where hil read back\").\n\n")
+    return note + _markdown_table(["point", "level", "events", "µs", "real µs", "difference", "per step"], rows)
 
 
 def _enqueue_table(enqueue: list[dict]) -> str:

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from simharness.cli import app
 from simharness.fidelity import (
+    TIMELINE,
     check_tolerances,
     fidelity_points,
     host_speed,
@@ -18,8 +19,10 @@ from simharness.fidelity import (
     run_fidelity,
     spread,
     step_kinds,
+    timeline_gaps,
     worst_runs,
 )
+from simharness.fidelity_report import _gaps_table
 from simharness.runner import ignored_fields
 from simharness.scenario import load_scenario, scenario_from_dict
 from simharness.stats import METRICS, error_stats, error_table
@@ -154,6 +157,39 @@ def test_step_kinds_by_hand():
     assert step_kinds(summary, steps.iloc[:0]).empty
 
 
+def test_timeline_gaps_by_hand():
+    """Every step's events in time order, the median gap per pair of consecutive events, only between decode-only
+    steps' events, medians over runs; ties within a step keep the step's order. The report lists, per point and
+    level, the pairs that differ most from the real level's."""
+    summary = pd.DataFrame({"point": ["h0", "h1", "r0"], "config": ["a", "a", "a"], "level": ["hil", "hil", "real"]})
+    # per step, µs: schedule, (prep starts as schedule ends), prep, launch, device, end to settle, settle, gap
+    hil_parts, real_parts = [5, 0, 10, 20, 1000, 40, 15], [5, 0, 10, 20, 1000, 100, 15]
+
+    def run(point, parts, gap_us, prefills):
+        rows, t = [], 0.0
+        for i, n in enumerate(prefills):
+            times = np.cumsum([t, *(p * 1e-6 for p in parts)])
+            rows.append({"point": point, "step": i, "n_prefill_reqs": n, **dict(zip(TIMELINE, times, strict=True))})
+            t = times[-1] + gap_us * 1e-6
+        return rows
+
+    steps = pd.DataFrame([*run("h0", hil_parts, 10, [0, 0, 1, 0]), *run("h1", hil_parts, 30, [0, 0, 1, 0]),
+                          *run("r0", real_parts, 20, [0, 0, 1, 0])])  # fmt: skip
+    table = timeline_gaps(summary, steps).set_index(["level", "pair"])
+    assert table.loc[("hil", "schedule_end → prep_start"), "gap_us"] == pytest.approx(0)
+    assert table.loc[("hil", "gpu_end → update_start"), "gap_us"] == pytest.approx(40)
+    assert table.loc[("real", "gpu_end → update_start"), "gap_us"] == pytest.approx(100)
+    # the gap to the next step only from step 0 to 1 (2 is a chunk step): the median of 10 and 30, 1 of 3 steps
+    assert table.loc[("hil", "update_end → schedule_start"), ["gap_us", "share"]].tolist() == pytest.approx([20, 1 / 3])
+    assert table.loc[("hil", "prep_end → launch_end"), "share"] == pytest.approx(1.0)
+    assert len(table) == 2 * 8  # seven pairs within a step and one between steps, per level
+    report = _gaps_table(timeline_gaps(summary, steps).to_dict(orient="records"))
+    rows = [line for line in report.splitlines() if line.startswith("| a | hil")]
+    assert len(rows) == 3 and rows[0].startswith("| a | hil | gpu_end → update_start | 40 | 100 | -60 |")
+    assert timeline_gaps(summary, steps.iloc[:0]).empty
+    assert _gaps_table([]).startswith("No point")
+
+
 def test_host_speed_by_hand():
     summary = pd.DataFrame({"level": ["sim", "hil", "hil", "real", "real", "real"],
                             "host_slowdown": [float("nan"), 1.0, 1.5, 1.1, 1.3, 1.0],
@@ -212,6 +248,10 @@ def test_fidelity_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     report = result.report.read_text()
     assert "## Where a decode step's time goes" in report
     assert "## Decode-only steps and steps with a prefill chunk" in report
+    gaps = pd.DataFrame(facts["gaps"])
+    assert set(gaps["level"]) == {"sim", "hil", "real"} and (gaps["gap_us"] >= 0).all()
+    section = report.split("## Where the timelines part")[1].split("## ")[0]
+    assert any(" | hil | " in line and " → " in line for line in section.splitlines())
     assert {r["level"] for r in facts["worst_runs"]} == {"sim", "hil"}
     assert "Each level's worst point in mean TPOT" in report
     assert "## Error per level and metric" in report and "hil" in report
