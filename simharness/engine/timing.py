@@ -63,7 +63,7 @@ class PartTiming:
             self.mark(events)
 
     def mark(self, events: list) -> None:
-        """Record the end of the launch in `events`."""
+        """Record an event in `events` now: the end of a part (`part_end`) or of the launch."""
         t = time.perf_counter()
         record(events)
         self.host_s += time.perf_counter() - t
