@@ -2,7 +2,8 @@
 
 GPU step time = fixed overhead + a fixed latency per layer of each forward (the decode step's and each
 prefill chunk's) + the matrix products' max(weight bytes / bandwidth, FLOPs / peak) (weights read once per
-forward) + the attention's max(KV bytes / bandwidth, FLOPs / peak), plus the rejection sampler (reads the
+forward) + the attention's max(KV bytes / bandwidth, FLOPs / peak) (a later chunk's pairs with its prefix at
+their own, lower efficiency), plus the rejection sampler (reads the
 logits), the GPU n-gram proposer and the optimistic correction kernel (docs/validation.md, "The uncalibrated
 roofline"). Host phase costs are
 linear in requests and tokens with the scenario's `engine.host_costs`. With `engine.calibration` the step time
@@ -69,6 +70,9 @@ class CostModel:
         flops = (g.bf16_tflops or self.gpu.bf16_tflops) * 1e12 * g.compute_efficiency
         self.sec_per_byte = 1.0 / bw
         self.sec_per_flop = 1.0 / flops
+        # a later prefill chunk's pairs with the prompt before it run in the Triton prefix kernel, far below the
+        # GEMMs' efficiency (docs/validation.md, "The uncalibrated roofline")
+        prefix_s_per_flop = 1.0 / (flops / g.compute_efficiency * g.prefix_attention_efficiency)
         self.correction = optimistic_correction
         # fixed part of every step: overhead, sampler, proposer, correction
         self.fixed_s = (
@@ -86,7 +90,7 @@ class CostModel:
         random_s_per_token = (g.sampler_random_factor - 1.0) * s.vocab_size * 4 * self.sec_per_byte
         forward_s = s.n_layers * g.layer_latency_us * 1e-6  # a forward's kernel latencies
         self.rates = np.array([self.fixed_s, self.sec_per_byte, self.sec_per_flop, ngram_s_per_token,
-                               random_s_per_token, forward_s])
+                               random_s_per_token, forward_s, prefix_s_per_flop])
         # a full garbage collection's pause (sim: every `gc.full_every` allocations prep makes)
         self.full_gc_s = engine.gc.heap_objects * self.h.gc_ns_per_object * 1e-9
 
@@ -119,17 +123,18 @@ class CostModel:
 
 # Coefficients of `gpu_seconds`: CostModel.sizes and CostModel.rates.
 WEIGHT_BYTES, KV_BYTES_PER_TOKEN, LINEAR_FLOPS_PER_TOKEN, ATTN_FLOPS_PER_PAIR, LOGIT_BYTES = range(5)
-FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN, RANDOM_S_PER_TOKEN, FORWARD_S = range(6)
+FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN, RANDOM_S_PER_TOKEN, FORWARD_S, PREFIX_S_PER_FLOP = range(7)
 
 
 @njit
 def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int,
-                random_tokens: int, forwards: int) -> float:
+                random_tokens: int, forwards: int, prefix_pairs: int) -> float:
     """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache after the
     step (context + query), `pairs2` twice the attention pairs (sum over requests of query * (2 * context +
     query + 1)), `history` tokens the GPU n-gram proposer scans (its rate is 0 without it), `random_tokens`
     verified tokens of rows sampled at a temperature (the sampler's random path), `forwards` the step's forward
-    passes (the decode step's, each prefill chunk's: each reads the weights and pays its layers' latency)."""
+    passes (the decode step's, each prefill chunk's: each reads the weights and pays its layers' latency),
+    `prefix_pairs` the pairs of later prefill chunks with the prompt before them (part of `pairs2` / 2)."""
     # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
     # of query * (context + (query + 1) / 2) over the batch in any order. Sizes times token counts are exact
     # integers, rounded once when scaled by a rate.
@@ -138,7 +143,8 @@ def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: in
     linear = max(sizes[WEIGHT_BYTES] * forwards * rates[SEC_PER_BYTE],
                  sizes[LINEAR_FLOPS_PER_TOKEN] * tokens * rates[SEC_PER_FLOP])
     attention = max(sizes[KV_BYTES_PER_TOKEN] * kv_tokens * rates[SEC_PER_BYTE],
-                    sizes[ATTN_FLOPS_PER_PAIR] * pairs * rates[SEC_PER_FLOP])
+                    sizes[ATTN_FLOPS_PER_PAIR] * ((pairs - prefix_pairs) * rates[SEC_PER_FLOP]
+                                                  + prefix_pairs * rates[PREFIX_S_PER_FLOP]))
     # the sampler reads fp32 logits of every verified position
     sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
     proposer = rates[NGRAM_S_PER_TOKEN] * history

@@ -182,6 +182,7 @@ def _run_step(
     size = table.shape[1]
     tokens = kv_tokens = pairs2 = history = random_tokens = 0
     decode_rows = decode_context = prefill_reqs = prefill_tokens = prefill_context = prefill_padded = 0
+    prefix_pairs = 0  # a later chunk's pairs with the prompt before it
     any_drafts = False
     for i in range(size):
         rid = table[REQ, i]
@@ -195,6 +196,7 @@ def _run_step(
             prefill_reqs += 1
             prefill_tokens += t
             prefill_context += c
+            prefix_pairs += t * c
             prefill_padded += prefill_bucket(t)  # the real loop replays the chunk's token-bucket graph
             if table[COMPLETES, i]:  # the last prefill chunk samples the first token
                 truth[CONTEXT, rid] += 1
@@ -239,7 +241,8 @@ def _run_step(
                                   prefill_padded, random_tokens, history, prefill_context)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
-    return gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards), next_uniform
+    seconds = gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards, prefix_pairs)
+    return seconds, next_uniform
 
 
 @njit

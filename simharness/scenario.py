@@ -200,6 +200,11 @@ class GpuCosts(Strict):
     bf16_tflops: float | None = Field(None, ge=0.01)
     mem_efficiency: float = Field(0.8, ge=0.01, le=1, description="achieved fraction of bandwidth")
     compute_efficiency: float = Field(0.6, ge=0.01, le=1, description="achieved fraction of peak FLOPs")
+    prefix_attention_efficiency: float = Field(
+        0.09, ge=0.001, le=1, description="achieved fraction of peak FLOPs in a later prefill chunk's pairs with the "
+        "prompt before it (the Triton prefix kernel; the default measured: docs/validation.md, "
+        "results/kernels/verify-and-prefill/prefill-1b.txt)",
+    )
     step_overhead_us: NonNegFloat = Field(30.0, description="fixed per-step GPU time (graph launch, norms)")
     layer_latency_us: NonNegFloat = Field(
         24.0, description="fixed GPU time per layer of each forward (the decode step's and each prefill chunk's): "
