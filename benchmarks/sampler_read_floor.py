@@ -31,7 +31,7 @@ READS = ((1024, 1), (2048, 2), (4096, 4), (8192, 8))  # (elements a program, war
 @triton.jit
 def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     """One program sums BLOCK consecutive elements: a streaming read with one float written per program."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: buffers past 2^31 elements
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(out_ptr + tl.program_id(0), tl.sum(x.to(tl.float32)))
 
