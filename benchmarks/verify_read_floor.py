@@ -11,7 +11,9 @@ in a CUDA graph and replayed (so the host adds nothing); `one kernel` reads a bu
 one launch. Device ms by `bench.time_call` (25-call medians after an L2 flush), the median of 3 rounds with the
 lowest-highest round, as multiples of the weight-read floor (the matrices' bytes over the measured copy bandwidth).
 A forward whose products run as separate kernels reads its weights no faster than `per matrix`, whatever the
-products compute, before its attention, norms and activations.
+products compute, before its attention, norms and activations. Then the same matrices as cuBLAS products
+(`F.linear`) of 1 to 512 token rows, one graph a row count: what a forward's GEMMs cost by the tokens it verifies,
+against the floor and against the bare reads (the small-batch GEMM efficiency a cost profile would need).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import functools
 import statistics
 
 import torch
+import torch.nn.functional as F
 from sampler_read_floor import triton_read  # noqa: E402 (benchmarks/ is the script's directory)
 
 from simharness.bench import measure_copy_bandwidth, time_call
 from simharness.models import model_config
 
 ROUNDS, REPEATS, BLOCK, WARPS = 3, 25, 1024, 1
+ROWS = (1, 2, 4, 5, 8, 10, 16, 20, 32, 40, 64, 80, 128, 160, 256, 320, 512)  # B x (1 + k) at k = 0 and 4, and more
 
 
 def matrices(model: str) -> list[tuple[int, int]]:
@@ -54,6 +58,7 @@ def graphed(calls: list) -> torch.cuda.CUDAGraph:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.2-1b", "llama-3-8b"])
+    parser.add_argument("--rows", nargs="*", type=int, default=list(ROWS), help="tokens of the GEMM rows (none: skip)")
     args = parser.parse_args()
     device = torch.device("cuda")
     copy_gbps = measure_copy_bandwidth(device, quick=False)
@@ -78,7 +83,17 @@ def main() -> None:
         for name, ms in times.items():
             median = statistics.median(ms)
             print(f"  {name:11} {median:7.3f} ms ({min(ms):.3f}-{max(ms):.3f}) {median / floor_ms:5.2f}x the floor")
-        del weights, flats, outs, reads, whole, whole_out, per_matrix, one
+        del flats, outs, reads, whole, whole_out, one
+        read_ms = statistics.median(times["per matrix"])
+        for rows in args.rows:  # the same matrices as cuBLAS products of `rows` tokens (torch's F.linear)
+            inputs = [torch.ones(rows, cols, dtype=torch.bfloat16, device=device) for _, cols in shapes]
+            gemms = graphed([functools.partial(F.linear, x, w) for x, w in zip(inputs, weights, strict=True)])
+            ms = [time_call(gemms.replay, device, REPEATS)[0] for _ in range(ROUNDS)]
+            median = statistics.median(ms)
+            print(f"  GEMMs at {rows:4} rows {median:7.3f} ms ({min(ms):.3f}-{max(ms):.3f}) "
+                  f"{median / floor_ms:5.2f}x the floor, {median / read_ms:5.2f}x the reads")  # fmt: skip
+            del inputs, gemms
+        del weights, per_matrix
         torch.cuda.empty_cache()
 
 
