@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from simharness.bench import time_call
+from simharness.bench import time_rounds
 from simharness.engine.model_triton import rope_attention_triton
 from simharness.models import model_config
 
@@ -60,7 +60,7 @@ def main() -> None:
             cells = []
             for context in contexts:
                 call, layers = attention_call(model, rows, context, device)
-                us = [time_call(call, device, repeats)[0] * 1e3 for _ in range(rounds)]
+                us = [1e3 * ms for ms in time_rounds({"attention": call}, device, repeats, rounds)["attention"]]
                 median = statistics.median(us)
                 spread = f"{min(us):.1f}-{max(us):.1f}"
                 cells.append(f"ctx {context:5}: {median * layers / 1e3:6.3f} ({median:6.1f}, {spread})")

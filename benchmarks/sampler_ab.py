@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from simharness.bench import measure_copy_bandwidth, time_call
+from simharness.bench import measure_copy_bandwidth, time_rounds
 from simharness.kernels import rejection_triton
 from simharness.kernels.rejection_triton import rejection_sample_triton as new_sampler
 
@@ -107,12 +107,8 @@ def compare(old: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, tor
 
 
 def timed(calls: dict[str, Callable[[], object]], device: torch.device) -> dict[str, list[float]]:
-    """µs of each call, `ROUNDS` rounds, the calls alternating within a round."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
-            times[name].append(time_call(call, device, REPEATS)[0] * 1e3)
-    return times
+    """µs of each call, `ROUNDS` rounds, the calls alternating within a round (`bench.time_rounds`)."""
+    return {name: [ms * 1e3 for ms in times] for name, times in time_rounds(calls, device, REPEATS, ROUNDS).items()}
 
 
 def cell(us: list[float], read_bytes: int, copy_gbps: float, batch: int) -> str:

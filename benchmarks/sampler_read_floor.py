@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from simharness.bench import measure_copy_bandwidth, time_call
+from simharness.bench import measure_copy_bandwidth, time_rounds
 from simharness.kernels.rejection_triton import rejection_sample_triton
 
 K, VOCAB, ROUNDS, REPEATS, ROW = 4, 128256, 3, 25, 4096
@@ -38,15 +38,6 @@ def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def triton_read(flat: torch.Tensor, out: torch.Tensor, block: int, warps: int) -> None:
     _read_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block, num_warps=warps)
-
-
-def timed(calls: dict[str, object], device: torch.device) -> dict[str, list[float]]:
-    """µs of each call, `ROUNDS` rounds, the calls alternating within a round."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
-            times[name].append(time_call(call, device, REPEATS)[0] * 1e3)
-    return times
 
 
 def main() -> None:
@@ -75,7 +66,8 @@ def main() -> None:
                 "random": lambda args=random: rejection_sample_triton(*args, seed=seed),
             }
             floor_us = logits.numel() * logits.element_size() / (copy_gbps * 1e9) * 1e6
-            for name, us in timed(calls, device).items():
+            for name, ms in time_rounds(calls, device, REPEATS, ROUNDS).items():
+                us = [1e3 * m for m in ms]
                 median = statistics.median(us)
                 print(f"{str(dtype).removeprefix('torch.'):8} {batch:4} floor {floor_us:6.1f} us  {name:20} "
                       f"{median:6.1f} ({min(us):.1f}-{max(us):.1f}) {median / floor_us:5.2f}x", flush=True)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from sampler_read_floor import triton_read  # noqa: E402 (benchmarks/ is the script's directory)
 
-from simharness.bench import measure_copy_bandwidth, time_call
+from simharness.bench import measure_copy_bandwidth, time_rounds
 from simharness.models import model_config
 
 ROUNDS, REPEATS, BLOCK, WARPS = 3, 25, 1024, 1
@@ -76,10 +76,7 @@ def main() -> None:
         one = graphed([functools.partial(triton_read, whole, whole_out, BLOCK, WARPS)])
         floor_ms = total * 2 / (copy_gbps * 1e9) * 1e3
         print(f"{model}: {len(shapes)} matrices, {total * 2 / 1e9:.3f} GB, floor {floor_ms:.3f} ms")
-        times: dict[str, list[float]] = {"per matrix": [], "one kernel": []}
-        for _ in range(ROUNDS):
-            times["per matrix"].append(time_call(per_matrix.replay, device, REPEATS)[0])
-            times["one kernel"].append(time_call(one.replay, device, REPEATS)[0])
+        times = time_rounds({"per matrix": per_matrix.replay, "one kernel": one.replay}, device, REPEATS, ROUNDS)
         for name, ms in times.items():
             median = statistics.median(ms)
             print(f"  {name:11} {median:7.3f} ms ({min(ms):.3f}-{max(ms):.3f}) {median / floor_ms:5.2f}x the floor")
@@ -88,7 +85,7 @@ def main() -> None:
         for rows in args.rows:  # the same matrices as cuBLAS products of `rows` tokens (torch's F.linear)
             inputs = [torch.ones(rows, cols, dtype=torch.bfloat16, device=device) for _, cols in shapes]
             gemms = graphed([functools.partial(F.linear, x, w) for x, w in zip(inputs, weights, strict=True)])
-            ms = [time_call(gemms.replay, device, REPEATS)[0] for _ in range(ROUNDS)]
+            ms = time_rounds({"gemms": gemms.replay}, device, REPEATS, ROUNDS)["gemms"]
             median = statistics.median(ms)
             print(f"  GEMMs at {rows:4} rows {median:7.3f} ms ({min(ms):.3f}-{max(ms):.3f}) "
                   f"{median / floor_ms:5.2f}x the floor, {median / read_ms:5.2f}x the reads")  # fmt: skip

@@ -101,6 +101,17 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> t
     return statistics.median(gpu), statistics.median(wall)
 
 
+def time_rounds(calls: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+                rounds: int) -> dict[str, list[float]]:
+    """Each call's device time (`time_call`, ms) in each of `rounds` rounds, the calls alternating within a round, so
+    that a drift of the machine lands on every call alike (the A/B benchmarks take the median and the round spread)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(time_call(call, device, repeats)[0])
+    return times
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

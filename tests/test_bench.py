@@ -1,8 +1,10 @@
-"""The kernel benchmark's floor arithmetic (simharness/bench.py) against numbers worked out by hand."""
+"""The kernel benchmark's floor arithmetic (simharness/bench.py) against numbers worked out by hand, and its rounds
+of timed calls."""
 
 import pytest
+import torch
 
-from simharness.bench import verify_floors
+from simharness.bench import time_rounds, verify_floors
 from simharness.engine.model import Transformer, get_config
 
 
@@ -22,3 +24,12 @@ def test_verify_floors_by_hand() -> None:
     # 8 tokens.
     assert floors["flops"] == (2 * 2_121_728 + 7_168) * 8 == 34_004_992
     assert floors["compute_floor_ms"] == pytest.approx(0.034004992)
+
+
+def test_time_rounds_alternates_the_calls_within_each_round():
+    order: list[str] = []
+    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b")}
+    times = time_rounds(calls, torch.device("cpu"), repeats=2, rounds=3)
+    assert list(times) == ["a", "b"] and all(len(t) == 3 and min(t) >= 0 for t in times.values())
+    per_call = 3 + 2  # time_call's warm-up calls, then its repeats
+    assert order == (["a"] * per_call + ["b"] * per_call) * 3
