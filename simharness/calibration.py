@@ -37,6 +37,8 @@ from simharness.levels import LEVELS
 from simharness.modes import OUTPUT_READBACK
 from simharness.overrides import parse_value
 from simharness.pointfiles import finished_rows, read_points
+from simharness.policy import scheduled_k
+from simharness.profile import graph_rows
 from simharness.scenario import Scenario, ScenarioError, scenario_from_dict
 from simharness.stats import REFERENCE, config_ids
 
@@ -212,19 +214,30 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
                 sc: Scenario, level: str) -> pd.DataFrame:
     """One point's steps at `level` with their features (DEVICE_FEATURES and the host phases') and phase times."""
     s = steps.merge(_emission_counts(requests, emissions), on="step", how="left").fillna(
-        {"emitting_decodes": 0, "emitting_context": 0, "proposed": 0, "history": 0})
+        {"emitting_decodes": 0, "emitting_context": 0, "max_context": 0, "proposed": 0, "history": 0})
     decode_rows = s["n_reqs"] - s["n_prefill_reqs"]
     per_row = (s["emitting_context"] / s["emitting_decodes"].where(s["emitting_decodes"] > 0)).fillna(0.0)
     ngram_gpu = float(sc.engine.speculation.proposer == "ngram_gpu" and sc.engine.speculation.k > 0)
     out = pd.DataFrame({
         "step": 1.0, "decode_rows": decode_rows, "decode_tokens": s["decode_tokens"],
         "decode_context": per_row * decode_rows,  # rows that emitted nothing (wasted) at the mean context
+        "max_context": s["max_context"],
         "prefill_reqs": s["n_prefill_reqs"], "prefill_tokens": s["prefill_tokens"], "ngram_gpu_step": ngram_gpu,
         "n_reqs": s["n_reqs"], "n_tokens": s["decode_tokens"] + s["prefill_tokens"],
         "proposed": s["proposed"], "history": s["history"], "measured": s["measured"],
     })  # fmt: skip
     out["ngram_gpu_context"] = ngram_gpu * out["decode_context"]
     out["prefill_context"], out["prefill_padded"] = prefill_chunks(s, requests)
+    # what the device computes (a profile's features): 1 + k tokens a row over the graph's bucket of rows, whatever
+    # the drafts verified (`model_backend._run_step`); a k schedule's k at the step's requests
+    spec = sc.engine.speculation
+    if spec.k_schedule and spec.k:
+        schedule = tuple(sorted(spec.k_schedule.items()))
+        out["width"] = [1 + scheduled_k(schedule, int(n)) for n in s["n_reqs"]]
+    else:
+        out["width"] = 1 + spec.k
+    out["device_rows"] = [graph_rows(int(r)) for r in decode_rows]
+    out["device_tokens"] = out["device_rows"] * out["width"]
     # a profile's overlap model (simharness.profile_fit): the device window, the launch, the sampling mix, depth
     out["gpu_start_s"], out["gpu_end_s"], out["launch_end_s"] = s["gpu_start"], s["gpu_end"], s["launch_end"]
     out["prev_gpu_end_s"] = s["gpu_end"].shift(1)
@@ -314,10 +327,13 @@ def _emission_counts(requests: pd.DataFrame, emissions: pd.DataFrame) -> pd.Data
     before = (e.groupby("request_id")["tokens"].cumsum() - e["tokens"]).to_numpy()
     after = before + e["tokens"].to_numpy()
     decode, running = before > 0, after < target  # a request's first emission is its prefill's
-    frame = pd.DataFrame({"step": e["step"].to_numpy(), "emitting_decodes": decode,
-                          "emitting_context": np.where(decode, prompt + before, 0), "proposed": running,
+    context = np.where(decode, prompt + before, 0)
+    frame = pd.DataFrame({"step": e["step"].to_numpy(), "emitting_decodes": decode, "emitting_context": context,
+                          "max_context": context, "proposed": running,
                           "history": np.where(running, prompt + after, 0)})  # fmt: skip
-    return frame.groupby("step", as_index=False).sum()
+    return frame.groupby("step", as_index=False).agg(
+        {"emitting_decodes": "sum", "emitting_context": "sum", "max_context": "max", "proposed": "sum",
+         "history": "sum"})
 
 
 # ------------------------------------------------------------------------------------------------ fitting

@@ -84,7 +84,7 @@ class CostModel:
         # the roofline's coefficients, read by the compiled step (`gpu_seconds`): the shape's sizes, then rates
         s = self.shape
         self.sizes = np.array([s.weight_bytes, s.kv_bytes_per_token, s.linear_flops_per_token, s.attn_flops_per_pair,
-                               s.vocab_size * 4], dtype=np.int64)
+                               s.vocab_size * 4, s.n_layers, s.n_kv_heads], dtype=np.int64)  # `profile.shape_sizes`
         ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9 if self.ngram_gpu else 0.0
         # a random row's sampler work beyond a greedy row's, per verified token
         random_s_per_token = (g.sampler_random_factor - 1.0) * s.vocab_size * 4 * self.sec_per_byte

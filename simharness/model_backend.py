@@ -25,7 +25,7 @@ from simharness.policy import (
     VERIFIED,
     WASTED,
 )
-from simharness.profile import profile_seconds
+from simharness.profile import graph_rows, profile_seconds
 from simharness.records import Step
 from simharness.scenario import Scenario
 from simharness.workload import ACCEPTANCE_STREAM, HEAP_STREAM, Requests
@@ -133,9 +133,9 @@ class ModelBackend:
             self.next_uniform = 0
         acc = self.acc
         seconds, self.next_uniform = _run_step(
-            b.table, step.trimmed, self.fill, self.k, self.truth, acc.survival, acc.offset, acc.valid, acc.accepted,
-            self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random, self.cost.fit,
-            self.cost.prof,
+            b.table, step.trimmed, self.fill, self.k, b.k, self.truth, acc.survival, acc.offset, acc.valid,
+            acc.accepted, self.uniforms, self.next_uniform, self.cost.sizes, self.cost.rates, self.random,
+            self.cost.fit, self.cost.prof,
         )
         readback_s = self.cost.readback(b.size)
         if self.overlap is not None:  # the launch's one part (`launch`)
@@ -158,6 +158,7 @@ def _run_step(
     trimmed: bool,
     fill: bool,
     k: int,
+    k_step: int,
     truth: np.ndarray,
     survival: np.ndarray,
     offset: np.ndarray,
@@ -180,8 +181,9 @@ def _run_step(
     totals do not depend on the order of the rows. Acceptance and the drafts held are separate passes:
     numba keeps their calls cheap only in short loops."""
     size = table.shape[1]
-    tokens = kv_tokens = pairs2 = history = random_tokens = 0
-    decode_rows = decode_context = prefill_reqs = prefill_tokens = prefill_context = prefill_padded = 0
+    width = 1 + k_step
+    tokens = kv_tokens = pairs2 = history = random_tokens = verified = 0
+    decode_rows = decode_context = max_context = prefill_reqs = prefill_tokens = prefill_context = prefill_padded = 0
     prefix_pairs = 0  # a later chunk's pairs with the prompt before it
     any_drafts = False
     for i in range(size):
@@ -203,15 +205,18 @@ def _run_step(
                 table[EMITTED, i] = 1
             history += truth[CONTEXT, rid]
             continue
-        # a decode: query 1 + slots over the context
+        # a decode verifies its 1 + slots, but the device computes 1 + k a row whatever the slots (the decode loop's
+        # fixed width, `engine.decode_step`: trimmed slots are padding there)
         slots, c = table[VERIFIED, i], truth[CONTEXT, rid]
-        tokens += 1 + slots
+        verified += 1 + slots
+        tokens += width
         if random[rid]:
-            random_tokens += 1 + slots
-        kv_tokens += c + 1 + slots
+            random_tokens += width
+        kv_tokens += c + width
         decode_rows += 1
         decode_context += c
-        pairs2 += (1 + slots) * (2 * c + 2 + slots)
+        max_context = max(max_context, c)
+        pairs2 += width * (2 * c + width + 1)
         history += c
         if c < truth[END, rid]:
             # trimmed slots carry valid drafts only; otherwise the proposer's drafts fill the first slots
@@ -232,13 +237,19 @@ def _run_step(
             truth[CONTEXT, rid] = c + emitted
             history += emitted
     _hold(table, truth, k, survival, offset, valid)
-    decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
-    if len(fit):
-        seconds = fitted_seconds(fit, decode_rows, decode_tokens, decode_context, prefill_reqs, prefill_tokens)
+    if len(fit):  # a calibration's terms are of the rows and tokens verified
+        seconds = fitted_seconds(fit, decode_rows, verified, decode_context, prefill_reqs, prefill_tokens)
         return seconds, next_uniform
+    # the batch's graph holds a bucket of rows: its padding rows (at length 1, no context) are computed too
+    pad = graph_rows(decode_rows) - decode_rows
+    tokens += pad * width
+    kv_tokens += pad * width
+    pairs2 += pad * width * (width + 1)
+    decode_rows += pad
+    decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
     if len(prof):
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
-                                  prefill_padded, random_tokens, history, prefill_context)
+                                  prefill_padded, random_tokens, history, prefill_context, max_context)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
     seconds = gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards, prefix_pairs)

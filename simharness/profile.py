@@ -24,7 +24,8 @@ from pydantic import BaseModel
 from simharness.jit import njit
 from simharness.models import ModelConfig, catalogue_name, gpu_spec, model_config
 
-FORMAT = "simharness-profile-3"  # 2: the attention FLOPs at their own slowdown; 3: a chunk's pairs with its prefix
+FORMAT = "simharness-profile-4"  # 2: the attention FLOPs at their own slowdown; 3: a chunk's pairs with its prefix;
+# 4: the fixed width and the verify attention's critical path
 PACKAGE = Path(__file__).resolve().parent
 PROFILES_DIR = PACKAGE / "data" / "profiles"  # the committed profiles (package data)
 # What the sim without a profile (the roofline) carried against the real level on the validation families
@@ -39,16 +40,19 @@ UNCALIBRATED_ERROR = ("mean TPOT median |error| 6-17% (llama-3.2-1b; the largest
 # the attention's FLOPs (kernels of their own, with their own efficiency: the harness's Triton verify attention, SDPA
 # for a fresh prompt's chunk), and that of a later chunk's pairs with the prompt before it (the Triton prefix kernel,
 # which streams the prefix's K/V past each block of the chunk's queries: more traffic a pair than the others).
+# Last, the verify attention's critical path (`attention_path`): seconds a layer per position one program reads, and
+# per partial its last program merges.
 TERMS = ("fixed_us", "per_forward_us", "datasheet_s_per_byte", "datasheet_s_per_flop", "memory_slowdown",
          "compute_slowdown", "sampler_slowdown", "random_sampler_extra", "proposer_ns_per_token", "overlap_exponent",
-         "attention_slowdown", "prefix_attention_slowdown")
+         "attention_slowdown", "prefix_attention_slowdown", "attention_position_ns", "attention_merge_ns")
 (FIXED, PER_FORWARD, S_PER_BYTE, S_PER_FLOP, MEMORY, COMPUTE, SAMPLER, RANDOM, PROPOSER, EXPONENT, ATTENTION,
- PREFIX_ATTENTION) = range(len(TERMS))
+ PREFIX_ATTENTION, POSITION, MERGE) = range(len(TERMS))
 # seconds (or 1) per unit of each term in the file
-UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0, 1.0, 1.0)
-# What a step holds (columns of `step_features`, arguments of `profile_seconds`).
+UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0, 1.0, 1.0, 1e-9, 1e-9)
+# What a step holds (columns of `step_features`, arguments of `profile_seconds`): decode rows and tokens as the
+# device computes them (the graph's bucket of rows, 1 + k tokens a row: `engine.decode_step`'s fixed width).
 FEATURES = ("decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_padded", "random_tokens",
-            "history", "prefill_context")
+            "history", "prefill_context", "max_context")
 
 
 class ProfileError(ValueError):
@@ -57,9 +61,45 @@ class ProfileError(ValueError):
 
 def shape_sizes(shape: ModelConfig) -> np.ndarray:
     """The model's sizes the terms scale: weight bytes, KV bytes per token, linear FLOPs per token, attention FLOPs
-    per (query, key) pair, fp32 logit bytes per sampled position."""
+    per (query, key) pair, fp32 logit bytes per sampled position, layers, KV heads."""
     return np.array([shape.weight_bytes, shape.kv_bytes_per_token, shape.linear_flops_per_token,
-                     shape.attn_flops_per_pair, shape.vocab_size * 4], dtype=np.float64)
+                     shape.attn_flops_per_pair, shape.vocab_size * 4, shape.n_layers, shape.n_kv_heads],
+                    dtype=np.float64)
+
+
+@njit
+def graph_rows(rows: int) -> int:
+    """The rows a decode step's CUDA graph computes for `rows` requests: its batch bucket (1, 2, 4, then multiples of
+    8: `engine.buckets.batch_buckets`); the bucket's padding rows are computed with the rest."""
+    return rows if rows <= 2 else 4 if rows <= 4 else -(-rows // 8) * 8
+
+
+@njit
+def attention_chunk(rows: int, n_kv_heads: int) -> int:
+    """Positions a verify-attention program reads for a graph of `rows` rows, 0 where a program reads its row's whole
+    context: the engine's kernel (`engine.model_triton.attention_chunk_size`) splits the context below 128 (row, KV
+    head) pairs into chunks of 128 times the next power of two of a sixteenth of the pairs."""
+    pairs = rows * n_kv_heads
+    if pairs >= 128:
+        return 0
+    power = 1
+    while power * 16 < pairs:
+        power *= 2
+    return 128 * power
+
+
+@njit
+def attention_path(coef: np.ndarray, layers: float, n_kv_heads: float, rows: float, longest: float) -> float:
+    """The verify attention's critical path over a decode forward: its longest program reads its positions one
+    after another, and with a split context the last program of a row merges the row's partials
+    (`attention_chunk`). Where few (row, KV head) pairs run, this path, not the bandwidth, sets the
+    kernel's time (results/kernels/verify-and-prefill/attention-rows-20261128.txt)."""
+    chunk = attention_chunk(int(rows), int(n_kv_heads))
+    if chunk == 0:
+        return layers * longest * coef[POSITION]
+    chunks = np.ceil(longest / chunk)
+    merged = chunks if chunks > 1 else 0.0
+    return layers * (min(longest, chunk) * coef[POSITION] + merged * coef[MERGE])
 
 
 @njit
@@ -77,20 +117,23 @@ def _forward(coef: np.ndarray, memory_bytes: float, linear_flops: float, slowed_
 @njit
 def profile_seconds(coef: np.ndarray, sizes: np.ndarray, decode_rows: float, decode_tokens: float,
                     decode_context: float, prefill_reqs: float, prefill_padded: float, random_tokens: float,
-                    history: float, prefill_context: float) -> float:
+                    history: float, prefill_context: float, max_context: float) -> float:
     """A step's device time from what it holds: decode rows, their tokens and context (KV tokens before the step),
     prefill chunks and the tokens they compute (each chunk padded to its graph's token bucket, `engine.buckets`),
     verified tokens of rows sampled at a temperature, history the GPU proposer scans, and the prompt tokens before
-    the prefill chunks (a later chunk of a long prompt reads their KV and attends to them).
-    Attention pairs are taken at the mean row (decode) and chunk (prefill), so the fit and the sim see the same
-    features."""
+    the prefill chunks (a later chunk of a long prompt reads their KV and attends to them), and the longest decode
+    row's context. Attention pairs are taken at the mean row (decode) and chunk (prefill), so the fit and the sim
+    see the same features; the attention's critical path at the longest row, where it outlasts the KV read."""
     weights, kv, linear, attention, logits = sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]
     t = coef[FIXED] + coef[PER_FORWARD] * prefill_reqs + coef[PROPOSER] * history
     if decode_rows > 0:
         q, c = decode_tokens / decode_rows, decode_context / decode_rows
         pairs = decode_tokens * (c + (q + 1.0) / 2.0)
-        t += coef[PER_FORWARD] + _forward(coef, weights + kv * (decode_context + decode_tokens),
-                                          linear * decode_tokens, coef[ATTENTION] * attention * pairs)
+        kv_bytes = kv * (decode_context + decode_tokens)
+        t += coef[PER_FORWARD] + _forward(coef, weights + kv_bytes, linear * decode_tokens,
+                                          coef[ATTENTION] * attention * pairs)
+        path = attention_path(coef, sizes[5], sizes[6], decode_rows, max_context + q)
+        t += max(0.0, path - coef[MEMORY] * kv_bytes * coef[S_PER_BYTE])
     if prefill_reqs > 0:
         # a chunk's padding tokens run through every layer as its own tokens do (their K/V land past the chunk)
         own = prefill_padded * (prefill_padded / prefill_reqs + 1.0) / 2.0
@@ -107,8 +150,12 @@ def profile_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndar
     """`profile_seconds` of every row of `x` (columns: FEATURES)."""
     out = np.empty(x.shape[0])
     for i in range(x.shape[0]):
-        out[i] = profile_seconds(coef, sizes, x[i, 0], x[i, 1], x[i, 2], x[i, 3], x[i, 4], x[i, 5], x[i, 6], x[i, 7])
+        out[i] = profile_seconds(coef, sizes, x[i, 0], x[i, 1], x[i, 2], x[i, 3], x[i, 4], x[i, 5], x[i, 6], x[i, 7],
+                                 x[i, 8])
     return out
+
+
+ATTENTION_POSITION_PRIOR_S, ATTENTION_MERGE_PRIOR_S = 15e-9, 300e-9
 
 
 def prior_coefficients(gpu: str, g: BaseModel) -> np.ndarray:
@@ -125,6 +172,10 @@ def prior_coefficients(gpu: str, g: BaseModel) -> np.ndarray:
     # the prefix pairs too: the roofline's own `prefix_attention_efficiency` came later, and the committed profiles
     # are refitted from their grid runs exactly with this prior (docs/validation.md, "The uncalibrated roofline")
     coef[ATTENTION] = coef[PREFIX_ATTENTION] = 1 / g.compute_efficiency
+    # the verify attention's critical path has no datasheet figure: the prior is what the engine's kernel took on the
+    # H100 for the 1B (results/kernels/verify-and-prefill/attention-rows-20261128.txt: 14-15 ns a position and layer
+    # at 16 rows, unsplit; about 0.3 µs a partial merged at one row)
+    coef[POSITION], coef[MERGE] = ATTENTION_POSITION_PRIOR_S, ATTENTION_MERGE_PRIOR_S
     return coef
 
 
@@ -314,8 +365,8 @@ def work_ratio(measured: np.ndarray, derived: np.ndarray, shape: ModelConfig) ->
     """The median, over decode steps spanning a profile grid's (1-256 rows, 512 and 2,048 tokens of context, k = 0, 4
     and 8), of a step's device work with coefficients `derived` over its work with `measured`."""
     sizes = shape_sizes(shape)
-    ratios = [profile_seconds(derived, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0)
-              / profile_seconds(measured, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0)
+    ratios = [profile_seconds(derived, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0, context)
+              / profile_seconds(measured, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0, context)
               for rows in (1, 4, 16, 64, 256) for context in (512, 2048) for k in (0, 4, 8)]
     return float(np.median(ratios))
 

@@ -39,7 +39,9 @@ from simharness.profile import (
     FIXED,
     FORMAT,
     MEMORY,
+    MERGE,
     PER_FORWARD,
+    POSITION,
     PREFIX_ATTENTION,
     PROPOSER,
     RANDOM,
@@ -62,10 +64,11 @@ REWEIGHTINGS = 5  # of `fit_weighted` (on the grid's CPU proposer it settles aft
 def step_features(steps: pd.DataFrame) -> np.ndarray:
     """The FEATURES of each step (calibration.point_steps' rows); the random path's tokens at the point's share of
     rows sampled at a temperature."""
-    x = steps[["decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_padded"]].to_numpy(float)
-    random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
+    x = steps[["device_rows", "device_tokens", "decode_context", "prefill_reqs", "prefill_padded"]].to_numpy(float)
+    random_rows = steps["decode_rows"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
+    random_tokens = random_rows * steps["width"].to_numpy(float)
     history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
-    return np.column_stack([x, random_tokens, history, steps["prefill_context"].to_numpy(float)])
+    return np.column_stack([x, random_tokens, history, steps[["prefill_context", "max_context"]].to_numpy(float)])
 
 
 # The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds
@@ -73,13 +76,17 @@ def step_features(steps: pd.DataFrame) -> np.ndarray:
 SEARCH = {
     FIXED: ("linear", 1e-6, (0.0, 1e5), 200.0),  # µs
     PER_FORWARD: ("linear", 1e-6, (0.0, 1e5), 200.0),  # µs
-    MEMORY: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
-    COMPUTE: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
-    SAMPLER: ("log", 1.0, (np.log(0.5), np.log(100.0)), 1.0),
+    # a slowdown against the datasheet is at least 1: no kernel reads faster than its bandwidth or computes faster
+    # than its peak (the 8B's grid otherwise trades the weight read against the per-forward time past it)
+    MEMORY: ("log", 1.0, (0.0, np.log(100.0)), 1.0),
+    COMPUTE: ("log", 1.0, (0.0, np.log(100.0)), 1.0),
+    SAMPLER: ("log", 1.0, (0.0, np.log(100.0)), 1.0),
     PROPOSER: ("linear", 1e-9, (0.0, 1e4), 10.0),  # ns per token
     EXPONENT: ("linear", 1.0, (4.0, 16.0), 4.0),
     ATTENTION: ("log", 1.0, (0.0, np.log(100.0)), 1.0),  # no faster than the datasheet's peak
     PREFIX_ATTENTION: ("log", 1.0, (0.0, np.log(100.0)), 1.0),
+    POSITION: ("linear", 1e-9, (0.0, 1e3), 20.0),  # ns a position, a layer
+    MERGE: ("linear", 1e-9, (0.0, 1e4), 500.0),  # ns a partial, a layer
 }
 FITTED = tuple(SEARCH)  # the random path's term (RANDOM) is the sampler phase's (`fit_random_path`)
 TAIL_BOUNDS_US = (0.0, 1e4)

@@ -102,13 +102,29 @@ def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
     assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0, 1, 0)
     model.run(step([1], prefill=7))
-    # decodes: query 1 + 2 slots over contexts 6 and 8 (prompt + first token); the proposer scans the new contexts
+    # decodes over contexts 6 and 8 (prompt + first token) verify 1 + 2 slots, but the device computes the decode
+    # loop's fixed width, 1 + K tokens a row; the proposer scans the new contexts
     decode = step([0, 1], slots=2)
     timing = model.run(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
-    assert timing.device_s == gpu_seconds(sizes, rates, 6, 6 + 8 + 6, 3 * (12 + 3) + 3 * (16 + 3), 6 + 8 + emitted, 0,
-                                          1, 0)
+    w = 1 + K
+    assert timing.device_s == gpu_seconds(sizes, rates, 2 * w, 6 + 8 + 2 * w, w * (12 + w + 1) + w * (16 + w + 1),
+                                          6 + 8 + emitted, 0, 1, 0)
     assert timing.readback_s == model.cost.sync() and timing.phases_s is None
+
+
+def test_a_decode_batch_is_computed_at_its_graphs_bucket_of_rows():
+    """Three decode rows run as the graph of four (`engine.buckets`): the padding row computes 1 + K tokens at no
+    context."""
+    model = backend([5, 5, 5], [50, 50, 50])
+    sizes, rates = model.cost.sizes, model.cost.rates
+    model.run(step([0, 1, 2], prefill=5))
+    decode = step([0, 1, 2], slots=K)
+    timing = model.run(decode)
+    emitted = int(decode.batch.table[EMITTED].sum())
+    w = 1 + K
+    assert timing.device_s == gpu_seconds(sizes, rates, 4 * w, 3 * 6 + 4 * w, 3 * w * (12 + w + 1) + w * (w + 1),
+                                          3 * 6 + emitted, 0, 1, 0)
 
 
 def test_each_prefill_chunk_is_a_forward_that_reads_the_weights_and_pays_its_layers_latency():

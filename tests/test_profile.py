@@ -15,7 +15,7 @@ from simharness import profile
 from simharness.calibration import prefill_chunks
 from simharness.cli import app
 from simharness.costmodel import CostModel
-from simharness.engine.buckets import prefill_bucket, prefill_sizes
+from simharness.engine.buckets import batch_buckets, prefill_bucket, prefill_sizes
 from simharness.models import model_config
 from simharness.profile import (
     ATTENTION,
@@ -24,7 +24,9 @@ from simharness.profile import (
     FIXED,
     FORMAT,
     MEMORY,
+    MERGE,
     PER_FORWARD,
+    POSITION,
     PREFIX_ATTENTION,
     PROPOSER,
     RANDOM,
@@ -33,6 +35,8 @@ from simharness.profile import (
     TERMS,
     UNITS,
     _forward,
+    attention_chunk,
+    graph_rows,
     own_device_costs,
     prior_coefficients,
     profile_seconds,
@@ -53,6 +57,7 @@ def truth() -> np.ndarray:
     coef[FIXED], coef[PER_FORWARD], coef[PROPOSER], coef[EXPONENT] = 300e-6, 80e-6, 0.2e-9, 6.0
     coef[MEMORY], coef[COMPUTE], coef[SAMPLER], coef[RANDOM] = 1 / 0.7, 1 / 0.5, 1 / 0.6, 0.3
     coef[ATTENTION], coef[PREFIX_ATTENTION] = 1 / 0.3, 1 / 0.15
+    coef[POSITION], coef[MERGE] = 40e-9, 900e-9
     return coef
 
 
@@ -63,13 +68,14 @@ def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) ->
     decode_rows = rng.integers(1, rows + 1, n).astype(float)
     tokens = decode_rows * (1 + rng.integers(0, k + 1, n))
     decode_context = decode_rows * rng.uniform(64, context, n)
+    longest = decode_context / decode_rows * rng.uniform(1.0, 2.0, n)
     chunks = (rng.random(n) < 0.2) * rng.integers(1, 4, n)
     prefill_tokens = chunks * rng.integers(16, 1024, n)
     random_tokens = tokens * rng.choice([0.0, 0.5, 1.0], n)
     prefill_context = chunks * rng.integers(0, 4096, n) * (rng.random(n) < 0.5)
     padded = np.ceil(prefill_tokens / 64) * 64
     return np.column_stack([decode_rows, tokens, decode_context, chunks, padded, random_tokens,
-                            decode_context + prefill_tokens, prefill_context])
+                            decode_context + prefill_tokens, prefill_context, longest])
 
 
 def known_prior(coef: np.ndarray) -> np.ndarray:
@@ -123,25 +129,63 @@ def test_fit_extrapolates_to_k8_long_context_and_batch_256():
     assert linear_error.max() > 0.2
 
 
+def test_graph_rows_and_attention_chunks_are_the_engines():
+    """The cost model's decode geometry is the engine's: a batch runs as its smallest captured bucket
+    (`engine.buckets.batch_buckets`), and the verify attention splits a row's context as the kernel does
+    (`engine.model_triton.attention_chunk_size`, 0 here where it reads the whole context)."""
+    buckets = batch_buckets(256)
+    for rows in range(1, 257):
+        assert graph_rows(rows) == min(b for b in buckets if b >= rows)
+    pytest.importorskip("triton")
+    from simharness.engine.model_triton import attention_chunk_size
+
+    whole = 1 << 20  # the kernel's chunk where it reads the whole context: max_len
+    for rows in [*range(1, 40), 64, 256]:
+        for heads in (1, 2, 4, 8, 16, 32):
+            assert (attention_chunk(rows, heads) or whole) == attention_chunk_size(rows, heads, whole), (rows, heads)
+
+
+def test_the_verify_attentions_critical_path_counts_where_it_outlasts_the_kv_read():
+    """A decode forward pays its attention's critical path (the longest program's positions, and the partials its
+    row's last program merges) where that is longer than the KV read at the fitted bandwidth: one row over 4,096
+    tokens splits into 32 chunks of 128 (1B: 8 KV heads); 16 rows read whole contexts; 256 rows are bandwidth-bound."""
+    coef, layers = truth(), SIZES[5]
+    kv_s = lambda tokens: coef[MEMORY] * SIZES[1] * tokens * coef[S_PER_BYTE]  # noqa: E731
+
+    def extra(rows: int, context: int, longest: int) -> float:
+        with_path = profile_seconds(coef, SIZES, rows, rows * 5, rows * context, 0, 0, 0, 0, 0, longest)
+        zero = coef.copy()
+        zero[POSITION] = zero[MERGE] = 0.0
+        return with_path - profile_seconds(zero, SIZES, rows, rows * 5, rows * context, 0, 0, 0, 0, 0, longest)
+
+    path = layers * (128 * coef[POSITION] + 32 * coef[MERGE])  # 4,091 + 5 positions: 32 chunks of 128
+    assert extra(1, 4091, 4091) == pytest.approx(path - kv_s(4096), rel=1e-12)
+    # 16 rows: no split, the longest row's context (not the mean) sets the path
+    assert extra(16, 2000, 3995) == pytest.approx(layers * 4000 * coef[POSITION] - kv_s(16 * 2005), rel=1e-12)
+    assert extra(16, 2000, 2000) < extra(16, 2000, 3995)
+    assert extra(256, 2000, 2000) == 0.0
+    assert attention_chunk(1, 8) == 128 and attention_chunk(8, 8) == 512 and attention_chunk(16, 8) == 0
+
+
 def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
     """A chunk of C tokens after S prompt tokens: its forward reads the S tokens' KV besides its own and computes
     C * S attention pairs more than the prompt's first chunk of C tokens, at the prefix pairs' own slowdown; a chunk
     costs its token bucket's tokens."""
     coef = truth()
-    weights, kv, linear, attention, _ = SIZES
+    weights, kv, linear, attention = SIZES[:4]
 
     def forward(memory: float, flops: float, own: float, prefix: float = 0.0) -> float:
         return _forward(coef, memory, flops, attention * (coef[ATTENTION] * own + coef[PREFIX_ATTENTION] * prefix))
 
-    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0)
-    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048)
+    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0, 0)
+    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048, 0)
     own = 512 * 513 / 2
     assert later - first == pytest.approx(
         forward(weights + kv * (2048 + 512), linear * 512, own, 512 * 2048)
         - forward(weights + kv * 512, linear * 512, own), rel=1e-12)
     assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
     # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
-    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096)  # chunks of 500 padded to 512
+    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096, 0)  # chunks of 500 padded to 512
     assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
         forward(2 * weights + kv * (4096 + 1024), linear * 1024, 1024 * 513 / 2, 1024 * 2048)
         + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)
@@ -346,9 +390,9 @@ def test_a_profile_carries_over_to_a_part_of_its_chip_design(profiles, tmp_path)
     ratio = profile.work_ratio(np.array(h100.coef), np.array(h200.coef), model_config("tiny"))
     assert 3350 / 4800 < ratio < 1
     one_step = profile.profile_seconds(np.array(h200.coef), shape_sizes(model_config("tiny")), 16, 80, 16 * 512,
-                                       0, 0, 0, 0, 0)
+                                       0, 0, 0, 0, 0, 512)
     assert one_step < profile.profile_seconds(np.array(h100.coef), shape_sizes(model_config("tiny")), 16, 80,
-                                              16 * 512, 0, 0, 0, 0, 0)
+                                              16 * 512, 0, 0, 0, 0, 0, 512)
     for depth, (lead, tail) in h100.overlap.items():
         assert h200.overlap[depth] == (lead, pytest.approx(tail * ratio, rel=1e-9))
     sc = scenario_from_dict(TINY, {"engine.gpu": "H200", "workload.concurrency": 1})
