@@ -128,13 +128,14 @@ FIXED_S, SEC_PER_BYTE, SEC_PER_FLOP, NGRAM_S_PER_TOKEN, RANDOM_S_PER_TOKEN, FORW
 
 @njit
 def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: int, pairs2: int, history: int,
-                random_tokens: int, forwards: int, prefix_pairs: int) -> float:
+                random_tokens: int, forwards: int, prefix_pairs: int, sampled: int) -> float:
     """GPU time of one step from batch totals: `tokens` computed now, `kv_tokens` in the KV cache after the
     step (context + query), `pairs2` twice the attention pairs (sum over requests of query * (2 * context +
     query + 1)), `history` tokens the GPU n-gram proposer scans (its rate is 0 without it), `random_tokens`
     verified tokens of rows sampled at a temperature (the sampler's random path), `forwards` the step's forward
     passes (the decode step's, each prefill chunk's: each reads the weights and pays its layers' latency),
-    `prefix_pairs` the pairs of later prefill chunks with the prompt before them (part of `pairs2` / 2)."""
+    `prefix_pairs` the pairs of later prefill chunks with the prompt before them (part of `pairs2` / 2), `sampled`
+    the positions the sampler reads (the tokens verified and prefilled)."""
     # pairs2 / 2 is exact (an integer or half-integer far below 2^52), so this equals the float sum
     # of query * (context + (query + 1) / 2) over the batch in any order. Sizes times token counts are exact
     # integers, rounded once when scaled by a rate.
@@ -145,8 +146,9 @@ def gpu_seconds(sizes: np.ndarray, rates: np.ndarray, tokens: int, kv_tokens: in
     attention = max(sizes[KV_BYTES_PER_TOKEN] * kv_tokens * rates[SEC_PER_BYTE],
                     sizes[ATTN_FLOPS_PER_PAIR] * ((pairs - prefix_pairs) * rates[SEC_PER_FLOP]
                                                   + prefix_pairs * rates[PREFIX_S_PER_FLOP]))
-    # the sampler reads fp32 logits of every verified position
-    sampler = tokens * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
+    # the sampler reads fp32 logits of every position verified (`sampled`: fewer than `tokens` where the decode
+    # loop computes its fixed width over trimmed slots and padding rows)
+    sampler = sampled * sizes[LOGIT_BYTES] * rates[SEC_PER_BYTE] + random_tokens * rates[RANDOM_S_PER_TOKEN]
     proposer = rates[NGRAM_S_PER_TOKEN] * history
     return rates[FIXED_S] + forwards * rates[FORWARD_S] + linear + attention + sampler + proposer
 

@@ -211,7 +211,7 @@ def _run_step(
         verified += 1 + slots
         tokens += width
         if random[rid]:
-            random_tokens += width
+            random_tokens += 1 + slots
         kv_tokens += c + width
         decode_rows += 1
         decode_context += c
@@ -249,10 +249,11 @@ def _run_step(
     decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
     if len(prof):
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
-                                  prefill_padded, random_tokens, history, prefill_context, max_context)
+                                  prefill_padded, random_tokens, history, prefill_context, max_context, verified)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
-    seconds = gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards, prefix_pairs)
+    seconds = gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards, prefix_pairs,
+                          verified + prefill_tokens)
     return seconds, next_uniform
 
 

@@ -65,10 +65,10 @@ def step_features(steps: pd.DataFrame) -> np.ndarray:
     """The FEATURES of each step (calibration.point_steps' rows); the random path's tokens at the point's share of
     rows sampled at a temperature."""
     x = steps[["device_rows", "device_tokens", "decode_context", "prefill_reqs", "prefill_padded"]].to_numpy(float)
-    random_rows = steps["decode_rows"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
-    random_tokens = random_rows * steps["width"].to_numpy(float)
+    random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
     history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
-    return np.column_stack([x, random_tokens, history, steps[["prefill_context", "max_context"]].to_numpy(float)])
+    rest = steps[["prefill_context", "max_context", "decode_tokens"]].to_numpy(float)
+    return np.column_stack([x, random_tokens, history, rest])
 
 
 # The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds
@@ -304,7 +304,7 @@ def fit_random_path(steps: pd.DataFrame, x: np.ndarray, logit_seconds: float) ->
     ok = np.isfinite(sample) & (sample > 0)
     if ok.sum() < MIN_STEPS_PER_TERM * 3 or not (x[ok, 5] > 0).any():
         return None
-    sampled = x[ok, 1] + x[ok, 3]  # each verified position, and a prompt's last (as `profile_seconds` counts)
+    sampled = x[ok, 9] + x[ok, 3]  # each verified position, and a prompt's last (as `profile_seconds` counts)
     coef, quality = fit_weighted_phase(np.column_stack([np.ones(ok.sum()), sampled, x[ok, 5]]), sample[ok])
     return float(coef[2] / logit_seconds), {**quality, "random_steps": int((x[ok, 5] > 0).sum())}
 

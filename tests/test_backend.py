@@ -100,16 +100,16 @@ def test_gpu_time_totals_count_queries_kv_and_attention_pairs():
     model = backend([5, 7], [50, 50])
     sizes, rates = model.cost.sizes, model.cost.rates
     # prefills: query t over a context of 0: twice the pairs is t * (t + 1); the proposer scans prompt + 1
-    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0, 1, 0)
+    assert model.run(step([0], prefill=5)).device_s == gpu_seconds(sizes, rates, 5, 5, 30, 6, 0, 1, 0, 5)
     model.run(step([1], prefill=7))
-    # decodes over contexts 6 and 8 (prompt + first token) verify 1 + 2 slots, but the device computes the decode
-    # loop's fixed width, 1 + K tokens a row; the proposer scans the new contexts
+    # decodes over contexts 6 and 8 (prompt + first token) verify 1 + 2 slots (the sampler reads those), but the
+    # device computes the decode loop's fixed width, 1 + K tokens a row; the proposer scans the new contexts
     decode = step([0, 1], slots=2)
     timing = model.run(decode)
     emitted = int(decode.batch.table[EMITTED].sum())
     w = 1 + K
     assert timing.device_s == gpu_seconds(sizes, rates, 2 * w, 6 + 8 + 2 * w, w * (12 + w + 1) + w * (16 + w + 1),
-                                          6 + 8 + emitted, 0, 1, 0)
+                                          6 + 8 + emitted, 0, 1, 0, 2 * 3)
     assert timing.readback_s == model.cost.sync() and timing.phases_s is None
 
 
@@ -124,17 +124,17 @@ def test_a_decode_batch_is_computed_at_its_graphs_bucket_of_rows():
     emitted = int(decode.batch.table[EMITTED].sum())
     w = 1 + K
     assert timing.device_s == gpu_seconds(sizes, rates, 4 * w, 3 * 6 + 4 * w, 3 * w * (12 + w + 1) + w * (w + 1),
-                                          3 * 6 + emitted, 0, 1, 0)
+                                          3 * 6 + emitted, 0, 1, 0, 3 * w)
 
 
 def test_each_prefill_chunk_is_a_forward_that_reads_the_weights_and_pays_its_layers_latency():
     model = backend([5, 7], [50, 50])
     sizes, rates = model.cost.sizes, model.cost.rates
     two_chunks = model.run(step([0, 1], prefill=5)).device_s
-    assert two_chunks == gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 2, 0)
+    assert two_chunks == gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 2, 0, 10)
     # (the proposer scans each prompt and its first token) a second forward adds one weight read (memory-bound
     # at a few tokens) and one forward's layer latencies
-    one_chunk = gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 1, 0)
+    one_chunk = gpu_seconds(sizes, rates, 10, 10, 60, 6 + 8, 0, 1, 0, 10)
     extra = sizes[WEIGHT_BYTES] * rates[SEC_PER_BYTE] + rates[FORWARD_S]
     assert abs(two_chunks - one_chunk - extra) < 1e-12
 
@@ -145,19 +145,19 @@ def test_a_later_chunks_pairs_with_its_prefix_are_counted_apart():
     rates[PREFIX_S_PER_FLOP] = 1e-9  # a prefix pair far dearer than any other FLOP: the attention is bound by them
     first = step([0], prefill=6)
     first.batch.table[COMPLETES] = 0  # 6 of the prompt's 10 tokens: no first token yet
-    assert model.run(first).device_s == gpu_seconds(sizes, rates, 6, 6, 42, 10, 0, 1, 0)
+    assert model.run(first).device_s == gpu_seconds(sizes, rates, 6, 6, 42, 10, 0, 1, 0, 6)
     # (the proposer scans the request's context) the last 4 tokens over the 6 before them: 24 of their 4 * (12 + 5) / 2
     # pairs are with the prefix
     later = model.run(step([0], prefill=4)).device_s
-    assert later == gpu_seconds(sizes, rates, 4, 10, 68, 11, 0, 1, 24)
-    assert later > 2 * gpu_seconds(sizes, rates, 4, 10, 68, 11, 0, 1, 0)
+    assert later == gpu_seconds(sizes, rates, 4, 10, 68, 11, 0, 1, 24, 4)
+    assert later > 2 * gpu_seconds(sizes, rates, 4, 10, 68, 11, 0, 1, 0, 4)
 
 
 def test_a_later_chunks_prefix_pairs_run_at_the_prefix_kernels_efficiency():
     # one FLOP a pair; a GEMM FLOP costs 1 s, a prefix pair's 10 s; no bytes: the attention is compute-bound
     sizes = np.array([0, 0, 0, 1, 0], dtype=np.int64)
     rates = np.array([0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 10.0])
-    assert gpu_seconds(sizes, rates, 4, 10, 68, 0, 0, 1, 24) == (34 - 24) * 1.0 + 24 * 10.0
+    assert gpu_seconds(sizes, rates, 4, 10, 68, 0, 0, 1, 24, 4) == (34 - 24) * 1.0 + 24 * 10.0
     cost = CostModel(Engine(profile="none", gpu_costs={"prefix_attention_efficiency": 0.15}),
                      optimistic_correction=False)
     assert abs(cost.rates[PREFIX_S_PER_FLOP] / cost.rates[SEC_PER_FLOP] - 0.6 / 0.15) < 1e-12
@@ -186,7 +186,7 @@ def test_the_matrix_products_and_the_attention_are_each_bound_by_their_own_resou
     # one byte and one FLOP a second: the products compute-bound (2 s against 1), the attention memory-bound (3 s)
     sizes = np.array([1, 1, 2, 0, 0], dtype=np.int64)  # weight bytes, KV bytes/token, FLOPs/token, /pair, logits
     rates = np.array([0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    assert gpu_seconds(sizes, rates, 1, 3, 0, 0, 0, 1, 0) == 2.0 + 3.0
+    assert gpu_seconds(sizes, rates, 1, 3, 0, 0, 0, 1, 0, 1) == 2.0 + 3.0
 
 
 def test_the_default_layer_latency_reproduces_the_measured_decode_step_at_one_row():
@@ -203,6 +203,6 @@ def test_the_default_layer_latency_reproduces_the_measured_decode_step_at_one_ro
             engine = Engine(profile="none", model=name, gpu_costs=costs, speculation={"proposer": "ngram_gpu", "k": k})
             cost = CostModel(engine, optimistic_correction=False)
             seconds = gpu_seconds(cost.sizes, cost.rates, k + 1, context + k + 1, (k + 1) * (2 * context + k + 2),
-                                  context, 0, 1, 0)
+                                  context, 0, 1, 0, k + 1)
             error = seconds * 1e3 / measured_ms - 1
             assert abs(error) < within if within else error < -0.1, (name, latency_us, error)
