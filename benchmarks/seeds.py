@@ -28,6 +28,15 @@ import simharness
 from simharness.overrides import parse_sets
 
 
+def effects_of_every_level(out: Path) -> pd.DataFrame:
+    """The effects of every OUT/<level>.csv there is, written to OUT/effects.csv."""
+    rows = [pd.read_csv(out / f"{level}.csv", dtype={"seed": str}) for level in ("sim", "hil", "real")
+            if (out / f"{level}.csv").exists()]
+    effects = simharness.seed_effects(pd.concat(rows))
+    effects.to_csv(out / "effects.csv", index=False)
+    return effects
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
@@ -39,10 +48,7 @@ def main() -> None:
     ap.add_argument("--from-csv", action="store_true", help="run nothing: the effects of every OUT/<level>.csv")
     args = ap.parse_args()
     if args.from_csv:
-        rows = [pd.read_csv(args.out / f"{level}.csv", dtype={"seed": str}) for level in ("sim", "hil", "real")
-                if (args.out / f"{level}.csv").exists()]
-        effects = simharness.seed_effects(pd.concat(rows))
-        effects.to_csv(args.out / "effects.csv", index=False)
+        effects = effects_of_every_level(args.out)
         print(table(effects))
         return
     overrides = parse_sets(args.set)
@@ -50,7 +56,7 @@ def main() -> None:
     # the run directories live only as long as this benchmark, unless --keep-runs
     with tempfile.TemporaryDirectory(prefix="seeds-") as tmp:
         runs = args.out / "runs" if args.keep_runs else Path(tmp)
-        all_rows, seconds = [], []
+        seconds = []
         for level in args.levels:
             level_rows = []
             for pr in args.seeds:
@@ -62,9 +68,8 @@ def main() -> None:
                 # written after every seed: a run cut short keeps what it finished
                 pd.concat(level_rows).to_csv(args.out / f"{level}.csv", index=False)
                 pd.DataFrame(seconds).to_csv(args.out / f"seconds-{'-'.join(args.levels)}.csv", index=False)
-            all_rows.extend(level_rows)
-        effects = simharness.seed_effects(pd.concat(all_rows))
-        effects.to_csv(args.out / "effects.csv", index=False)
+        # every level's rows in OUT, not only this run's: a run of one level keeps the others' effects
+        effects = effects_of_every_level(args.out)
         measured = set(args.levels) - {"sim"}
         settings = {"repeats": args.repeats, "levels": args.levels, "overrides": overrides,
                     "device": device() if measured else "sim (virtual time, cost model)"}
