@@ -33,8 +33,15 @@ PROFILES_DIR = PACKAGE / "data" / "profiles"  # the committed profiles (package 
 UNCALIBRATED_ERROR = ("mean TPOT median |error| 5-18% (llama-3.2-1b; the largest with 2,048-token prefill chunks) and "
                       "8.6% (llama-3-8b) on the H100 validation families (docs/validation.md)")
 
-# Last, the verify attention's critical path (`attention_path`): seconds a layer per position one program reads, and
-# per partial its last program merges.
+# The device terms, in the order of the coefficient array (`profile_seconds`): seconds per step and per forward,
+# the datasheet's seconds per byte and per FLOP, the slowdowns against it of memory traffic, the linear layers'
+# FLOPs (cuBLAS GEMMs) and the logit reads, the random path's extra (in logit reads), seconds per history token the
+# GPU proposer scans, the exponent of the memory/compute overlap (large: a hard max), and the slowdown of the
+# attention's FLOPs (kernels of their own, with their own efficiency: the harness's Triton verify attention, SDPA for
+# a fresh prompt's chunk), and that of a later chunk's pairs with the prompt before it (the Triton prefix kernel,
+# which streams the prefix's K/V past each block of the chunk's queries: more traffic a pair than the others); last,
+# the verify attention's critical path (`attention_path`): seconds a layer per position one program reads, and per
+# partial its last program merges.
 TERMS = ("fixed_us", "per_forward_us", "datasheet_s_per_byte", "datasheet_s_per_flop", "memory_slowdown",
          "compute_slowdown", "sampler_slowdown", "random_sampler_extra", "proposer_ns_per_token", "overlap_exponent",
          "attention_slowdown", "prefix_attention_slowdown", "attention_position_ns", "attention_merge_ns")
