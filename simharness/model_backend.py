@@ -249,7 +249,7 @@ def _run_step(
     decode_tokens = tokens - prefill_tokens  # every token computed is a prefill's or a decode's
     if len(prof):
         seconds = profile_seconds(prof, sizes, decode_rows, decode_tokens, decode_context, prefill_reqs,
-                                  prefill_padded, random_tokens, history, prefill_context, max_context, verified)
+                                  prefill_padded, random_tokens, history, prefill_context, max_context)
         return seconds, next_uniform
     forwards = prefill_reqs + (decode_rows > 0)  # each prefill chunk is a forward of its own
     seconds = gpu_seconds(sizes, rates, tokens, kv_tokens, pairs2, history, random_tokens, forwards, prefix_pairs,

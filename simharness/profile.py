@@ -52,7 +52,7 @@ UNITS = (1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-9, 1.0, 1.0, 1.0, 1e-9, 1e
 # What a step holds (columns of `step_features`, arguments of `profile_seconds`): decode rows and tokens as the
 # device computes them (the graph's bucket of rows, 1 + k tokens a row: `engine.decode_step`'s fixed width).
 FEATURES = ("decode_rows", "decode_tokens", "decode_context", "prefill_reqs", "prefill_padded", "random_tokens",
-            "history", "prefill_context", "max_context", "verified_tokens")
+            "history", "prefill_context", "max_context")
 
 
 class ProfileError(ValueError):
@@ -117,7 +117,7 @@ def _forward(coef: np.ndarray, memory_bytes: float, linear_flops: float, slowed_
 @njit
 def profile_seconds(coef: np.ndarray, sizes: np.ndarray, decode_rows: float, decode_tokens: float,
                     decode_context: float, prefill_reqs: float, prefill_padded: float, random_tokens: float,
-                    history: float, prefill_context: float, max_context: float, verified_tokens: float) -> float:
+                    history: float, prefill_context: float, max_context: float) -> float:
     """A step's device time from what it holds: decode rows, their tokens and context (KV tokens before the step),
     prefill chunks and the tokens they compute (each chunk padded to its graph's token bucket, `engine.buckets`),
     verified tokens of rows sampled at a temperature, history the GPU proposer scans, and the prompt tokens before
@@ -153,7 +153,7 @@ def profile_times(coef: np.ndarray, sizes: np.ndarray, x: np.ndarray) -> np.ndar
     out = np.empty(x.shape[0])
     for i in range(x.shape[0]):
         out[i] = profile_seconds(coef, sizes, x[i, 0], x[i, 1], x[i, 2], x[i, 3], x[i, 4], x[i, 5], x[i, 6], x[i, 7],
-                                 x[i, 8], x[i, 9])
+                                 x[i, 8])
     return out
 
 
@@ -367,10 +367,8 @@ def work_ratio(measured: np.ndarray, derived: np.ndarray, shape: ModelConfig) ->
     """The median, over decode steps spanning a profile grid's (1-256 rows, 512 and 2,048 tokens of context, k = 0, 4
     and 8), of a step's device work with coefficients `derived` over its work with `measured`."""
     sizes = shape_sizes(shape)
-    ratios = [profile_seconds(derived, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0, context,
-                              rows * (1 + k))
-              / profile_seconds(measured, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0, context,
-                                rows * (1 + k))
+    ratios = [profile_seconds(derived, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0, context)
+              / profile_seconds(measured, sizes, rows, rows * (1 + k), rows * context, 0, 0, 0, 0, 0, context)
               for rows in (1, 4, 16, 64, 256) for context in (512, 2048) for k in (0, 4, 8)]
     return float(np.median(ratios))
 

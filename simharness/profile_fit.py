@@ -67,8 +67,7 @@ def step_features(steps: pd.DataFrame) -> np.ndarray:
     x = steps[["device_rows", "device_tokens", "decode_context", "prefill_reqs", "prefill_padded"]].to_numpy(float)
     random_tokens = steps["decode_tokens"].to_numpy(float) * steps["random_fraction"].to_numpy(float)
     history = steps["history"].to_numpy(float) * steps["ngram_gpu_step"].to_numpy(float)
-    rest = steps[["prefill_context", "max_context", "decode_tokens"]].to_numpy(float)
-    return np.column_stack([x, random_tokens, history, rest])
+    return np.column_stack([x, random_tokens, history, steps[["prefill_context", "max_context"]].to_numpy(float)])
 
 
 # The fitted terms: how each is searched (value = scale * parameter, or exp(parameter) for a slowdown), its bounds
@@ -297,14 +296,15 @@ def fit_profile_host(steps: pd.DataFrame) -> tuple[dict[str, float], list[str], 
 def fit_random_path(steps: pd.DataFrame, x: np.ndarray, logit_seconds: float) -> tuple[float, dict] | None:
     """The random sampling path's extra (`random_sampler_extra`: logit reads at the datasheet's bandwidth per
     verified token sampled at a temperature) from the sampler's own device time per step (`sample_s`): a base, a
-    cost per sampled position and one per random token (`fit_weighted`). `x` holds the steps' FEATURES,
+    cost per position verified (`decode_tokens`; the sampler skips a row's slots past its drafts, whatever the width)
+    and prompt sampled, and one per random token (`fit_weighted`). `x` holds the steps' FEATURES,
     `logit_seconds` one position's logit read at the datasheet's bandwidth. None where the sampler was not timed
     or no step sampled at a temperature (the term then stays at the roofline's)."""
     sample = steps["sample_s"].to_numpy(float) if "sample_s" in steps else np.full(len(steps), np.nan)
     ok = np.isfinite(sample) & (sample > 0)
     if ok.sum() < MIN_STEPS_PER_TERM * 3 or not (x[ok, 5] > 0).any():
         return None
-    sampled = x[ok, 9] + x[ok, 3]  # each verified position, and a prompt's last (as `profile_seconds` counts)
+    sampled = steps["decode_tokens"].to_numpy(float)[ok] + x[ok, 3]  # each verified position, and a prompt's last
     coef, quality = fit_weighted_phase(np.column_stack([np.ones(ok.sum()), sampled, x[ok, 5]]), sample[ok])
     return float(coef[2] / logit_seconds), {**quality, "random_steps": int((x[ok, 5] > 0).sum())}
 

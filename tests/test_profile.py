@@ -65,6 +65,11 @@ def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) ->
     """Steps (profile.FEATURES) of up to `rows` decode rows, `k` drafts per row, `context` tokens per row, some
     with prefill chunks (half of them later chunks of a long prompt), greedy, random and mixed sampling, and the GPU
     proposer's history."""
+    return design_verified(rng, n, rows, k, context)[0]
+
+
+def design_verified(rng: np.random.Generator, n: int, rows: int, k: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """`design`'s steps and the tokens each verified (fewer than it computes: trimmed slots)."""
     decode_rows = rng.integers(1, rows + 1, n).astype(float)
     tokens = decode_rows * (1 + rng.integers(0, k + 1, n))
     decode_context = decode_rows * rng.uniform(64, context, n)
@@ -75,8 +80,9 @@ def design(rng: np.random.Generator, n: int, rows: int, k: int, context: int) ->
     random_tokens = verified * rng.choice([0.0, 0.5, 1.0], n)
     prefill_context = chunks * rng.integers(0, 4096, n) * (rng.random(n) < 0.5)
     padded = np.ceil(prefill_tokens / 64) * 64
-    return np.column_stack([decode_rows, tokens, decode_context, chunks, padded, random_tokens,
-                            decode_context + prefill_tokens, prefill_context, longest, verified])
+    x = np.column_stack([decode_rows, tokens, decode_context, chunks, padded, random_tokens,
+                         decode_context + prefill_tokens, prefill_context, longest])
+    return x, verified
 
 
 def known_prior(coef: np.ndarray) -> np.ndarray:
@@ -154,11 +160,10 @@ def test_the_verify_attentions_critical_path_counts_where_it_outlasts_the_kv_rea
     kv_s = lambda tokens: coef[MEMORY] * SIZES[1] * tokens * coef[S_PER_BYTE]  # noqa: E731
 
     def extra(rows: int, context: int, longest: int) -> float:
-        with_path = profile_seconds(coef, SIZES, rows, rows * 5, rows * context, 0, 0, 0, 0, 0, longest, rows * 5)
+        with_path = profile_seconds(coef, SIZES, rows, rows * 5, rows * context, 0, 0, 0, 0, 0, longest)
         zero = coef.copy()
         zero[POSITION] = zero[MERGE] = 0.0
-        return with_path - profile_seconds(zero, SIZES, rows, rows * 5, rows * context, 0, 0, 0, 0, 0, longest,
-                                           rows * 5)
+        return with_path - profile_seconds(zero, SIZES, rows, rows * 5, rows * context, 0, 0, 0, 0, 0, longest)
 
     path = layers * (128 * coef[POSITION] + 32 * coef[MERGE])  # 4,091 + 5 positions: 32 chunks of 128
     assert extra(1, 4091, 4091) == pytest.approx(path - kv_s(4096), rel=1e-12)
@@ -179,15 +184,15 @@ def test_a_later_prefill_chunk_reads_and_attends_to_the_prompt_before_it():
     def forward(memory: float, flops: float, own: float, prefix: float = 0.0) -> float:
         return _forward(coef, memory, flops, attention * (coef[ATTENTION] * own + coef[PREFIX_ATTENTION] * prefix))
 
-    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0, 0, 0)
-    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048, 0, 0)
+    first = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 0, 0)
+    later = profile_seconds(coef, SIZES, 0, 0, 0, 1, 512, 0, 0, 2048, 0)
     own = 512 * 513 / 2
     assert later - first == pytest.approx(
         forward(weights + kv * (2048 + 512), linear * 512, own, 512 * 2048)
         - forward(weights + kv * 512, linear * 512, own), rel=1e-12)
     assert later > first * 1.05  # the 1B's 2,048-token prefix: a tenth of the chunk's FLOPs
     # two chunks: pairs and reads at the mean chunk and the mean prefix (as the decode rows' at the mean row)
-    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096, 0, 0)  # chunks of 500 padded to 512
+    two = profile_seconds(coef, SIZES, 0, 0, 0, 2, 1024, 0, 0, 4096, 0)  # chunks of 500 padded to 512
     assert two - coef[PER_FORWARD] * 2 - coef[FIXED] == pytest.approx(
         forward(2 * weights + kv * (4096 + 1024), linear * 1024, 1024 * 513 / 2, 1024 * 2048)
         + 2 * coef[SAMPLER] * SIZES[4] * coef[S_PER_BYTE], rel=1e-12)
@@ -246,10 +251,11 @@ def test_the_random_path_comes_from_the_samplers_own_time():
     random token (3% scatter), gives the random path's term back within 2%. Steps whose sampler was not timed (the
     sim's records) or with no random row leave it to the roofline (None)."""
     rng = np.random.default_rng(3)
-    x = design(rng, 2000, 256, 8, 4096)
+    x, verified = design_verified(rng, 2000, 256, 8, 4096)
     logit = SIZES[4] * prior_coefficients("H100", GpuCosts())[S_PER_BYTE]
-    sample = (8e-6 + 0.8e-6 * (x[:, 9] + x[:, 3]) + 1.0 * logit * x[:, 5]) * np.exp(rng.normal(0, 0.03, len(x)))
-    value, quality = fit_random_path(pd.DataFrame({"sample_s": sample}), x, logit)
+    sample = (8e-6 + 0.8e-6 * (verified + x[:, 3]) + 1.0 * logit * x[:, 5]) * np.exp(rng.normal(0, 0.03, len(x)))
+    steps = pd.DataFrame({"sample_s": sample, "decode_tokens": verified})
+    value, quality = fit_random_path(steps, x, logit)
     assert value == pytest.approx(1.0, rel=0.02)
     assert quality["random_steps"] == (x[:, 5] > 0).sum() and quality["median_rel_error"] < 0.03
     assert fit_random_path(pd.DataFrame({"sample_s": np.full(len(x), np.nan)}), x, logit) is None
@@ -392,9 +398,9 @@ def test_a_profile_carries_over_to_a_part_of_its_chip_design(profiles, tmp_path)
     ratio = profile.work_ratio(np.array(h100.coef), np.array(h200.coef), model_config("tiny"))
     assert 3350 / 4800 < ratio < 1
     one_step = profile.profile_seconds(np.array(h200.coef), shape_sizes(model_config("tiny")), 16, 80, 16 * 512,
-                                       0, 0, 0, 0, 0, 512, 80)
+                                       0, 0, 0, 0, 0, 512)
     assert one_step < profile.profile_seconds(np.array(h100.coef), shape_sizes(model_config("tiny")), 16, 80,
-                                              16 * 512, 0, 0, 0, 0, 0, 512, 80)
+                                              16 * 512, 0, 0, 0, 0, 0, 512)
     for depth, (lead, tail) in h100.overlap.items():
         assert h200.overlap[depth] == (lead, pytest.approx(tail * ratio, rel=1e-9))
     sc = scenario_from_dict(TINY, {"engine.gpu": "H200", "workload.concurrency": 1})
