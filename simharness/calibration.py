@@ -34,7 +34,7 @@ from simharness.costmodel import GPUS
 from simharness.engine.buckets import prefill_bucket
 from simharness.jit import loaded_digest
 from simharness.levels import LEVELS
-from simharness.modes import OUTPUT_READBACK
+from simharness.modes import OUTPUT_READBACK, resolve_mode
 from simharness.overrides import parse_value
 from simharness.pointfiles import finished_rows, read_points
 from simharness.policy import scheduled_k
@@ -229,13 +229,13 @@ def point_steps(steps: pd.DataFrame, requests: pd.DataFrame, emissions: pd.DataF
     out["ngram_gpu_context"] = ngram_gpu * out["decode_context"]
     out["prefill_context"], out["prefill_padded"] = prefill_chunks(s, requests)
     # what the device computes (a profile's features): 1 + k tokens a row over the graph's bucket of rows, whatever
-    # the drafts verified (`model_backend._run_step`); a k schedule's k at the step's requests
-    spec = sc.engine.speculation
-    if spec.k_schedule and spec.k:
-        schedule = tuple(sorted(spec.k_schedule.items()))
-        out["width"] = [1 + scheduled_k(schedule, int(n)) for n in s["n_reqs"]]
+    # the drafts verified (`model_backend._run_step`); the point's k as the engine resolves it (`modes.resolve_mode`:
+    # none without a proposer), a k schedule's k at the step's requests (the engine reads the batch it can hold)
+    mode = resolve_mode(sc)
+    if mode.k_schedule:
+        out["width"] = [1 + scheduled_k(mode.k_schedule, int(n)) for n in s["n_reqs"]]
     else:
-        out["width"] = 1 + spec.k
+        out["width"] = 1 + mode.k
     out["device_rows"] = [graph_rows(int(r)) for r in decode_rows]
     out["device_tokens"] = out["device_rows"] * out["width"]
     # a profile's overlap model (simharness.profile_fit): the device window, the launch, the sampling mix, depth

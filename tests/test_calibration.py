@@ -315,3 +315,22 @@ def test_a_point_whose_swept_value_is_null_is_read_back_from_its_summary_row():
         point = point_scenario(sc, row)
         assert point.engine.host_slowdown == (None if slowdown != slowdown else 1.2)
         assert point.workload.concurrency == int(concurrency)
+
+
+def test_the_steps_carry_what_the_device_computes(sim_run, tmp_path):
+    """A profile's features: each decode step at its graph's bucket of rows and the fixed width 1 + k, whatever its
+    drafts verified (k as the engine resolves it: none without a proposer), and the longest row's context."""
+    from simharness.profile import graph_rows
+
+    steps = load_fit_data([as_measured(shutil.copytree(sim_run, tmp_path / "run"))]).steps
+    decode = steps[steps["decode_rows"] > 0]
+    assert (decode["width"] == 5).all()  # k = 4, `fill`
+    assert (decode["device_rows"] == [graph_rows(int(r)) for r in decode["decode_rows"]]).all()
+    assert (decode["device_tokens"] == decode["device_rows"] * 5).all()
+    assert (decode["decode_tokens"] <= decode["device_tokens"]).all()
+    per_row = decode["decode_context"] / decode["decode_rows"]
+    assert (decode["max_context"] >= per_row - 1e-9).all() and (decode["max_context"] > per_row).any()
+    no_proposer = {**SIM, "engine": {**SIM["engine"], "speculation": {"proposer": "none", "k": 4}},
+                   "sweep": {"workload.concurrency": [4]}}
+    run_dir = simharness.run(simharness.scenario_from_dict(no_proposer), out=tmp_path / "none").run_dir
+    assert (load_fit_data([as_measured(run_dir)]).steps["width"] == 1).all()
