@@ -13,24 +13,21 @@ import time
 
 import torch
 
+from simharness.engine.model import capture_graph
+
 
 def make_graph(layers: int, x0: torch.Tensor, w: torch.Tensor) -> torch.cuda.CUDAGraph:
-    """`layers` x (GEMM, relu, scale) captured as one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up on a side stream, as graph capture wants
+    """`layers` x (GEMM, relu, scale) captured as one graph (`engine.model.capture_graph`)."""
+
+    def chain() -> torch.Tensor:
         y = x0
         for _ in range(layers):
             y = torch.relu(y @ w) * 0.01
-    torch.cuda.current_stream().wait_stream(s)
+        return y
+
+    graph = capture_graph(chain, x0.device)[0]
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = x0
-        for _ in range(layers):
-            y = torch.relu(y @ w) * 0.01
-    torch.cuda.synchronize()
-    return g
+    return graph
 
 
 def once(fn, busy: bool) -> tuple[float, float]:

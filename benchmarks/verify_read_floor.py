@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from sampler_read_floor import triton_read  # noqa: E402 (benchmarks/ is the script's directory)
 
 from simharness.bench import measure_copy_bandwidth, time_rounds
+from simharness.engine.model import capture_graph
 from simharness.models import model_config
 
 ROUNDS, REPEATS, BLOCK, WARPS = 3, 25, 1024, 1
@@ -41,18 +42,8 @@ def matrices(model: str) -> list[tuple[int, int]]:
 
 
 def graphed(calls: list) -> torch.cuda.CUDAGraph:
-    """The calls captured as one CUDA graph (after a warm-up on a side stream, as capture requires)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph
+    """The calls, in order, captured as one CUDA graph (`engine.model.capture_graph`)."""
+    return capture_graph(lambda: [call() for call in calls], torch.device("cuda"))[0]
 
 
 def main() -> None:

@@ -212,6 +212,29 @@ PREFILL_PAD = 255
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def capture_graph(forward: Callable[[], object], device: torch.device | str,
+                  pool: object = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`forward` captured as a CUDA graph (into `pool`, a graph pool handle, or a pool of its own), and its output;
+    warmed up first on a side stream (kernel compilation, cuBLAS handles), as capture requires."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # No cyclic garbage collection while capturing: collecting there may free another graph's CUDA objects
+    # (graphs, events), which invalidates the capture.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = forward()
+    finally:
+        if collecting:
+            gc.enable()
+    return graph, output
+
+
 class Transformer(nn.Module):
     """Llama-family model with a static KV cache of `max_slots` slots x `max_len` positions.
 
@@ -394,24 +417,8 @@ class Transformer(nn.Module):
 
     def capture(self, forward: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         """`forward` captured into the model's graph pool (which the decode loop's step graphs share), and its
-        output; warmed up first on a side stream (kernel compilation, cuBLAS handles), as capture requires."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            forward()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # No cyclic garbage collection while capturing: collecting there may free another graph's CUDA objects
-        # (graphs, events), which invalidates the capture.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                output = forward()
-        finally:
-            if collecting:
-                gc.enable()
-        return graph, output
+        output (`capture_graph`)."""
+        return capture_graph(forward, self.device, self._graph_pool)
 
     def verify(self, tokens: Tensor, slots: Tensor, start_pos: Tensor) -> Tensor:
         """Logits [B, T, V] (fp32) for `tokens [B, T]` at positions start_pos..start_pos+T-1 of `slots`.
