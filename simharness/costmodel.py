@@ -22,7 +22,7 @@ from simharness.costfile import DEVICE_FEATURES, NGRAM_GPU_FEATURES, load_calibr
 from simharness.jit import njit
 from simharness.levels import LEVELS
 from simharness.models import GPUS, ModelConfig, gpu_spec, model_config
-from simharness.profile import PROPOSER
+from simharness.profile import PROPOSER, shape_sizes
 from simharness.profile import resolve as resolve_profile
 from simharness.scenario import Engine, GpuCosts, HostCosts
 
@@ -82,9 +82,9 @@ class CostModel:
             + (g.correction_us * 1e-6 if self.correction else 0.0)
         )
         # the roofline's coefficients, read by the compiled step (`gpu_seconds`): the shape's sizes, then rates
+        # (integers: sizes times token counts stay exact, below)
         s = self.shape
-        self.sizes = np.array([s.weight_bytes, s.kv_bytes_per_token, s.linear_flops_per_token, s.attn_flops_per_pair,
-                               s.vocab_size * 4, s.n_layers, s.n_kv_heads], dtype=np.int64)  # `profile.shape_sizes`
+        self.sizes = shape_sizes(s).astype(np.int64)
         ngram_s_per_token = g.ngram_gpu_per_token_ns * 1e-9 if self.ngram_gpu else 0.0
         # a random row's sampler work beyond a greedy row's, per verified token
         random_s_per_token = (g.sampler_random_factor - 1.0) * s.vocab_size * 4 * self.sec_per_byte
